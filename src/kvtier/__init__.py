@@ -1,0 +1,54 @@
+"""kvtier: a tiered KV cache for LLM inference engines.
+
+The public API is re-exported here; everything else is private. Heavy submodules are imported
+lazily so that ``import kvtier`` stays cheap and never needs optional packages.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kvtier.keys import BlockKey, Namespace, RequestContext, chain_keys
+
+if TYPE_CHECKING:
+    from kvtier.backends import Backend, open_backend
+    from kvtier.lookup import AsyncLookupManager, LookupPhase, LookupStats
+    from kvtier.manager import LookupResult, TieringManager, open_manager
+
+__version__ = "0.1.0"
+
+_LAZY: dict[str, str] = {
+    "AsyncLookupManager": "kvtier.lookup",
+    "LookupPhase": "kvtier.lookup",
+    "LookupStats": "kvtier.lookup",
+    "Backend": "kvtier.backends",
+    "open_backend": "kvtier.backends",
+    "TieringManager": "kvtier.manager",
+    "LookupResult": "kvtier.manager",
+    "open_manager": "kvtier.manager",
+}
+
+__all__ = [
+    "AsyncLookupManager",
+    "Backend",
+    "BlockKey",
+    "LookupPhase",
+    "LookupResult",
+    "LookupStats",
+    "Namespace",
+    "RequestContext",
+    "TieringManager",
+    "chain_keys",
+    "open_backend",
+    "open_manager",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
