@@ -133,10 +133,15 @@ def _tokens_as_int64(token_ids: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray
     if array.size == 0:
         return np.empty(0, dtype=np.int64)
     if array.dtype.kind not in "iu":
+        items = array.tolist()
         bad = next(
-            (t for t in array.tolist() if not isinstance(t, int) or isinstance(t, bool)),
-            array[0],
+            (t for t in items if not isinstance(t, int) or isinstance(t, bool)),
+            None,
         )
+        if bad is None:
+            # Every item is a Python int, but numpy could not fit them in 64 bits.
+            out_of_range = next(t for t in items if not 0 <= t <= _MAX_TOKEN_ID)
+            raise ValueError(f"token_ids must be in [0, 2**63), found {out_of_range}")
         raise TypeError(
             f"token_ids must contain only ints, found {type(bad).__name__} {bad!r} "
             f"(array dtype {array.dtype})"

@@ -1,0 +1,425 @@
+"""Backend throughput against the machine's own limit, measured in the same run.
+
+    .venv/bin/python benchmarks/backend_throughput.py                      # memory, file, redis
+    .venv/bin/python benchmarks/backend_throughput.py --backends file --sizes 1MiB --total 256MiB
+
+For every backend and block size: put and get GB/s; for every batch size: ``exists`` keys/s.
+Each number sits next to a baseline measured in the same run, interleaved round by round
+(median of ``--rounds``), because these machines are noisy:
+
+- memory: a numpy copy of the same bytes (memory bandwidth); ``exists``: dict membership.
+- file:   raw ``open/write/close`` (put) and ``open/readv/close`` (get) of the same bytes, one
+          file per block; ``exists``: ``os.stat``.
+- redis:  raw redis-py pipelined SET / GET of the same bytes, same batch size; ``exists``: a raw
+          pipelined EXISTS per key. The benchmark starts its own private valkey server.
+
+Targets (issue 3): file and redis put/get >= 80% of raw; redis ``exists`` >= 80% of raw.
+This module owns no shared state; everything runs on the main thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.backends import Backend, open_backend, parse_size_option
+from kvtier.keys import Namespace
+
+_TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
+TARGETS = {"file": 0.80, "redis": 0.80}
+EXISTS_TARGETS = {"redis": 0.80}
+
+
+@dataclass(slots=True)
+class Row:
+    backend: str
+    operation: str
+    shape: str
+    unit: str
+    value: float
+    baseline_name: str
+    baseline: float
+    target: float | None
+
+    ratio: float  # median over rounds of the paired (same-round) ratio: robust to drift
+
+
+def _keys(count: int, tag: str) -> list[bytes]:
+    """Fresh 16-byte content-hash-like keys (they spread over the file fan-out like real ones)."""
+    salt = uuid.uuid4().bytes + tag.encode()
+    return [
+        hashlib.blake2b(salt + i.to_bytes(8, "little"), digest_size=16).digest()
+        for i in range(count)
+    ]
+
+
+def _timed(action: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+def _batches(items: Sequence[Any], batch: int) -> Iterator[Sequence[Any]]:
+    for index in range(0, len(items), batch):
+        yield items[index : index + batch]
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+class MemoryBaseline:
+    """What any in-memory store must do: keep a private copy, copy it out again."""
+
+    name = "copy in/out"
+    exists_name = "dict lookup"
+
+    def __init__(self) -> None:
+        self._table: dict[bytes, np.ndarray[Any, Any]] = {}
+
+    def put(self, keys: Sequence[bytes], payload: np.ndarray[Any, Any], batch: int) -> None:
+        for key in keys:
+            self._table[key] = payload.copy()
+
+    def get(self, keys: Sequence[bytes], out: np.ndarray[Any, Any], batch: int) -> None:
+        for key in keys:
+            np.copyto(out, self._table[key])
+
+    def exists(self, keys: Sequence[bytes]) -> None:
+        table = self._table
+        _ = [key in table for key in keys]
+
+    def cleanup(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._table.pop(key, None)
+
+
+class FileBaseline:
+    """Raw per-block files in the same two-level fan-out layout as the file backend."""
+
+    name = "raw write/read"
+    exists_name = "os.stat"
+
+    def __init__(self, directory: Path) -> None:
+        self._dir = directory
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: bytes) -> str:
+        name = key.hex()
+        return os.path.join(self._dir, name[0:2], name[2:4], name)
+
+    def put(self, keys: Sequence[bytes], payload: np.ndarray[Any, Any], batch: int) -> None:
+        view = payload.data
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        for key in keys:
+            path = self._path(key)
+            try:
+                fd = os.open(path, flags, 0o600)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(path, flags, 0o600)
+            os.write(fd, view)
+            os.close(fd)
+
+    def get(self, keys: Sequence[bytes], out: np.ndarray[Any, Any], batch: int) -> None:
+        view = out.data
+        for key in keys:
+            fd = os.open(self._path(key), os.O_RDONLY)
+            os.readv(fd, [view])
+            os.close(fd)
+
+    def exists(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            with suppress(FileNotFoundError):
+                os.stat(self._path(key))
+
+    def cleanup(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            os.unlink(self._path(key))
+
+
+class RedisBaseline:
+    name = "redis-py SET/GET"
+    exists_name = "pipelined EXISTS"
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def put(self, keys: Sequence[bytes], payload: np.ndarray[Any, Any], batch: int) -> None:
+        value = payload.data
+        for chunk in _batches(keys, batch):
+            pipe = self._client.pipeline(transaction=False)
+            for key in chunk:
+                pipe.set(b"raw:" + key, value)
+            pipe.execute()
+
+    def get(self, keys: Sequence[bytes], out: np.ndarray[Any, Any], batch: int) -> None:
+        for chunk in _batches(keys, batch):
+            pipe = self._client.pipeline(transaction=False)
+            for key in chunk:
+                pipe.get(b"raw:" + key)
+            pipe.execute()
+
+    def exists(self, keys: Sequence[bytes]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(b"raw:" + key)
+        pipe.execute()
+
+    def cleanup(self, keys: Sequence[bytes]) -> None:
+        for chunk in _batches(keys, 1000):
+            self._client.delete(*[b"raw:" + key for key in chunk])
+
+
+# --------------------------------------------------------------------------- harness
+
+
+@dataclass(slots=True)
+class Subject:
+    kind: str
+    backend: Backend
+    baseline: Any
+
+
+def _bench_transfer(subject: Subject, size: int, total: int, rounds: int, batch: int) -> list[Row]:
+    count = max(16, total // size)
+    payload = np.frombuffer(os.urandom(size), dtype=np.uint8).copy()
+    out = np.empty(size, dtype=np.uint8)
+    payload_view = payload.data
+    out_views = [out.data] * batch
+    put_times: dict[str, list[float]] = {"backend": [], "baseline": []}
+    get_times: dict[str, list[float]] = {"backend": [], "baseline": []}
+    backend = subject.backend
+    for _round in range(rounds):
+        keys = _keys(count, "xfer")
+        raw_keys = _keys(count, "raw")
+
+        def backend_put(keys: list[bytes] = keys) -> None:
+            for chunk in _batches(keys, batch):
+                answers = backend.put_many(chunk, [payload_view] * len(chunk))
+                if not all(answers):
+                    raise RuntimeError(f"{subject.kind}: put_many failed: {answers}")
+
+        def backend_get(keys: list[bytes] = keys) -> None:
+            for chunk in _batches(keys, batch):
+                answers = backend.get_many(chunk, out_views[: len(chunk)])
+                if not all(answers):
+                    raise RuntimeError(f"{subject.kind}: get_many missed: {answers}")
+
+        def baseline_put(raw_keys: list[bytes] = raw_keys) -> None:
+            subject.baseline.put(raw_keys, payload, batch)
+
+        def baseline_get(raw_keys: list[bytes] = raw_keys) -> None:
+            subject.baseline.get(raw_keys, out, batch)
+
+        # Alternate who goes first, and flush dirty pages between phases, so that neither side
+        # pays for the other's writeback.
+        pairs = [("baseline", baseline_put, baseline_get), ("backend", backend_put, backend_get)]
+        if _round % 2:
+            pairs.reverse()
+        for side, put, _get in pairs:
+            os.sync()
+            put_times[side].append(_timed(put))
+        os.sync()
+        for side, _put, get in pairs:
+            get_times[side].append(_timed(get))
+        if not np.array_equal(out, payload):
+            raise RuntimeError(f"{subject.kind}: read back different bytes")
+        subject.baseline.cleanup(raw_keys)
+        for chunk in _batches(keys, 1000):
+            backend.delete(chunk)
+    volume = count * size / 1e9
+    rows = []
+    for operation, times in (("put", put_times), ("get", get_times)):
+        paired = [
+            base / ours for base, ours in zip(times["baseline"], times["backend"], strict=True)
+        ]
+        rows.append(
+            Row(
+                subject.kind,
+                operation,
+                _human(size),
+                "GB/s",
+                volume / statistics.median(times["backend"]),
+                subject.baseline.name,
+                volume / statistics.median(times["baseline"]),
+                TARGETS.get(subject.kind),
+                statistics.median(paired),
+            )
+        )
+    return rows
+
+
+def _bench_exists(subject: Subject, batch: int, total_keys: int, rounds: int) -> Row:
+    keys = _keys(max(batch, 256), "exists")
+    payload = np.zeros(64, dtype=np.uint8)
+    subject.backend.put_many(keys, [payload.data] * len(keys))
+    subject.baseline.put(keys, payload, 256)
+    calls = max(1, total_keys // batch)
+    chunks = [keys[(i * batch) % len(keys) :][:batch] for i in range(calls)]
+    chunks = [chunk if len(chunk) == batch else keys[:batch] for chunk in chunks]
+    backend_times, baseline_times = [], []
+    for _round in range(rounds):
+
+        def run_baseline() -> None:
+            for chunk in chunks:
+                subject.baseline.exists(chunk)
+
+        def run_backend() -> None:
+            for chunk in chunks:
+                subject.backend.exists(chunk)
+
+        if _round % 2:
+            backend_times.append(_timed(run_backend))
+            baseline_times.append(_timed(run_baseline))
+        else:
+            baseline_times.append(_timed(run_baseline))
+            backend_times.append(_timed(run_backend))
+    subject.backend.delete(keys)
+    subject.baseline.cleanup(keys)
+    done = calls * batch
+    return Row(
+        subject.kind,
+        "exists",
+        f"batch {batch}",
+        "keys/s",
+        done / statistics.median(backend_times),
+        subject.baseline.exists_name,
+        done / statistics.median(baseline_times),
+        EXISTS_TARGETS.get(subject.kind),
+        statistics.median(
+            base / ours for base, ours in zip(baseline_times, backend_times, strict=True)
+        ),
+    )
+
+
+def _human(size: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}"
+    return f"{size} B"
+
+
+@contextmanager
+def _subjects(kinds: Sequence[str], workdir: Path) -> Iterator[list[Subject]]:
+    namespace = Namespace(model=f"bench-{uuid.uuid4().hex}")
+    subjects: list[Subject] = []
+    server: Any = None
+    client: Any = None
+    try:
+        for kind in kinds:
+            if kind == "memory":
+                subjects.append(
+                    Subject(kind, open_backend("memory://", namespace), MemoryBaseline())
+                )
+            elif kind == "file":
+                backend = open_backend(f"file://{workdir / 'tier'}", namespace)
+                subjects.append(Subject(kind, backend, FileBaseline(workdir / "raw")))
+            elif kind == "redis":
+                # The test suite's private-server helper: loopback, free port, no persistence.
+                sys.path.insert(0, str(_TESTS_DIR))
+                valkey = importlib.import_module("servers.valkey")
+                server = valkey.ValkeyServer()
+                server.start()
+                client = server.client()
+                subjects.append(
+                    Subject(kind, open_backend(server.url, namespace), RedisBaseline(client))
+                )
+            else:
+                raise SystemExit(f"unknown backend {kind!r}; expected memory, file or redis")
+        yield subjects
+    finally:
+        for subject in subjects:
+            subject.backend.close()
+        if client is not None:
+            client.close()
+        if server is not None:
+            server.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", default="memory,file,redis", help="comma-separated kinds")
+    parser.add_argument("--sizes", default="64KiB,256KiB,1MiB", help="block sizes")
+    parser.add_argument("--total", default="64MiB", help="bytes moved per size, op and round")
+    parser.add_argument("--batch", type=int, default=16, help="blocks per put_many/get_many")
+    parser.add_argument("--exists-batches", default="1,16,256")
+    parser.add_argument("--exists-keys", type=int, default=20000, help="keys probed per round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--dir", default=None, help="scratch directory for the file backend")
+    args = parser.parse_args(argv)
+
+    kinds = [kind.strip() for kind in args.backends.split(",") if kind.strip()]
+    sizes = [parse_size_option("--sizes", size.strip()) for size in args.sizes.split(",")]
+    total = parse_size_option("--total", args.total)
+    exists_batches = [int(batch) for batch in args.exists_batches.split(",")]
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.dir))
+    console = Console(width=150)
+    rows: list[Row] = []
+    started = time.perf_counter()
+    try:
+        with _subjects(kinds, workdir) as subjects:
+            for subject in subjects:
+                for size in sizes:
+                    console.log(f"{subject.kind}: put/get {_human(size)}")
+                    rows.extend(_bench_transfer(subject, size, total, args.rounds, args.batch))
+                for batch in exists_batches:
+                    console.log(f"{subject.kind}: exists batch {batch}")
+                    rows.append(_bench_exists(subject, batch, args.exists_keys, args.rounds))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    table = Table(title=f"kvtier backend throughput ({time.perf_counter() - started:.0f} s)")
+    for column in (
+        "backend",
+        "op",
+        "block / batch",
+        "kvtier",
+        "baseline",
+        "raw",
+        "ratio",
+        "target",
+    ):
+        table.add_column(
+            column, justify="right" if column in ("kvtier", "raw", "ratio") else "left"
+        )
+    failed = 0
+    for row in rows:
+        verdict = ""
+        if row.target is not None:
+            ok = row.ratio >= row.target
+            failed += not ok
+            verdict = f"{'[green]ok' if ok else '[red]MISS'} (>= {row.target:.0%})"
+        fmt = "{:,.0f}" if row.unit == "keys/s" else "{:.2f}"
+        table.add_row(
+            row.backend,
+            row.operation,
+            row.shape,
+            f"{fmt.format(row.value)} {row.unit}",
+            row.baseline_name,
+            f"{fmt.format(row.baseline)} {row.unit}",
+            f"{row.ratio:.0%}",
+            verdict,
+        )
+    console.print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,739 @@
+"""Redis / Valkey backend: standalone (``redis://``), TLS (``rediss://``) and Redis Cluster
+(``redis+cluster://``, ``rediss+cluster://``), on redis-py with hiredis.
+
+State and owners (the backend is used from any thread at once):
+
+- the redis-py client and its connection pool(s): redis-py's own locking makes them thread-safe;
+  every batch call builds its own pipeline and never shares it.
+- ``RedisBackend._cluster_client``: built lazily (the seed node may be down at open time) by
+  whichever thread first needs it, under ``_client_lock``.
+- counters (:class:`BackendStats`), the rate-limited error log and the open/closed
+  :class:`Lifecycle`: each guarded by its own lock.
+
+Storage layout: one string per block, named ``kvtier:<namespace digest hex>:<key hex>``, holding
+the codec frame (header + payload). There is no hash tag in the name on purpose: a tag around the
+namespace would pin every block of a model into one Cluster slot (one node); without it blocks
+spread over all slots.
+
+Round trips: ``exists``, ``put_many`` (``SET NX [PX]``), ``get_many`` (``GET`` or ``GETEX PX``)
+and ``delete`` (``UNLINK``) each send one pipeline. On a Cluster redis-py writes the per-node
+pipelines to all nodes before reading any reply, so a batch still costs one network round trip
+of latency. ``get_many`` adds a second round trip only when it found corrupt objects to delete.
+
+Large values are sent without an extra copy on plain TCP: the frame header and the caller's
+payload go to the socket as separate chunks of one RESP bulk string (see :class:`_FramePacker`),
+so the payload is read straight from the caller's buffer. Over TLS the encryption copies anyway;
+stock redis-py connections are used and the frame is built with one copy.
+
+Failures: a lost connection, a dead server or a per-key error reply answers False for the
+affected keys, counts ``errors`` and logs (rate-limited); it never raises. Connections use short
+timeouts and one immediate retry on a connection error (so the first call after a server restart
+reconnects and succeeds); a broken connection is dropped by redis-py, never returned to the pool
+half-read. A wrong password or unknown ACL user is a configuration error and raises
+``ValueError`` when the backend is opened (if the server is reachable then; otherwise later calls
+answer False and count errors).
+
+``ttl_s`` gives every stored block an expiry; reads of a live block (``GETEX``) push the expiry
+forward, so the TTL bounds idle time, not age.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import redis
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvtier import codec
+from kvtier.backends.base import (
+    BackendStats,
+    Buffer,
+    Lifecycle,
+    RateLimitedLog,
+    check_get_args,
+    check_keys,
+    check_put_args,
+    parse_bool_option,
+    parse_float_option,
+    parse_int_option,
+    reject_unknown_options,
+)
+from kvtier.keys import BlockKey, Namespace
+
+__all__ = ["RedisBackend", "RedisConfig", "RedisTopology", "from_url"]
+
+_log = logging.getLogger(__name__)
+
+_OPTIONS: Final = (
+    "username",
+    "password",
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_check_hostname",
+    "ttl_s",
+    "socket_timeout_s",
+    "connect_timeout_s",
+    "max_connections",
+)
+_TLS_OPTIONS: Final = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
+_SCHEMES: Final = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+_DEFAULT_PORT: Final = 6379
+_DEFAULT_SOCKET_TIMEOUT_S: Final = 5.0
+_DEFAULT_CONNECT_TIMEOUT_S: Final = 2.0
+_KEY_PREFIX: Final = b"kvtier:"
+_SEPARATE_CHUNK_BYTES: Final = 16 * 1024
+
+# The I/O errors a batch call turns into False answers. RedisClusterException is not a
+# RedisError subclass (e.g. "no node reachable for slot"), hence listed on its own.
+_IO_ERRORS: Final = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
+
+
+class RedisTopology(enum.Enum):
+    STANDALONE = "standalone"
+    CLUSTER = "cluster"
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    """Everything parsed from the URL and options; validated by :func:`parse_redis_url`."""
+
+    topology: RedisTopology
+    tls: bool
+    host: str
+    port: int
+    db: int
+    username: str | None
+    password: str | None
+    ssl_ca_certs: str | None
+    ssl_certfile: str | None
+    ssl_keyfile: str | None
+    ssl_check_hostname: bool
+    ttl_ms: int | None
+    socket_timeout_s: float
+    connect_timeout_s: float
+    max_connections: int | None
+
+    @property
+    def url(self) -> str:
+        """The URL with credentials redacted (the password never appears)."""
+        scheme = ("rediss" if self.tls else "redis") + (
+            "+cluster" if self.topology is RedisTopology.CLUSTER else ""
+        )
+        user = ""
+        if self.username is not None or self.password is not None:
+            user = urllib.parse.quote(self.username or "", safe="")
+            user += ":***@" if self.password is not None else "@"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        db = f"/{self.db}" if self.topology is RedisTopology.STANDALONE else ""
+        return f"{scheme}://{user}{host}:{self.port}{db}"
+
+
+# --------------------------------------------------------------------------- URL parsing
+
+
+def _redacted(url: str) -> str:
+    from kvtier.backends import redact_url
+
+    return redact_url(url)
+
+
+def parse_redis_url(url: str, options: dict[str, Any]) -> RedisConfig:
+    """Parse and validate a redis URL plus options; ``ValueError`` names the bad part."""
+    from kvtier.backends import split_url_options
+
+    shown = _redacted(url)
+    try:
+        parts, merged = split_url_options(url, options)
+    except ValueError as exc:
+        raise ValueError(f"redis backend URL {shown!r}: {exc}") from None
+    scheme = parts.scheme.lower()
+    if scheme not in _SCHEMES:
+        raise ValueError(
+            f"redis backend URL {shown!r}: scheme {scheme + '://'!r} is not one of "
+            f"{[s + '://' for s in _SCHEMES]}"
+        )
+    if parts.fragment:
+        raise ValueError(f"redis backend URL {shown!r}: unexpected fragment '#...'")
+    reject_unknown_options(scheme, merged, _OPTIONS)
+    topology = RedisTopology.CLUSTER if scheme.endswith("+cluster") else RedisTopology.STANDALONE
+    tls = scheme.startswith("rediss")
+
+    host = parts.hostname
+    if not host:
+        raise ValueError(
+            f"redis backend URL {shown!r}: missing host; expected {scheme}://HOST:PORT"
+        )
+    try:
+        port = parts.port
+    except ValueError:
+        raw_port = parts.netloc.rpartition(":")[2]
+        raise ValueError(
+            f"redis backend URL {shown!r}: bad port {raw_port!r}; expected an integer 1..65535"
+        ) from None
+    if port is None:
+        port = _DEFAULT_PORT
+    if not 1 <= port <= 65535:
+        raise ValueError(f"redis backend URL {shown!r}: bad port {port}; expected 1..65535")
+
+    db = _parse_db(parts.path, topology, shown)
+
+    username = _url_or_option("username", parts.username, merged, shown)
+    password = _url_or_option("password", parts.password, merged, shown)
+
+    tls_given = [name for name in _TLS_OPTIONS if name in merged]
+    if tls_given and not tls:
+        raise ValueError(
+            f"redis backend URL {shown!r}: option(s) {tls_given} need TLS; use "
+            f"{'rediss+cluster' if topology is RedisTopology.CLUSTER else 'rediss'}://"
+        )
+    ssl_files: dict[str, str | None] = {}
+    for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+        value = merged.get(name)
+        if value is not None:
+            if not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"option {name}={value!r}: expected a file path")
+            path = os.fspath(value)
+            if not os.path.isfile(path):
+                raise ValueError(f"option {name}={path!r}: no such file")
+            value = path
+        ssl_files[name] = value
+    if (ssl_files["ssl_certfile"] is None) != (ssl_files["ssl_keyfile"] is None):
+        raise ValueError(
+            "options ssl_certfile and ssl_keyfile go together (client certificate and its key)"
+        )
+
+    ttl_ms: int | None = None
+    if merged.get("ttl_s") is not None:
+        ttl_s = parse_float_option("ttl_s", merged["ttl_s"], minimum=0.0)
+        ttl_ms = round(ttl_s * 1000)
+        if ttl_ms < 1:
+            raise ValueError(
+                f"option ttl_s={merged['ttl_s']!r}: must be >= 0.001 seconds (omit it for no "
+                "expiry)"
+            )
+    max_connections = (
+        None
+        if merged.get("max_connections") is None
+        else parse_int_option("max_connections", merged["max_connections"], minimum=1)
+    )
+    if max_connections is not None and topology is RedisTopology.CLUSTER:
+        # A cluster pipeline holds one connection per node at once; bounded per-node pools let
+        # two threads deadlock on each other's nodes until the pool timeout.
+        raise ValueError(
+            f"redis backend URL {shown!r}: option max_connections is only supported for "
+            "standalone servers, not redis+cluster://"
+        )
+    return RedisConfig(
+        topology=topology,
+        tls=tls,
+        host=host,
+        port=port,
+        db=db,
+        username=username,
+        password=password,
+        ssl_ca_certs=ssl_files["ssl_ca_certs"],
+        ssl_certfile=ssl_files["ssl_certfile"],
+        ssl_keyfile=ssl_files["ssl_keyfile"],
+        ssl_check_hostname=parse_bool_option(
+            "ssl_check_hostname", merged.get("ssl_check_hostname", True)
+        ),
+        ttl_ms=ttl_ms,
+        socket_timeout_s=_positive_seconds(merged, "socket_timeout_s", _DEFAULT_SOCKET_TIMEOUT_S),
+        connect_timeout_s=_positive_seconds(
+            merged, "connect_timeout_s", _DEFAULT_CONNECT_TIMEOUT_S
+        ),
+        max_connections=max_connections,
+    )
+
+
+def _parse_db(path: str, topology: RedisTopology, shown: str) -> int:
+    text = path.strip("/")
+    if topology is RedisTopology.CLUSTER:
+        if text not in ("", "0"):
+            raise ValueError(
+                f"redis backend URL {shown!r}: bad db {text!r}; Redis Cluster has only db 0 "
+                "(omit the path)"
+            )
+        return 0
+    if text == "":
+        return 0
+    if not text.isdigit() or not text.isascii():
+        raise ValueError(
+            f"redis backend URL {shown!r}: bad db {text!r}; expected a non-negative integer "
+            "path such as /0"
+        )
+    return int(text)
+
+
+def _url_or_option(
+    name: str, from_url: str | None, merged: dict[str, Any], shown: str
+) -> str | None:
+    option = merged.get(name)
+    if option is not None and not isinstance(option, str):
+        raise ValueError(f"option {name}: expected a string, got {type(option).__name__}")
+    if from_url is not None and from_url != "":
+        if option is not None:
+            raise ValueError(
+                f"redis backend URL {shown!r}: {name} is given both in the URL and as an option"
+            )
+        return urllib.parse.unquote(from_url)
+    return option
+
+
+def _positive_seconds(merged: dict[str, Any], name: str, default: float) -> float:
+    value = parse_float_option(name, merged.get(name, default), minimum=0.0)
+    if value <= 0:
+        raise ValueError(f"option {name}={merged.get(name)!r}: must be > 0 seconds")
+    return value
+
+
+# --------------------------------------------------------------------------- zero-copy sending
+
+
+class _FramedValue:
+    """One RESP bulk string sent as two chunks: the frame header and the caller's payload."""
+
+    __slots__ = ("header", "payload")
+
+    def __init__(self, header: bytes, payload: memoryview) -> None:
+        self.header = header
+        self.payload = payload
+
+    def __len__(self) -> int:
+        return len(self.header) + self.payload.nbytes
+
+
+class _FramePacker:
+    """RESP command packer that never copies a large :class:`_FramedValue` payload.
+
+    redis-py's ``pack_commands`` keeps every ``memoryview`` chunk as its own ``sendall`` (no
+    join), so a large payload goes from the caller's buffer to the kernel. hiredis' packer would
+    copy each value twice (``bytes()`` and its output buffer); replies are still parsed by
+    hiredis. Payloads up to ``_SEPARATE_CHUNK_BYTES`` are joined into the command buffer instead:
+    copying a few KiB is cheaper than one more system call per block.
+    """
+
+    __slots__ = ("_encode",)
+
+    def __init__(self, encode: Any) -> None:
+        self._encode = encode
+
+    def pack(self, *args: Any) -> list[bytes | memoryview]:
+        if isinstance(args[0], str):
+            args = (*args[0].encode().split(), *args[1:])
+        elif b" " in args[0]:
+            args = (*args[0].split(), *args[1:])
+        output: list[bytes | memoryview] = []
+        pending: list[bytes] = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            if isinstance(arg, _FramedValue) and arg.payload.nbytes > _SEPARATE_CHUNK_BYTES:
+                pending += (b"$%d\r\n" % len(arg), arg.header)
+                output.append(b"".join(pending))
+                output.append(arg.payload)
+                pending = [b"\r\n"]
+            elif isinstance(arg, _FramedValue):
+                pending += (b"$%d\r\n" % len(arg), arg.header, arg.payload.tobytes(), b"\r\n")
+            else:
+                raw = self._encode(arg)
+                pending += (b"$%d\r\n" % len(raw), bytes(raw), b"\r\n")
+        output.append(b"".join(pending))
+        return output
+
+
+class _FrameConnection(redis.Connection):
+    """A plain TCP connection that packs commands with :class:`_FramePacker`."""
+
+    def _construct_command_packer(self, packer: Any) -> Any:
+        if packer is not None:
+            return packer
+        return _FramePacker(self.encoder.encode)
+
+
+def _frame_packer_works() -> bool:
+    """Whether this redis-py still builds its packer through the hook we override.
+
+    The hook is redis-py internals; should a future release drop it, frames fall back to one
+    contiguous buffer instead of failing every put.
+    """
+    probe = _FrameConnection()  # type: ignore[no-untyped-call]  # no socket opened yet
+    return isinstance(getattr(probe, "_command_packer", None), _FramePacker)
+
+
+_ZERO_COPY_SUPPORTED: Final = _frame_packer_works()
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+class RedisBackend:
+    """Blocks of one namespace in Redis / Valkey (see module docstring)."""
+
+    def __init__(self, namespace: Namespace, config: RedisConfig) -> None:
+        if not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+        if not isinstance(config, RedisConfig):
+            raise TypeError(f"config must be a RedisConfig, got {type(config).__name__}")
+        self._namespace = namespace
+        self._digest = namespace.digest
+        self._config = config
+        self._prefix = _KEY_PREFIX + namespace.digest_hex.encode() + b":"
+        self._zero_copy = _ZERO_COPY_SUPPORTED and not config.tls
+        self._stats = BackendStats(extra=("puts_existing", "size_mismatches"))
+        self._errors = RateLimitedLog(_log)
+        self._lifecycle = Lifecycle(f"redis backend {config.url}")
+        self._client_lock = threading.Lock()
+        self._standalone_client: redis.Redis | None = None
+        self._cluster_client: redis.cluster.RedisCluster | None = None
+        if config.topology is RedisTopology.STANDALONE:
+            self._standalone_client = redis.Redis(connection_pool=self._standalone_pool())
+            self._check_credentials()
+        else:
+            try:
+                self._connect_cluster()
+            except _IO_ERRORS as exc:
+                self._check_auth_error(exc)
+                self._count_error("open", 0, exc)
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _common_kwargs(self) -> dict[str, Any]:
+        config = self._config
+        kwargs: dict[str, Any] = {
+            "username": config.username,
+            "password": config.password,
+            "socket_timeout": config.socket_timeout_s,
+            "socket_connect_timeout": config.connect_timeout_s,
+            "max_connections": config.max_connections,
+        }
+        if config.tls:
+            kwargs.update(
+                ssl_ca_certs=config.ssl_ca_certs,
+                ssl_certfile=config.ssl_certfile,
+                ssl_keyfile=config.ssl_keyfile,
+                ssl_cert_reqs="required",
+                ssl_check_hostname=config.ssl_check_hostname,
+            )
+        return kwargs
+
+    def _standalone_pool(self) -> redis.ConnectionPool:
+        config = self._config
+        kwargs = self._common_kwargs()
+        pool_class: type[redis.ConnectionPool] = redis.ConnectionPool
+        if kwargs["max_connections"] is None:
+            del kwargs["max_connections"]
+        else:
+            # With a bound, callers wait for a free connection instead of failing.
+            pool_class = redis.BlockingConnectionPool
+            kwargs["timeout"] = config.socket_timeout_s
+        return pool_class(
+            connection_class=redis.SSLConnection if config.tls else _FrameConnection,
+            host=config.host,
+            port=config.port,
+            db=config.db,
+            # One immediate retry on a broken connection: the first call after a server restart
+            # finds a stale pooled socket, reconnects and succeeds. Timeouts are not retried, so
+            # a hung server costs at most one socket_timeout per call.
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+            **kwargs,
+        )
+
+    def _connect_cluster(self) -> redis.cluster.RedisCluster:
+        built = self._cluster_client
+        if built is not None:  # the hot path takes no lock
+            return built
+        with self._client_lock:
+            if self._cluster_client is None:
+                config = self._config
+                kwargs = self._common_kwargs()
+                if self._zero_copy:
+                    kwargs["connection_class"] = _FrameConnection
+                host = f"[{config.host}]" if ":" in config.host else config.host
+                # The seed goes in as a URL: only redis-py's URL path builds node pools from
+                # our kwargs, which is how the node connections get the zero-copy packer.
+                self._cluster_client = redis.cluster.RedisCluster(
+                    url=f"{'rediss' if config.tls else 'redis'}://{host}:{config.port}",
+                    retry=Retry(NoBackoff(), 1),
+                    **kwargs,
+                )
+            return self._cluster_client
+
+    def _check_credentials(self) -> None:
+        """Fail fast on a wrong password; a server that is down now is not an error."""
+        client = self._standalone_client
+        if client is None:
+            return
+        try:
+            client.ping()
+        except _IO_ERRORS as exc:
+            self._check_auth_error(exc)
+            self._count_error("open", 0, exc)
+
+    def _check_auth_error(self, exc: BaseException) -> None:
+        text = str(exc)
+        if isinstance(exc, (redis.AuthenticationError, redis.exceptions.AuthorizationError)) or any(
+            marker in text for marker in ("WRONGPASS", "NOAUTH", "invalid username-password")
+        ):
+            user = self._config.username or "default"
+            self._client_close()
+            raise ValueError(
+                f"redis backend {self._config.url}: authentication failed for user {user!r} "
+                f"({text}); check the username/password options"
+            ) from None
+
+    def _pipeline(self) -> Any:
+        if self._standalone_client is not None:
+            return self._standalone_client.pipeline(transaction=False)
+        return self._connect_cluster().pipeline()  # type: ignore[no-untyped-call]
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _name(self, key: BlockKey) -> bytes:
+        return self._prefix + key.hex().encode()
+
+    def _count_error(self, operation: str, keys: int, exc: BaseException) -> None:
+        self._stats.add("errors")
+        self._errors.warning(
+            "redis backend %s: %s of %d key(s) failed: %s: %s",
+            self._config.url, operation, keys, type(exc).__name__, exc,
+        )
+
+    def _execute(self, pipe: Any, operation: str, keys: int) -> list[Any] | None:
+        """Run a pipeline; its replies (errors as exception objects), or None if it failed."""
+        try:
+            self._stats.add("round_trips")
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+        except _IO_ERRORS as exc:
+            self._count_error(operation, keys, exc)
+            return None
+        finally:
+            pipe.reset()
+        if len(replies) != keys:
+            self._count_error(
+                operation, keys, RuntimeError(f"{len(replies)} replies for {keys} commands")
+            )
+            return None
+        return replies
+
+    # -- Backend protocol ---------------------------------------------------------------------
+
+    @property
+    def namespace(self) -> Namespace:
+        return self._namespace
+
+    @property
+    def url(self) -> str:
+        return self._config.url
+
+    @property
+    def config(self) -> RedisConfig:
+        return self._config
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        key_list = check_keys(keys)
+        self._lifecycle.check_open()
+        self._stats.add("exists_calls")
+        if not key_list:
+            return []
+        try:
+            pipe = self._pipeline()
+        except _IO_ERRORS as exc:
+            self._count_error("exists", len(key_list), exc)
+            return [False] * len(key_list)
+        for key in key_list:
+            pipe.exists(self._name(key))
+        replies = self._execute(pipe, "exists", len(key_list))
+        if replies is None:
+            return [False] * len(key_list)
+        results: list[bool] = []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                self._count_error("exists", 1, reply)
+                results.append(False)
+            else:
+                results.append(reply == 1)
+        return results
+
+    def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
+        key_list, views = check_put_args(keys, payloads)
+        self._lifecycle.check_open()
+        self._stats.add("puts", len(key_list))
+        if not key_list:
+            return []
+        try:
+            pipe = self._pipeline()
+        except _IO_ERRORS as exc:
+            self._count_error("put", len(key_list), exc)
+            return [False] * len(key_list)
+        ttl_ms = self._config.ttl_ms
+        for key, view in zip(key_list, views, strict=True):
+            value: _FramedValue | bytearray
+            if self._zero_copy:
+                value = _FramedValue(codec.encode_header(self._digest, key, view), view)
+            else:
+                value = codec.encode(self._digest, key, view)
+            pipe.set(self._name(key), value, nx=True, px=ttl_ms)
+        replies = self._execute(pipe, "put", len(key_list))
+        if replies is None:
+            return [False] * len(key_list)
+        results: list[bool] = []
+        written = existing = 0
+        for reply, view in zip(replies, views, strict=True):
+            if isinstance(reply, Exception):
+                self._count_error("put", 1, reply)
+                results.append(False)
+            elif reply:
+                written += view.nbytes
+                results.append(True)
+            else:  # SET NX answered nil: the block is already stored and is never overwritten
+                existing += 1
+                results.append(True)
+        self._stats.add_many({"bytes_written": written, "puts_existing": existing})
+        return results
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
+        key_list, views = check_get_args(keys, outs)
+        self._lifecycle.check_open()
+        if not key_list:
+            return []
+        try:
+            pipe = self._pipeline()
+        except _IO_ERRORS as exc:
+            self._count_error("get", len(key_list), exc)
+            self._stats.add_many({"gets": len(key_list), "misses": len(key_list)})
+            return [False] * len(key_list)
+        ttl_ms = self._config.ttl_ms
+        for key in key_list:
+            if ttl_ms is None:
+                pipe.get(self._name(key))
+            else:
+                pipe.getex(self._name(key), px=ttl_ms)
+        replies = self._execute(pipe, "get", len(key_list))
+        if replies is None:
+            self._stats.add_many({"gets": len(key_list), "misses": len(key_list)})
+            return [False] * len(key_list)
+        results: list[bool] = []
+        corrupt: list[BlockKey] = []
+        read = size_mismatches = 0
+        for key, out, reply in zip(key_list, views, replies, strict=True):
+            if reply is None:
+                results.append(False)
+            elif isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
+                # Something that is not a string sits under our block's name: not our block.
+                corrupt.append(key)
+                _log.warning(
+                    "redis backend %s: deleting foreign object under block %s: %s",
+                    self._config.url, key.hex(), reply,
+                )
+                results.append(False)
+            elif isinstance(reply, Exception):
+                self._count_error("get", 1, reply)
+                results.append(False)
+            else:
+                try:
+                    codec.decode_into(reply, self._digest, key, out)
+                except codec.OutputSizeMismatch:
+                    size_mismatches += 1
+                    results.append(False)
+                except codec.FrameError as exc:
+                    corrupt.append(key)
+                    _log.warning(
+                        "redis backend %s: deleting corrupt block %s: %s",
+                        self._config.url, key.hex(), exc,
+                    )
+                    results.append(False)
+                else:
+                    read += out.nbytes
+                    results.append(True)
+        if corrupt:
+            # A plain UNLINK: a valid block can only replace this one after it is gone (puts
+            # are SET NX), so the worst a race can do here is drop a fresh copy -> a miss.
+            self._unlink(corrupt, "delete corrupt")
+        hits = sum(results)
+        self._stats.add_many(
+            {
+                "gets": len(key_list),
+                "hits": hits,
+                "misses": len(key_list) - hits,
+                "bytes_read": read,
+                "corrupt_objects": len(corrupt),
+                "size_mismatches": size_mismatches,
+            }
+        )
+        return results
+
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        key_list = check_keys(keys)
+        self._lifecycle.check_open()
+        self._stats.add("deletes", len(key_list))
+        if key_list:
+            self._unlink(key_list, "delete")
+
+    def _unlink(self, key_list: list[BlockKey], operation: str) -> None:
+        try:
+            pipe = self._pipeline()
+        except _IO_ERRORS as exc:
+            self._count_error(operation, len(key_list), exc)
+            return
+        for key in key_list:
+            # One UNLINK per key: a multi-key command would be CROSSSLOT on a Cluster.
+            pipe.unlink(self._name(key))
+        replies = self._execute(pipe, operation, len(key_list))
+        for reply in replies or ():
+            if isinstance(reply, Exception):
+                self._count_error(operation, 1, reply)
+
+    def close(self) -> None:
+        if self._lifecycle.close():
+            self._client_close()
+
+    def _client_close(self) -> None:
+        with self._client_lock:
+            if self._standalone_client is not None:
+                self._standalone_client.close()
+                self._standalone_client.connection_pool.disconnect()
+            if self._cluster_client is not None:
+                self._cluster_client.close()
+
+    def stats(self) -> dict[str, int]:
+        return self._stats.snapshot()
+
+    def __repr__(self) -> str:
+        return f"RedisBackend({self._config.url}, namespace={self._namespace.digest_hex})"
+
+    # Test hooks: raw access to the stored objects, used by the contract suite to inject faults.
+    def _raw_client(self) -> Any:
+        if self._standalone_client is not None:
+            return self._standalone_client
+        return self._connect_cluster()
+
+    def _raw_read(self, key: BlockKey) -> bytes | None:
+        value = self._raw_client().get(self._name(key))
+        return None if value is None else bytes(value)
+
+    def _raw_write(self, key: BlockKey, frame: bytes) -> None:
+        self._raw_client().set(self._name(key), bytes(frame))
+
+
+def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> RedisBackend:
+    """Build a :class:`RedisBackend` from a ``redis://``, ``rediss://``, ``redis+cluster://``
+    or ``rediss+cluster://`` URL.
+
+    Options (keywords, or the URL query string; not both for one name): ``username``,
+    ``password`` (or ``user:pass@`` in the URL), ``ssl_ca_certs``, ``ssl_certfile`` +
+    ``ssl_keyfile``, ``ssl_check_hostname`` (TLS only), ``ttl_s``, ``socket_timeout_s`` (5),
+    ``connect_timeout_s`` (2), ``max_connections`` (standalone only; callers then wait for a free
+    connection). Raises ``ValueError`` naming the bad URL part or option, or a failed login.
+    """
+    if not isinstance(namespace, Namespace):
+        raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+    return RedisBackend(namespace, parse_redis_url(url, options))

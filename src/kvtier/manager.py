@@ -1,0 +1,926 @@
+"""The engine-facing tiering manager: prefix lookup across tiers, promotion, cascade, failures.
+
+Thread ownership:
+
+- **Scheduler thread** (the engine thread that calls the public methods) owns everything here:
+  the primary pool's metadata, the promotion table (``_promotions``), the per-tier queues of
+  transfers to submit at the end of the step (``_queued_loads``, ``_queued_stores``), the
+  engine-store table (``_store_filling``), the write-back table (``_unwritten``), the per-request
+  pins (``_request_pins``), the event buffer (``_events``), the counters (``_counters``) and the
+  lifecycle (``_state``). No public method is thread-safe; call them from one thread.
+- **Background threads** belong to the secondary tiers (a probe worker per tier, I/O threads per
+  tier) and talk to this thread only through the tiers' queues, drained in
+  :meth:`TieringManager.on_schedule_end`.
+
+Lookup and promotion: ``lookup(key)`` answers HIT when the key is resident in the primary pool.
+Otherwise it asks the secondary tiers' lookup managers in config order, stopping at the first
+that does not say False: None -> RETRY (ask again next step); True -> a promotion starts (a
+primary slot is reserved, evicting an unpinned victim; no slot -> MISS) and the answer is
+HIT_PENDING until the load lands. Every later lookup of a key whose promotion is in flight, from
+any request, joins it (one transfer per key). Loads are batched per tier and submitted at
+``on_schedule_end``. When a load fails (I/O error, missing, corrupt frame) the slot is freed, the
+tier quarantines the key (``mark_miss``) and the next lookup moves on to the next tier in order,
+so each tier gets at most one failed attempt per quarantine period: no livelock. All False ->
+MISS (recompute).
+
+Stores: ``prepare_store`` reserves slots (all or nothing) for the keys the pool does not hold;
+the engine writes ``primary_view(slot)``; ``complete_store`` makes them resident and cascades.
+write_through queues every stored block for every secondary tier (the slot stays pinned until
+the tier's write finishes); write_back copies a block out when the primary evicts it and writes
+it then, and flushes the rest at ``shutdown()``. Promoted blocks are never cascaded (so never
+written back to the tier they came from). A tier that is backlogged sheds the cascade
+(``StoreShed`` event, ``kvtier_shed_stores_total``) instead of stalling the engine; the backend's
+put-if-absent skips blocks a tier already holds.
+
+Public API::
+
+    LookupResult: HIT, HIT_PENDING, RETRY, MISS
+    LoadPlan(keys, slots); StorePlan(keys, slots, evicted)
+    events: BlockStored, BlockRemoved, PromotionFailed, StoreShed (keys, tier)
+    TieringManager(pool, tiers, *, namespace, write_policy, metrics, clock, max_events)
+    open_manager(config=None, **overrides) -> TieringManager
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import prometheus_client
+
+from kvtier.config import (
+    ConfigError,
+    KvtierConfig,
+    MetricsRegistry,
+    WritePolicy,
+    load_config,
+)
+from kvtier.keys import BlockKey, Namespace, RequestContext, validate_keys
+from kvtier.metrics import KvtierMetrics
+from kvtier.primary import PrimaryPool
+from kvtier.tier import JobKind, LookupFactory, SecondaryTier, TransferJob
+
+__all__ = [
+    "BlockRemoved",
+    "BlockStored",
+    "KeyNotResidentError",
+    "LoadPlan",
+    "LookupResult",
+    "ManagerClosedError",
+    "ManagerEvent",
+    "PromotionFailed",
+    "StorePlan",
+    "StoreShed",
+    "TieringManager",
+    "open_manager",
+]
+
+_log = logging.getLogger("kvtier.manager")
+
+PRIMARY = "primary"
+_TRANSFER_CHUNK_KEYS = 64      # keys per load/store job: one backend batch call each
+_METRICS_INTERVAL_S = 1.0      # scheduler-side counters are published at most this often
+_HOLD_STEPS = 8                # a request's hold on its prefix blocks lasts this many steps
+_MAX_HELD_FRACTION = 0.5       # holds never pin more than this share of the pool
+
+
+class LookupResult(enum.Enum):
+    HIT = "hit"                  # resident in the primary pool: loadable now
+    HIT_PENDING = "hit_pending"  # a promotion from a secondary tier is in flight
+    RETRY = "retry"              # a secondary tier has not answered yet: ask next step
+    MISS = "miss"                # nowhere (or no slot to promote into): recompute
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """Where to read each key: ``slots[i]`` holds ``keys[i]`` (pinned until complete_load)."""
+
+    keys: tuple[BlockKey, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """Write ``keys[i]`` into ``slots[i]``; ``evicted`` lists every key this call evicted."""
+
+    keys: tuple[BlockKey, ...]
+    slots: tuple[int, ...]
+    evicted: tuple[BlockKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """``keys`` are now held by ``tier`` ("primary" or a secondary tier's name)."""
+
+    keys: tuple[BlockKey, ...]
+    tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """``keys`` left ``tier`` (primary evictions)."""
+
+    keys: tuple[BlockKey, ...]
+    tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class PromotionFailed:
+    """Loading ``keys`` from ``tier`` failed (missing, I/O error or corrupt); they recompute."""
+
+    keys: tuple[BlockKey, ...]
+    tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class StoreShed:
+    """Cascading ``keys`` to ``tier`` was dropped because the tier was backlogged."""
+
+    keys: tuple[BlockKey, ...]
+    tier: str
+
+
+ManagerEvent = BlockStored | BlockRemoved | PromotionFailed | StoreShed
+
+
+class KeyNotResidentError(ValueError):
+    """``prepare_load`` was asked for a key that is not resident in the primary pool."""
+
+
+class ManagerClosedError(RuntimeError):
+    """A scheduler method was called after :meth:`TieringManager.shutdown`."""
+
+
+class _ManagerState(enum.Enum):
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True)
+class _Promotion:
+    tier_index: int
+    slot: int
+    waiters: set[str] = field(default_factory=set)  # req_ids answered HIT_PENDING for it
+
+
+@dataclass(slots=True)
+class _QueuedStore:
+    key: BlockKey
+    payload: memoryview | bytes
+    pinned: bool  # True: payload is the pinned primary slot (write-through); False: a copy
+
+
+@dataclass(slots=True)
+class _Counters:
+    lookups: int = 0
+    hits: int = 0
+    hit_pending: int = 0
+    retries: int = 0
+    misses: int = 0
+    promotions_started: int = 0
+    promotions_joined: int = 0
+    promotions_succeeded: int = 0
+    promotions_failed: int = 0
+    promotions_no_slot: int = 0
+    stores_prepared: int = 0
+    stores_rejected: int = 0
+    stores_completed: int = 0
+    stores_aborted: int = 0
+    cascades_queued: int = 0
+    cascades_stored: int = 0
+    cascades_failed: int = 0
+    cascades_shed: int = 0
+    write_backs: int = 0
+    evictions: int = 0
+    unexpected_completions: int = 0
+    pins_released_at_finish: int = 0
+    holds_placed: int = 0
+    holds_expired: int = 0
+    holds_refused: int = 0
+    events_dropped: int = 0
+    invariant_violations: int = 0
+
+
+class TieringManager:
+    """Scheduler-side tiered KV cache (see the module docstring). Not thread-safe."""
+
+    def __init__(
+        self,
+        pool: PrimaryPool,
+        tiers: Sequence[SecondaryTier] = (),
+        *,
+        namespace: Namespace,
+        write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
+        metrics: KvtierMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_events: int = 65536,
+        owns_global_metrics: bool = False,
+    ) -> None:
+        if not isinstance(pool, PrimaryPool):
+            raise TypeError(f"pool must be a PrimaryPool, got {type(pool).__name__}")
+        if not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+        names = [tier.name for tier in tiers]
+        if len(set(names)) != len(names) or PRIMARY in names:
+            raise ValueError(f"tier names must be unique and not 'primary', got {names}")
+        try:
+            self._write_policy = WritePolicy(write_policy)
+        except ValueError:
+            raise ValueError(f"write_policy must be one of "
+                             f"{[p.value for p in WritePolicy]}, got {write_policy!r}") from None
+        self._pool = pool
+        self._tiers = tuple(tiers)
+        self._namespace = namespace
+        self._metrics = metrics
+        self._owns_global_metrics = owns_global_metrics
+        self._clock = clock
+        self._promotions: dict[BlockKey, _Promotion] = {}
+        self._queued_loads: list[list[BlockKey]] = [[] for _ in self._tiers]
+        self._queued_stores: list[list[_QueuedStore]] = [[] for _ in self._tiers]
+        # (tier index, store job id) -> per key: is the payload a pinned primary slot?
+        self._store_pins: dict[tuple[int, int], tuple[bool, ...]] = {}
+        self._store_filling: set[BlockKey] = set()
+        self._unwritten: dict[BlockKey, None] = {}  # write-back: resident, not yet cascaded
+        self._request_pins: dict[str, Counter[BlockKey]] = {}
+        # Holds: a pending request's resident prefix blocks (and promotions that landed for
+        # it) stay pinned until it looks up again, loads, finishes, or the hold expires, so
+        # other requests' promotions cannot evict them in between (no promotion ping-pong).
+        self._holds: dict[str, dict[BlockKey, int]] = {}  # req_id -> key -> expiry step
+        self._hold_expiries: deque[tuple[int, str, BlockKey]] = deque()
+        self._held = 0
+        self._max_held = int(pool.num_slots * _MAX_HELD_FRACTION)
+        self._request_waits: dict[str, set[BlockKey]] = {}  # req_id -> promotions it waits on
+        self._step = 0
+        self._events: deque[ManagerEvent] = deque(maxlen=max(0, max_events))
+        self._counters = _Counters()
+        self._published = _Counters()
+        self._next_publish = 0.0
+        self._state = _ManagerState.RUNNING
+
+    # ---- geometry ----------------------------------------------------------------------------
+    @property
+    def namespace(self) -> Namespace:
+        return self._namespace
+
+    @property
+    def block_bytes(self) -> int:
+        return self._pool.block_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self._pool.num_slots
+
+    @property
+    def arena(self) -> memoryview:
+        """The whole primary buffer (``num_slots * block_bytes`` bytes)."""
+        return self._pool.arena
+
+    @property
+    def pool(self) -> PrimaryPool:
+        return self._pool
+
+    @property
+    def tiers(self) -> tuple[SecondaryTier, ...]:
+        return self._tiers
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        return tuple(tier.name for tier in self._tiers)
+
+    @property
+    def write_policy(self) -> WritePolicy:
+        return self._write_policy
+
+    @property
+    def metrics(self) -> KvtierMetrics | None:
+        return self._metrics
+
+    def primary_view(self, slot: int) -> memoryview:
+        """Slot ``slot``'s bytes (writable, ``block_bytes`` long)."""
+        return self._pool.view(slot)
+
+    # ---- lookups ----------------------------------------------------------------------------
+    def lookup(self, key: BlockKey, ctx: RequestContext) -> LookupResult:
+        """Where ``key`` stands now (see :class:`LookupResult`). Never blocks."""
+        self._require_running("lookup")
+        if not isinstance(key, bytes):
+            raise TypeError(f"key must be a BlockKey (bytes), got {type(key).__name__}")
+        return self._lookup(key, ctx, ())
+
+    def lookup_prefix(self, keys: Sequence[BlockKey], ctx: RequestContext) -> int | None:
+        """How many leading ``keys`` are loadable now; None while a needed answer is pending.
+
+        Counts leading HITs and stops at the first MISS; a RETRY or HIT_PENDING before that
+        makes the answer None (ask again next step). Keys after a pending one are still looked
+        up, so a whole prefix is probed and promoted in the same step.
+        """
+        self._require_running("lookup_prefix")
+        if self._holds:
+            self._release_holds(ctx.req_id)
+        try:
+            resident = self._pool.resident_prefix_length(keys)
+        except TypeError:  # an unhashable key: say which one
+            validate_keys(keys)
+            raise
+        counters = self._counters
+        counters.lookups += resident
+        counters.hits += resident
+        if resident == len(keys):  # the steady-state fast path: everything is in the pool
+            return resident
+        hits: set[BlockKey] = set(keys[:resident])
+        count = resident
+        pending = False
+        for index in range(resident, len(keys)):
+            key = keys[index]
+            if not isinstance(key, bytes):
+                raise TypeError(
+                    f"keys[{index}] must be a BlockKey (bytes), got {type(key).__name__}")
+            result = self._lookup(key, ctx, hits)
+            if result is LookupResult.HIT:
+                hits.add(key)  # promotions later in this prefix must not evict it
+                if not pending:
+                    count += 1
+            elif result is LookupResult.MISS:
+                break
+            else:
+                pending = True
+        if not pending:
+            return count
+        for key in hits:  # the request comes back next step: keep what it found
+            self._hold(ctx.req_id, key)
+        return None
+
+    def _lookup(self, key: BlockKey, ctx: RequestContext,
+                protect: set[BlockKey] | tuple[()]) -> LookupResult:
+        counters = self._counters
+        counters.lookups += 1
+        pool = self._pool
+        if pool.is_resident(key):
+            counters.hits += 1
+            return LookupResult.HIT
+        promotion = self._promotions.get(key)
+        if promotion is not None:
+            counters.promotions_joined += 1
+            counters.hit_pending += 1
+            self._add_waiter(promotion, key, ctx.req_id)
+            return LookupResult.HIT_PENDING
+        if pool.slot_of(key) is not None:  # the engine is storing it right now
+            counters.misses += 1
+            return LookupResult.MISS
+        for index, tier in enumerate(self._tiers):
+            verdict = tier.lookup(key, ctx)
+            if verdict is None:
+                counters.retries += 1
+                return LookupResult.RETRY
+            if verdict:
+                return self._start_promotion(key, index, protect, ctx.req_id)
+        counters.misses += 1
+        return LookupResult.MISS
+
+    def _start_promotion(self, key: BlockKey, tier_index: int,
+                         protect: set[BlockKey] | tuple[()], req_id: str) -> LookupResult:
+        reservation = self._pool.reserve(key, protect)
+        if reservation is None:
+            self._counters.promotions_no_slot += 1
+            self._counters.misses += 1
+            return LookupResult.MISS
+        if reservation.evicted is not None:
+            self._on_evicted(reservation.evicted, reservation.slot)
+        promotion = self._promotions[key] = _Promotion(tier_index, reservation.slot)
+        self._add_waiter(promotion, key, req_id)
+        self._queued_loads[tier_index].append(key)
+        self._counters.promotions_started += 1
+        self._counters.hit_pending += 1
+        if self._metrics is not None:
+            self._metrics.hits.labels(tier=self._tiers[tier_index].name).inc()
+        return LookupResult.HIT_PENDING
+
+    def _add_waiter(self, promotion: _Promotion, key: BlockKey, req_id: str) -> None:
+        if req_id in promotion.waiters:
+            return
+        promotion.waiters.add(req_id)
+        waits = self._request_waits.get(req_id)
+        if waits is None:
+            self._request_waits[req_id] = {key}
+        else:
+            waits.add(key)
+
+    # ---- holds ------------------------------------------------------------------------------
+    def _hold(self, req_id: str, key: BlockKey) -> None:
+        holds = self._holds.get(req_id)
+        expiry = self._step + _HOLD_STEPS
+        if holds is not None and key in holds:
+            holds[key] = expiry
+        else:
+            if self._held >= self._max_held or not self._pool.is_resident(key):
+                self._counters.holds_refused += 1
+                return
+            self._pool.pin(key)
+            self._held += 1
+            self._counters.holds_placed += 1
+            if holds is None:
+                holds = self._holds[req_id] = {}
+            holds[key] = expiry
+        self._hold_expiries.append((expiry, req_id, key))
+
+    def _release_holds(self, req_id: str) -> None:
+        holds = self._holds.pop(req_id, None)
+        if holds:
+            for key in holds:
+                self._pool.unpin(key)
+            self._held -= len(holds)
+
+    def _expire_holds(self) -> None:
+        expiries = self._hold_expiries
+        step = self._step
+        while expiries and expiries[0][0] <= step:
+            expiry, req_id, key = expiries.popleft()
+            holds = self._holds.get(req_id)
+            if holds is None or holds.get(key) != expiry:
+                continue  # released or refreshed since
+            del holds[key]
+            if not holds:
+                del self._holds[req_id]
+            self._pool.unpin(key)
+            self._held -= 1
+            self._counters.holds_expired += 1
+
+    # ---- loads ------------------------------------------------------------------------------
+    def prepare_load(self, keys: Sequence[BlockKey], ctx: RequestContext) -> LoadPlan:
+        """Pin every key's slot for the engine to read; every key must be a HIT."""
+        self._require_running("prepare_load")
+        checked = validate_keys(keys)
+        pool = self._pool
+        for index, key in enumerate(checked):
+            if not pool.is_resident(key):
+                raise KeyNotResidentError(
+                    f"keys[{index}] = {key.hex()} is not resident in the primary pool (state "
+                    f"{pool.state_of(key).value}); only keys that lookup() answered HIT can be "
+                    f"loaded"
+                )
+        pins = self._request_pins.get(ctx.req_id)
+        if pins is None:
+            pins = self._request_pins[ctx.req_id] = Counter()
+        slots = []
+        for key in checked:
+            slots.append(pool.pin(key))
+            pins[key] += 1
+        if self._holds:
+            self._release_holds(ctx.req_id)
+        return LoadPlan(tuple(checked), tuple(slots))
+
+    def touch(self, keys: Sequence[BlockKey], ctx: RequestContext) -> None:
+        """Count a use of each resident key for the eviction policy (LRU recency, ARC T2)."""
+        self._require_running("touch")
+        pool = self._pool
+        for key in validate_keys(keys):
+            pool.touch(key)
+
+    def complete_load(self, keys: Sequence[BlockKey], ctx: RequestContext) -> None:
+        """The engine finished reading: unpin one pin of this request per key."""
+        self._require_running("complete_load")
+        pins = self._request_pins.get(ctx.req_id)
+        for key in validate_keys(keys):
+            if pins is None or pins[key] <= 0:
+                self._counters.unexpected_completions += 1
+                continue
+            pins[key] -= 1
+            if pins[key] == 0:
+                del pins[key]
+            self._pool.unpin(key)
+        if pins is not None and not pins:
+            del self._request_pins[ctx.req_id]
+
+    # ---- stores -----------------------------------------------------------------------------
+    def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext) -> StorePlan | None:
+        """Reserve slots for the keys the pool does not hold yet; None if they do not all fit.
+
+        Keys already held (resident, being promoted or being stored) are left out of ``.keys``
+        and are never evicted by this call.
+        """
+        self._require_running("prepare_store")
+        checked = validate_keys(keys)
+        pool = self._pool
+        new_keys: list[BlockKey] = []
+        seen: set[BlockKey] = set()
+        for key in checked:
+            if key in seen or pool.slot_of(key) is not None:
+                continue
+            seen.add(key)
+            new_keys.append(key)
+        if not new_keys:
+            return StorePlan((), (), ())
+        reservations = pool.reserve_many(new_keys, protect=set(checked))
+        if reservations is None:
+            self._counters.stores_rejected += 1
+            return None
+        evicted: list[BlockKey] = []
+        for reservation in reservations:
+            if reservation.evicted is not None:
+                evicted.append(reservation.evicted)
+                self._on_evicted(reservation.evicted, reservation.slot)
+            self._store_filling.add(reservation.key)
+        self._counters.stores_prepared += len(new_keys)
+        return StorePlan(tuple(new_keys), tuple(r.slot for r in reservations), tuple(evicted))
+
+    def complete_store(self, keys: Sequence[BlockKey], ctx: RequestContext,
+                       success: bool = True) -> None:
+        """The engine wrote (``success``) or gave up on the slots of ``keys``."""
+        self._require_running("complete_store")
+        pool = self._pool
+        stored: list[BlockKey] = []
+        for key in validate_keys(keys):
+            if key not in self._store_filling:
+                self._counters.unexpected_completions += 1
+                continue
+            self._store_filling.discard(key)
+            if success:
+                pool.commit(key)
+                stored.append(key)
+            else:
+                pool.abort(key)
+                self._counters.stores_aborted += 1
+        if not stored:
+            return
+        self._counters.stores_completed += len(stored)
+        self._emit(BlockStored(tuple(stored), PRIMARY))
+        if not self._tiers:
+            return
+        if self._write_policy is WritePolicy.WRITE_THROUGH:
+            for queue_ in self._queued_stores:
+                for key in stored:
+                    slot = pool.pin(key)
+                    queue_.append(_QueuedStore(key, pool.view(slot), True))
+            self._counters.cascades_queued += len(stored) * len(self._tiers)
+        else:
+            for key in stored:
+                self._unwritten[key] = None
+
+    def _on_evicted(self, key: BlockKey, slot: int) -> None:
+        """``key`` just lost ``slot`` to a new reservation; its bytes are still in the slot."""
+        self._counters.evictions += 1
+        self._emit(BlockRemoved((key,), PRIMARY))
+        if key in self._unwritten:
+            del self._unwritten[key]
+            payload = bytes(self._pool.view(slot))  # the slot is about to be rewritten
+            for queue_ in self._queued_stores:
+                queue_.append(_QueuedStore(key, payload, False))
+            self._counters.write_backs += 1
+            self._counters.cascades_queued += len(self._tiers)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def on_schedule_end(self) -> None:
+        """Once per engine step: apply finished transfers, submit this step's, flush probes."""
+        self._require_running("on_schedule_end")
+        self._step += 1
+        if self._hold_expiries:
+            self._expire_holds()
+        self._poll_jobs()
+        self._submit_queued()
+        for tier in self._tiers:
+            tier.flush()
+        if self._metrics is not None:
+            now = self._clock()
+            if now >= self._next_publish:
+                self._next_publish = now + _METRICS_INTERVAL_S
+                self.publish_metrics()
+
+    def on_request_finished(self, ctx: RequestContext) -> None:
+        """Release the request's lookup state and any pins it still holds.
+
+        Call it only after the engine stopped reading the request's loaded slots.
+        """
+        self._require_running("on_request_finished")
+        for tier in self._tiers:
+            tier.cleanup(ctx.req_id)
+        self._release_holds(ctx.req_id)
+        waits = self._request_waits.pop(ctx.req_id, None)
+        if waits:
+            for key in waits:
+                promotion = self._promotions.get(key)
+                if promotion is not None:
+                    promotion.waiters.discard(ctx.req_id)
+        pins = self._request_pins.pop(ctx.req_id, None)
+        if pins:
+            for key, count in pins.items():
+                for _ in range(count):
+                    self._pool.unpin(key)
+                self._counters.pins_released_at_finish += count
+
+    def _poll_jobs(self, *, wait: bool = False, timeout: float | None = None) -> None:
+        for index, tier in enumerate(self._tiers):
+            for job in tier.get_finished_jobs(wait=wait, timeout=timeout):
+                self._apply_job(index, job)
+
+    def _apply_job(self, tier_index: int, job: TransferJob) -> None:
+        tier_name = self._tiers[tier_index].name
+        pool = self._pool
+        if job.kind is JobKind.LOAD:
+            loaded: list[BlockKey] = []
+            failed: list[BlockKey] = []
+            for key, ok in zip(job.keys, job.results, strict=True):
+                promotion = self._promotions.get(key)
+                if promotion is None or promotion.tier_index != tier_index:
+                    self._violation(f"load result for key {key.hex()} without its promotion")
+                    continue
+                del self._promotions[key]
+                for waiter in promotion.waiters:
+                    waits = self._request_waits.get(waiter)
+                    if waits is not None:
+                        waits.discard(key)
+                        if not waits:
+                            del self._request_waits[waiter]
+                if ok:
+                    pool.commit(key)
+                    loaded.append(key)
+                    for waiter in promotion.waiters:
+                        self._hold(waiter, key)
+                else:
+                    pool.abort(key)
+                    failed.append(key)
+            self._counters.promotions_succeeded += len(loaded)
+            self._counters.promotions_failed += len(failed)
+            if loaded:
+                self._emit(BlockStored(tuple(loaded), PRIMARY))
+            if failed:
+                self._emit(PromotionFailed(tuple(failed), tier_name))
+            return
+        stored: list[BlockKey] = []
+        pinned = self._store_pins.pop((tier_index, job.job_id), None)
+        for position, (key, ok) in enumerate(zip(job.keys, job.results, strict=True)):
+            if pinned is not None and pinned[position]:
+                pool.unpin(key)
+            if ok:
+                stored.append(key)
+        self._counters.cascades_stored += len(stored)
+        self._counters.cascades_failed += len(job.keys) - len(stored)
+        if stored:
+            self._emit(BlockStored(tuple(stored), tier_name))
+
+    def _submit_queued(self, *, force: bool = False, timeout: float | None = None) -> None:
+        """Submit the step's queued loads and stores. ``force`` (shutdown) waits, up to
+        ``timeout`` s per tier, for room instead of shedding."""
+        pool = self._pool
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for index, tier in enumerate(self._tiers):
+            loads = self._queued_loads[index]
+            if loads:
+                self._queued_loads[index] = []
+                for start in range(0, len(loads), _TRANSFER_CHUNK_KEYS):
+                    chunk = loads[start : start + _TRANSFER_CHUNK_KEYS]
+                    outs = [pool.view(self._promotions[key].slot) for key in chunk]
+                    tier.submit_load(chunk, outs)
+            stores = self._queued_stores[index]
+            if not stores:
+                continue
+            self._queued_stores[index] = []
+            for start in range(0, len(stores), _TRANSFER_CHUNK_KEYS):
+                chunk_stores = stores[start : start + _TRANSFER_CHUNK_KEYS]
+                keys = [item.key for item in chunk_stores]
+                payloads = [item.payload for item in chunk_stores]
+                if force:
+                    nbytes = sum(memoryview(p).nbytes for p in payloads)
+                    while not tier.can_accept_store(nbytes):
+                        remaining = None if deadline is None else deadline - time.monotonic()
+                        if remaining is not None and remaining <= 0:
+                            break  # a stuck tier: the rest is shed, counted, not waited for
+                        for finished in tier.get_finished_jobs(wait=True, timeout=remaining):
+                            self._apply_job(index, finished)
+                job = tier.submit_store(keys, payloads)
+                if job is None:
+                    for item in chunk_stores:
+                        if item.pinned:
+                            pool.unpin(item.key)
+                    self._counters.cascades_shed += len(chunk_stores)
+                    self._emit(StoreShed(tuple(keys), tier.name))
+                elif any(item.pinned for item in chunk_stores):
+                    self._store_pins[(index, job.job_id)] = tuple(
+                        item.pinned for item in chunk_stores)
+
+    # ---- events, stats, metrics -------------------------------------------------------------
+    def _emit(self, event: ManagerEvent) -> None:
+        if len(self._events) == self._events.maxlen:
+            self._counters.events_dropped += 1
+            if not self._events.maxlen:
+                return
+        self._events.append(event)
+
+    def take_events(self) -> list[ManagerEvent]:
+        """Every event since the last call, oldest first (at most ``max_events`` are kept)."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def _violation(self, message: str) -> None:
+        self._counters.invariant_violations += 1
+        _log.warning("invariant violated: %s", message)
+
+    def get_stats(self) -> dict[str, Any]:
+        """Counters and state sizes: ``primary``, ``manager``, ``tiers`` (by name), and totals.
+
+        Top-level ``tracked_keys``, ``pins``, ``outstanding_jobs``, ``pending_promotions`` are 0
+        when every request finished and every transfer landed.
+        """
+        pool = self._pool
+        tiers = {tier.name: tier.stats() for tier in self._tiers}
+        manager = asdict(self._counters)
+        manager.update(
+            pending_promotions=len(self._promotions),
+            pending_stores=len(self._store_filling),
+            unwritten_blocks=len(self._unwritten),
+            queued_transfers=sum(map(len, self._queued_loads))
+            + sum(map(len, self._queued_stores)),
+            requests_with_pins=len(self._request_pins),
+            held_blocks=self._held,
+            requests_waiting=len(self._request_waits),
+            state=self._state.value,
+        )
+        closed = self._state is _ManagerState.CLOSED
+        primary = {
+            "num_slots": pool.num_slots,
+            "block_bytes": pool.block_bytes,
+            "free_slots": pool.num_slots if closed else pool.free_slots,
+            "resident_blocks": 0 if closed else pool.resident_blocks,
+            "filling_slots": 0 if closed else pool.filling_slots,
+            "pinned_slots": 0 if closed else pool.pinned_slots,
+            "pins": 0 if closed else pool.total_pins,
+            "evictions": pool.evictions,
+            "eviction_policy": type(pool.policy).__name__,
+        }
+        return {
+            "primary": primary,
+            "manager": manager,
+            "tiers": tiers,
+            "tracked_keys": sum(t["tracked_keys"] for t in tiers.values()),
+            "pins": primary["pins"],
+            "outstanding_jobs": sum(t["outstanding_jobs"] for t in tiers.values()),
+            "pending_promotions": len(self._promotions),
+        }
+
+    def publish_metrics(self) -> None:
+        """Push scheduler-side counters into the Prometheus metrics (on_schedule_end does this
+        at most once a second, and shutdown once more)."""
+        metrics = self._metrics
+        if metrics is None:
+            return
+        counters, published = self._counters, self._published
+        for field_name, counter in (
+            ("lookups", metrics.lookups),
+            ("hits", metrics.hits),
+            ("evictions", metrics.evictions),
+            ("stores_completed", metrics.stores),
+        ):
+            delta = getattr(counters, field_name) - getattr(published, field_name)
+            if delta > 0:
+                counter.labels(tier=PRIMARY).inc(delta)
+            setattr(published, field_name, getattr(counters, field_name))
+        for tier in self._tiers:
+            metrics.publish_lookup_stats(tier.name, tier.lookup_stats)
+        if self._state is _ManagerState.RUNNING:
+            pool = self._pool
+            metrics.publish_primary(free=pool.free_slots, filling=pool.filling_slots,
+                                    resident=pool.resident_blocks, pinned=pool.pinned_slots)
+
+    # ---- waiting (tests, replay, benchmarks; never the engine's hot path) -------------------
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Block until every submitted probe answered and every transfer landed (submitting the
+        loads queued this step first), then apply them as ``on_schedule_end`` would; probes are
+        not flushed. True if everything landed within ``timeout``."""
+        self._require_running("wait_idle")
+        deadline = time.monotonic() + timeout
+        idle = True
+        for tier in self._tiers:
+            remaining = max(0.0, deadline - time.monotonic())
+            idle = tier.lookup_manager._wait_for_results(remaining) and idle
+        self._submit_queued()
+        for index, tier in enumerate(self._tiers):
+            remaining = max(0.0, deadline - time.monotonic())
+            for job in tier.get_finished_jobs(wait=True, timeout=remaining):
+                self._apply_job(index, job)
+            idle = idle and tier.outstanding_jobs == 0
+            tier.lookup_manager.drain_results()
+        return idle
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def _require_running(self, operation: str) -> None:
+        if self._state is not _ManagerState.RUNNING:
+            raise ManagerClosedError(
+                f"the tiering manager is shut down; {operation}() is not allowed any more"
+            )
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Flush write-back blocks, wait for transfers (up to ``timeout`` s each), stop every
+        thread, close backends and the pool. Idempotent."""
+        if self._state is _ManagerState.CLOSED:
+            return
+        try:
+            self._poll_jobs()
+            if self._write_policy is WritePolicy.WRITE_BACK and self._unwritten:
+                pool = self._pool
+                for key in self._unwritten:
+                    if pool.is_resident(key):
+                        for queue_ in self._queued_stores:  # one pin per tier write
+                            slot = pool.pin(key)
+                            queue_.append(_QueuedStore(key, pool.view(slot), True))
+                        self._counters.write_backs += 1
+                self._unwritten.clear()
+            self._submit_queued(force=True, timeout=timeout)
+            self._poll_jobs(wait=True, timeout=timeout)
+        finally:
+            self._state = _ManagerState.CLOSED
+            for tier in self._tiers:
+                try:
+                    for job in tier.shutdown(timeout):
+                        self._apply_job(self._tiers.index(tier), job)
+                except Exception as exc:
+                    _log.warning("tier %s: shutdown failed: %r", tier.name, exc)
+            self._promotions.clear()
+            self._store_filling.clear()
+            self._request_pins.clear()
+            self._holds.clear()
+            self._hold_expiries.clear()
+            self._request_waits.clear()
+            self._held = 0
+            self.publish_metrics()
+            if self._metrics is not None and self._owns_global_metrics:
+                self._metrics.unregister()
+            self._pool.close()
+
+    def __enter__(self) -> TieringManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def open_manager(
+    config: KvtierConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    lookup_factory: LookupFactory | None = None,
+    **overrides: Any,
+) -> TieringManager:
+    """Build the whole stack (pool, backends, tiers, metrics) from a config.
+
+    ``config`` is a :class:`KvtierConfig`, a dict, a YAML file path, or None for the ``KVTIER_*``
+    environment; ``overrides`` replace top-level keys. ``clock`` drives every tier's lookup
+    manager (tests inject one); ``lookup_factory`` replaces each tier's lookup manager (see
+    :class:`~kvtier.tier.SecondaryTier`). Raises :class:`ConfigError` naming the
+    bad key path, including for a backend URL or option the backend rejects.
+    """
+    cfg = load_config(config, **overrides)
+    metrics: KvtierMetrics | None
+    if cfg.metrics_registry is MetricsRegistry.DISABLED:
+        metrics = None
+    elif cfg.metrics_registry is MetricsRegistry.GLOBAL:
+        try:
+            metrics = KvtierMetrics(prometheus_client.REGISTRY)
+        except ValueError as exc:
+            raise ConfigError(
+                f"metrics_registry: 'global' failed ({exc}); another manager in this process "
+                f"already registered kvtier metrics — use 'private'"
+            ) from None
+    else:
+        metrics = KvtierMetrics()
+    from kvtier.backends import open_backend  # lazy: backends import redis/boto3 on demand
+
+    tiers: list[SecondaryTier] = []
+    pool: PrimaryPool | None = None
+    try:
+        for index, tier_cfg in enumerate(cfg.secondary_tiers):
+            try:
+                backend = open_backend(tier_cfg.url, cfg.namespace, **dict(tier_cfg.options))
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"secondary_tiers[{index}]: {exc}") from None
+            try:
+                tiers.append(SecondaryTier(
+                    tier_cfg.name, backend, lookup=tier_cfg.lookup,
+                    io_threads=tier_cfg.io_threads,
+                    max_pending_store_bytes=tier_cfg.max_pending_store_bytes,
+                    max_pending_store_jobs=tier_cfg.max_pending_store_jobs,
+                    metrics=metrics, clock=clock, lookup_factory=lookup_factory,
+                ))
+            except (ValueError, TypeError) as exc:
+                backend.close()
+                raise ConfigError(f"secondary_tiers[{index}]: {exc}") from None
+        pool = PrimaryPool(cfg.block_bytes, cfg.num_slots, cfg.eviction_policy,
+                           backing=cfg.primary_backing, path=cfg.primary_path)
+        return TieringManager(
+            pool, tiers, namespace=cfg.namespace, write_policy=cfg.write_policy,
+            metrics=metrics, clock=clock, max_events=cfg.max_events,
+            owns_global_metrics=cfg.metrics_registry is MetricsRegistry.GLOBAL,
+        )
+    except BaseException:
+        for tier in tiers:
+            tier.shutdown(5.0)
+        if pool is not None:
+            pool.close()
+        if metrics is not None and cfg.metrics_registry is MetricsRegistry.GLOBAL:
+            metrics.unregister()
+        raise

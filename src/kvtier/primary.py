@@ -1,0 +1,431 @@
+"""The primary tier: one contiguous CPU arena of fixed-size block slots.
+
+Thread ownership:
+
+- The slot metadata (key <-> slot maps, slot states, pin counts, free list) and the eviction
+  policy are owned by the engine scheduler thread; no method is thread-safe.
+- The arena *bytes* are shared: the engine (or an engine worker process mapping the shared
+  memory / file) writes a slot between ``reserve`` and ``commit``, and I/O threads of secondary
+  tiers read or write a slot while the scheduler keeps it out of reach of eviction (a pin, or the
+  ``FILLING`` state). The pool never touches the bytes itself.
+
+A slot is ``FREE``, ``FILLING`` (reserved for a key whose bytes are being written: not readable,
+not evictable) or ``RESIDENT`` (readable, evictable unless pinned). A full pool is not an error:
+``reserve`` answers None when every slot is filling or pinned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import mmap
+import os
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.keys import BlockKey
+from kvtier.policies import EvictionPolicy, PolicyName, make_policy
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    FILLING = "filling"
+    RESIDENT = "resident"
+
+
+class PrimaryBacking(enum.Enum):
+    """Where the arena's bytes live; the value is the config spelling."""
+
+    HEAP = "heap"                    # private numpy buffer
+    SHARED_MEMORY = "shared_memory"  # multiprocessing.shared_memory, mappable by name
+    MMAP_FILE = "mmap_file"          # a file mapped MAP_SHARED (e.g. under /dev/shm or hugetlbfs)
+
+
+class PoolError(RuntimeError):
+    """A caller broke the pool's contract (pinning an absent key, committing twice, ...)."""
+
+
+class PoolClosedError(PoolError):
+    """The pool was closed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A slot reserved for ``key``; ``evicted`` is the key that had to leave it, if any."""
+
+    key: BlockKey
+    slot: int
+    evicted: BlockKey | None
+
+
+class PrimaryPool:
+    """``num_slots`` slots of ``block_bytes`` in one contiguous buffer, with pins and eviction."""
+
+    def __init__(
+        self,
+        block_bytes: int,
+        num_slots: int,
+        policy: EvictionPolicy | PolicyName | str = PolicyName.LRU,
+        *,
+        backing: PrimaryBacking | str = PrimaryBacking.HEAP,
+        path: str | None = None,
+    ) -> None:
+        if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes < 1:
+            raise ValueError(f"block_bytes must be an int >= 1, got {block_bytes!r}")
+        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 1:
+            raise ValueError(
+                f"num_slots must be an int >= 1 (primary_bytes must hold at least one block), "
+                f"got {num_slots!r}"
+            )
+        try:
+            self._backing = PrimaryBacking(backing)
+        except ValueError:
+            raise ValueError(
+                f"unknown primary backing {backing!r}; expected one of "
+                f"{[b.value for b in PrimaryBacking]}"
+            ) from None
+        self._block_bytes = block_bytes
+        self._num_slots = num_slots
+        total = block_bytes * num_slots
+        self._shm: shared_memory.SharedMemory | None = None
+        self._mmap: mmap.mmap | None = None
+        self._path = path
+        self._array: npt.NDArray[np.uint8]
+        if self._backing is PrimaryBacking.HEAP:
+            if path is not None:
+                raise ValueError("primary path is only valid with shared_memory or mmap_file")
+            self._array = np.zeros(total, dtype=np.uint8)
+        elif self._backing is PrimaryBacking.SHARED_MEMORY:
+            self._shm = shared_memory.SharedMemory(name=path, create=True, size=total)
+            self._path = self._shm.name
+            self._array = np.ndarray((total,), dtype=np.uint8, buffer=self._shm.buf)
+        else:
+            if not path or not os.path.isabs(path):
+                raise ValueError(
+                    f"mmap_file backing needs an absolute file path, got {path!r}"
+                )
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, total)
+                self._mmap = mmap.mmap(fd, total, mmap.MAP_SHARED,
+                                       mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            self._array = np.ndarray((total,), dtype=np.uint8, buffer=self._mmap)
+        self._arena: memoryview | None = memoryview(self._array.data).cast("B")
+        self._policy: EvictionPolicy = (
+            make_policy(policy, num_slots) if isinstance(policy, (str, PolicyName)) else policy
+        )
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._key_at: list[BlockKey | None] = [None] * num_slots
+        self._slot_of: dict[BlockKey, int] = {}
+        self._filling: set[BlockKey] = set()
+        self._pins: dict[BlockKey, int] = {}
+        self.evictions = 0
+
+    # ---- geometry -------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def backing(self) -> PrimaryBacking:
+        return self._backing
+
+    @property
+    def path(self) -> str | None:
+        """The shared-memory name or the mapped file's path, for another process to map."""
+        return self._path
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    @property
+    def arena(self) -> memoryview:
+        """The whole buffer (``num_slots * block_bytes`` bytes, writable)."""
+        if self._arena is None:
+            raise PoolClosedError("the primary pool is closed")
+        return self._arena
+
+    def as_array(self) -> npt.NDArray[np.uint8]:
+        """The arena as a ``(num_slots, block_bytes)`` uint8 array (no copy)."""
+        return self._array.reshape(self._num_slots, self._block_bytes)
+
+    def view(self, slot: int) -> memoryview:
+        """Slot ``slot``'s bytes (writable, ``block_bytes`` long)."""
+        if not isinstance(slot, int) or not 0 <= slot < self._num_slots:
+            raise ValueError(f"slot must be an int in [0, {self._num_slots}), got {slot!r}")
+        start = slot * self._block_bytes
+        return self.arena[start : start + self._block_bytes]
+
+    # ---- queries --------------------------------------------------------------------------
+    def state_of(self, key: BlockKey) -> SlotState:
+        if key not in self._slot_of:
+            return SlotState.FREE
+        return SlotState.FILLING if key in self._filling else SlotState.RESIDENT
+
+    def is_resident(self, key: BlockKey) -> bool:
+        return key in self._slot_of and key not in self._filling
+
+    def resident_prefix_length(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` are resident (the scheduler's hot path, kept tight)."""
+        slot_of, filling = self._slot_of, self._filling
+        count = 0
+        for key in keys:
+            if key not in slot_of or key in filling:
+                break
+            count += 1
+        return count
+
+    def slot_of(self, key: BlockKey) -> int | None:
+        return self._slot_of.get(key)
+
+    def key_at(self, slot: int) -> BlockKey | None:
+        return self._key_at[slot]
+
+    def pin_count(self, key: BlockKey) -> int:
+        return self._pins.get(key, 0)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def resident_blocks(self) -> int:
+        return len(self._slot_of) - len(self._filling)
+
+    @property
+    def filling_slots(self) -> int:
+        return len(self._filling)
+
+    @property
+    def pinned_slots(self) -> int:
+        return len(self._pins)
+
+    @property
+    def total_pins(self) -> int:
+        return sum(self._pins.values())
+
+    def resident_keys(self) -> list[BlockKey]:
+        return [key for key in self._slot_of if key not in self._filling]
+
+    # ---- transitions ----------------------------------------------------------------------
+    def reserve(
+        self, key: BlockKey, protect: Collection[BlockKey] = ()
+    ) -> Reservation | None:
+        """Reserve a slot for ``key`` (state FILLING), evicting an unpinned resident if needed.
+
+        Keys in ``protect`` are not evicted either. None when no slot can be had.
+        """
+        if key in self._slot_of:
+            raise PoolError(f"key {key.hex()} already has slot {self._slot_of[key]}")
+        if self._arena is None:
+            raise PoolClosedError("the primary pool is closed")
+        evicted: BlockKey | None = None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            pins = self._pins
+            skip: Callable[[BlockKey], bool] = (
+                (lambda k: k in pins or k in protect) if protect else pins.__contains__
+            )
+            evicted = self._policy.victim(skip, key)
+            if evicted is None:
+                return None
+            slot = self._slot_of.pop(evicted)
+            self.evictions += 1
+        self._key_at[slot] = key
+        self._slot_of[key] = slot
+        self._filling.add(key)
+        return Reservation(key, slot, evicted)
+
+    def evictable_count(self, protect: Collection[BlockKey] = ()) -> int:
+        """How many slots ``reserve`` could hand out right now (free + unpinned resident)."""
+        protected = sum(
+            1 for key in protect if self.is_resident(key) and key not in self._pins
+        )
+        return len(self._free) + self.resident_blocks - len(self._pins) - protected
+
+    def reserve_many(
+        self, keys: Sequence[BlockKey], protect: Collection[BlockKey] = ()
+    ) -> list[Reservation] | None:
+        """Reserve a slot for every key, or for none (None) when the pool cannot hold them all."""
+        if len(set(keys)) != len(keys):
+            raise PoolError("reserve_many got duplicate keys")
+        if self.evictable_count(protect) < len(keys):
+            return None
+        result: list[Reservation] = []
+        for key in keys:
+            reservation = self.reserve(key, protect)
+            if reservation is None:  # cannot happen after the count check; stay safe anyway
+                for done in result:
+                    self.abort(done.key)
+                return None
+            result.append(reservation)
+        return result
+
+    def commit(self, key: BlockKey) -> int:
+        """FILLING -> RESIDENT; returns the slot."""
+        if key not in self._filling:
+            raise PoolError(f"commit of key {key.hex()} that is not filling "
+                            f"(state {self.state_of(key).value})")
+        self._filling.discard(key)
+        self._policy.insert(key)
+        return self._slot_of[key]
+
+    def abort(self, key: BlockKey) -> None:
+        """FILLING -> FREE (the bytes never arrived)."""
+        if key not in self._filling:
+            raise PoolError(f"abort of key {key.hex()} that is not filling "
+                            f"(state {self.state_of(key).value})")
+        self._filling.discard(key)
+        self._release_slot(key)
+
+    def discard(self, key: BlockKey) -> bool:
+        """RESIDENT and unpinned -> FREE. False (nothing done) when absent or pinned."""
+        if not self.is_resident(key) or key in self._pins:
+            return False
+        self._policy.remove(key)
+        self._release_slot(key)
+        return True
+
+    def _release_slot(self, key: BlockKey) -> None:
+        slot = self._slot_of.pop(key)
+        self._key_at[slot] = None
+        self._free.append(slot)
+
+    def pin(self, key: BlockKey) -> int:
+        """Protect a resident key's slot from eviction; pins nest. Returns the slot."""
+        if not self.is_resident(key):
+            raise PoolError(f"pin of key {key.hex()} that is not resident "
+                            f"(state {self.state_of(key).value})")
+        self._pins[key] = self._pins.get(key, 0) + 1
+        return self._slot_of[key]
+
+    def unpin(self, key: BlockKey) -> None:
+        count = self._pins.get(key, 0)
+        if count <= 0:
+            raise PoolError(f"unpin of key {key.hex()} that is not pinned")
+        if count == 1:
+            del self._pins[key]
+        else:
+            self._pins[key] = count - 1
+
+    def touch(self, key: BlockKey) -> None:
+        if self.is_resident(key):
+            self._policy.touch(key)
+
+    def close(self) -> None:
+        """Release the buffer (and unlink shared memory). Idempotent.
+
+        Views handed out earlier must have been released; if one is still alive the mapping is
+        left to the garbage collector instead of failing.
+        """
+        if self._arena is None:
+            return
+        with contextlib.suppress(BufferError):
+            self._arena.release()
+        self._arena = None
+        self._array = np.zeros(0, dtype=np.uint8)
+        if self._shm is not None:
+            with contextlib.suppress(BufferError):
+                self._shm.close()
+            with contextlib.suppress(FileNotFoundError):
+                self._shm.unlink()
+        if self._mmap is not None:
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+
+    def __enter__(self) -> PrimaryPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ArenaMapping:
+    """Another process's mapping of a pool's arena (an engine worker reading/writing slots).
+
+    Owned by the thread that created it. Slot metadata stays with the pool's owner; this only
+    maps the bytes. For shared memory it detaches from Python's resource tracker, which would
+    otherwise unlink the segment when this process exits (Python < 3.13 behaviour).
+    """
+
+    def __init__(self, backing: PrimaryBacking | str, path: str, block_bytes: int,
+                 num_slots: int) -> None:
+        kind = PrimaryBacking(backing)
+        total = block_bytes * num_slots
+        self._block_bytes = block_bytes
+        self._num_slots = num_slots
+        self._shm: shared_memory.SharedMemory | None = None
+        self._mmap: mmap.mmap | None = None
+        if kind is PrimaryBacking.SHARED_MEMORY:
+            self._shm = shared_memory.SharedMemory(name=path, create=False)
+            _untrack_shared_memory(self._shm)
+            buffer: Any = self._shm.buf
+        elif kind is PrimaryBacking.MMAP_FILE:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                if size < total:
+                    raise ValueError(f"arena {path!r} holds {size} bytes, expected at least "
+                                     f"{total} ({num_slots} slots of {block_bytes})")
+                self._mmap = mmap.mmap(fd, total, mmap.MAP_SHARED,
+                                       mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            buffer = self._mmap
+        else:
+            raise ValueError("a heap arena is private to its process; use shared_memory or "
+                             "mmap_file backing to map it from another process")
+        if len(buffer) < total:
+            raise ValueError(f"arena {path!r} holds {len(buffer)} bytes, expected at least "
+                             f"{total} ({num_slots} slots of {block_bytes})")
+        self._array: npt.NDArray[np.uint8] = np.ndarray(
+            (num_slots, block_bytes), dtype=np.uint8, buffer=buffer)
+
+    def as_array(self) -> npt.NDArray[np.uint8]:
+        """The arena as a ``(num_slots, block_bytes)`` uint8 array (no copy)."""
+        return self._array
+
+    def view(self, slot: int) -> memoryview:
+        if not isinstance(slot, int) or not 0 <= slot < self._num_slots:
+            raise ValueError(f"slot must be an int in [0, {self._num_slots}), got {slot!r}")
+        return memoryview(self._array[slot].data).cast("B")
+
+    def close(self) -> None:
+        """Unmap (never unlinks: the pool's owner does that). Idempotent."""
+        self._array = np.zeros((0, 0), dtype=np.uint8)
+        if self._shm is not None:
+            with contextlib.suppress(BufferError):
+                self._shm.close()
+            self._shm = None
+        if self._mmap is not None:
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+            self._mmap = None
+
+    def __enter__(self) -> ArenaMapping:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _untrack_shared_memory(segment: shared_memory.SharedMemory) -> None:
+    from multiprocessing import resource_tracker
+
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister(getattr(segment, "_name", "/" + segment.name),
+                                    "shared_memory")
+

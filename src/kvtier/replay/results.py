@@ -1,0 +1,136 @@
+"""What one replay measured: plain result records, filled by the engine, read by the report.
+
+This module owns no shared state: the records are built by the replay loop on the thread that
+runs it and are read-only afterwards.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.replay.reference import Validation
+
+
+class TierKind(enum.Enum):
+    GPU = "gpu"
+    PRIMARY = "primary"
+    SECONDARY = "secondary"
+
+
+@dataclass(slots=True)
+class TierResult:
+    """Hits served by one tier and the traffic it carried.
+
+    A block counts as a hit of the tier it came from for that request: GPU if the simulated GPU
+    prefix cache held it, CPU if the primary pool held it when the request first asked, else the
+    secondary tier that promoted it.
+    """
+
+    name: str
+    kind: TierKind
+    block_hits: int = 0
+    token_hits: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    io_seconds: float | None = None
+    lookups: int | None = None
+    backend_calls: int | None = None
+    probes: int | None = None
+    inflight_reuses: int | None = None
+    verdict_cache_hits: int | None = None
+    failed_loads: int | None = None
+    failed_stores: int | None = None
+    shed_stores: int | None = None
+    probe_errors: int | None = None
+    backend_errors: int | None = None
+    corrupt_objects: int | None = None
+
+    def gb_per_s(self, wall_s: float) -> float:
+        """Bytes moved over the tier's own I/O time when known, else over the run's wall time."""
+        seconds = self.io_seconds if self.io_seconds else wall_s
+        return (self.bytes_read + self.bytes_written) / seconds / 1e9 if seconds > 0 else 0.0
+
+
+@dataclass(slots=True)
+class TimelinePoint:
+    """Hits within one window of scheduled requests (for the plot)."""
+
+    requests_done: int
+    sim_time_s: float
+    block_refs: int
+    tier_hits: dict[str, int]
+    ideal_hits: int
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    """Everything one replay (one lookup strategy) measured."""
+
+    strategy: str
+    trace_name: str
+    requests: int
+    skipped_lines: int
+    instances: int
+    block_bytes: int
+    block_refs: int
+    total_tokens: int
+    ideal_block_hits: int
+    ideal_token_hits: int
+    tiers: list[TierResult]
+    steps: int
+    steps_waited: int
+    requests_waited: int
+    verified_blocks: int
+    store_plans_refused: int
+    step_time_p50_s: float
+    step_time_p99_s: float
+    wall_s: float
+    tier_urls: list[str] = field(default_factory=list)
+    timeline: list[TimelinePoint] = field(default_factory=list)
+    manager_stats: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def block_hits(self) -> int:
+        return sum(tier.block_hits for tier in self.tiers)
+
+    @property
+    def token_hits(self) -> int:
+        return sum(tier.token_hits for tier in self.tiers)
+
+    @property
+    def block_hit_ratio(self) -> float:
+        return self.block_hits / self.block_refs if self.block_refs else 0.0
+
+    @property
+    def token_hit_ratio(self) -> float:
+        return self.token_hits / self.total_tokens if self.total_tokens else 0.0
+
+    @property
+    def ideal_block_hit_ratio(self) -> float:
+        return self.ideal_block_hits / self.block_refs if self.block_refs else 0.0
+
+    @property
+    def ideal_token_hit_ratio(self) -> float:
+        return self.ideal_token_hits / self.total_tokens if self.total_tokens else 0.0
+
+    def secondary_total(self, attribute: str) -> int:
+        total = 0
+        for tier in self.tiers:
+            value = getattr(tier, attribute)
+            if tier.kind is TierKind.SECONDARY and value is not None:
+                total += int(value)
+        return total
+
+
+@dataclass(slots=True)
+class ReplayReport:
+    """One ``kvtier replay`` run: one result per strategy (several with ``--compare``)."""
+
+    trace_source: str
+    trace_sha256: str
+    results: list[ReplayResult]
+    validation: Validation | None
+    validation_note: str
+    settings: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,435 @@
+"""A secondary tier: one backend, its lookup manager, and a pool of I/O threads for transfers.
+
+Thread ownership:
+
+- **Scheduler thread** (the thread that owns the :class:`~kvtier.manager.TieringManager`) owns
+  the job table (``_outstanding``), the outstanding-store accounting (``_store_bytes``,
+  ``_store_jobs``), the counters (``_counters``), the lifecycle (``_state``) and everything in the
+  lookup manager. It submits jobs, and collects finished ones with :meth:`get_finished_jobs`.
+- **I/O threads** (``io_threads`` per tier, a ``ThreadPoolExecutor``) run one
+  :class:`TransferJob` at a time: they call the backend, fill in the job's ``results``,
+  ``error`` and ``seconds`` and post the job to ``_finished`` (a ``queue.SimpleQueue``). After
+  posting they never touch the job again; before posting the scheduler never reads those fields.
+- **Probe worker** (inside the lookup manager) calls ``backend.exists``.
+- The backend is thread-safe by contract; the metrics are thread-safe (prometheus-client).
+
+A load job writes straight into caller-provided ``memoryview``s (primary slots that the manager
+keeps out of reach of eviction while the job runs); the backend verifies the frame (namespace,
+key, length, checksum) before a byte reaches the slot. A store job reads caller-provided buffers
+that must stay unchanged until the job is collected.
+
+Backpressure: a tier accepts at most ``max_pending_store_jobs`` outstanding store jobs and
+``max_pending_store_bytes`` of outstanding store payload (one job is always accepted when none
+is outstanding). :meth:`submit_store` sheds (returns None, counts) what does not fit, so a slow
+or dead tier never stalls the engine. Loads are never shed.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import queue
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvtier.backends.base import Backend, Buffer, RateLimitedLog
+from kvtier.config import LookupConfig
+from kvtier.keys import BlockKey, RequestContext
+from kvtier.lookup import AsyncLookupManager, LookupStats
+from kvtier.metrics import KvtierMetrics
+
+_log = logging.getLogger("kvtier.tier")
+_PROBE_SHUTDOWN_WAIT_S = 2.0
+
+
+LookupFactory = Callable[[str, Backend, Mapping[str, Any]], AsyncLookupManager]
+
+
+class JobKind(enum.Enum):
+    LOAD = "load"
+    STORE = "store"
+
+
+class TierClosedError(RuntimeError):
+    """A secondary tier was used after :meth:`SecondaryTier.shutdown`."""
+
+
+class _TierState(enum.Enum):
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True, eq=False)
+class TransferJob:
+    """One batch transfer between a tier's backend and caller buffers.
+
+    ``results`` has one entry per key (True = that key moved) once the job is finished;
+    ``error`` is set when the backend call raised (then every result is False).
+    """
+
+    job_id: int
+    kind: JobKind
+    keys: tuple[BlockKey, ...]
+    buffers: tuple[Buffer, ...]
+    nbytes: int
+    results: tuple[bool, ...] = ()
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def succeeded(self) -> list[BlockKey]:
+        return [key for key, ok in zip(self.keys, self.results, strict=True) if ok]
+
+    @property
+    def failed(self) -> list[BlockKey]:
+        return [key for key, ok in zip(self.keys, self.results, strict=True) if not ok]
+
+
+@dataclass(slots=True)
+class TierCounters:
+    loads_submitted: int = 0
+    load_keys: int = 0
+    load_keys_failed: int = 0
+    stores_submitted: int = 0
+    store_keys: int = 0
+    store_keys_failed: int = 0
+    stores_shed: int = 0
+    store_keys_shed: int = 0
+    job_errors: int = 0
+    invariant_violations: int = 0
+
+
+class BackendProbeError(RuntimeError):
+    """The backend counted an error during ``exists`` (it answers False instead of raising)."""
+
+
+def _backend_errors(backend: Backend) -> int:
+    try:
+        return int(backend.stats().get("errors", 0))
+    except Exception:
+        return 0
+
+
+class _BackendLookup(AsyncLookupManager):
+    """The tier's lookup manager: one ``backend.exists`` call per probe batch.
+
+    Backends answer False instead of raising when the medium fails; a probe whose call raised
+    the backend's ``errors`` counter is turned into an exception here, so the lookup manager
+    counts it as a probe error and feeds its circuit breaker (the False is never cached).
+    """
+
+    def __init__(self, tier_name: str, backend: Backend, metrics: KvtierMetrics | None,
+                 clock: Callable[[], float], options: Mapping[str, Any]) -> None:
+        self._backend = backend
+        self._probe_latency = (
+            None if metrics is None else metrics.probe_latency.labels(tier=tier_name)
+        )
+        super().__init__(tier_name, clock=clock, **options)
+
+    def batch_lookup(self, keys: list[BlockKey], req_context: RequestContext) -> Sequence[bool]:
+        errors_before = _backend_errors(self._backend)
+        started = time.perf_counter()
+        try:
+            verdicts = self._backend.exists(keys)
+        finally:
+            if self._probe_latency is not None:
+                self._probe_latency.observe(time.perf_counter() - started)
+        errors = _backend_errors(self._backend) - errors_before
+        if errors > 0:
+            raise BackendProbeError(
+                f"backend {self._backend.url} counted {errors} error(s) during exists()"
+            )
+        return verdicts
+
+
+class SecondaryTier:
+    """A backend + its :class:`AsyncLookupManager` + transfer jobs on I/O threads."""
+
+    def __init__(
+        self,
+        name: str,
+        backend: Backend,
+        *,
+        lookup: LookupConfig | Mapping[str, Any] | None = None,
+        io_threads: int = 4,
+        max_pending_store_bytes: int = 256 * 1024**2,
+        max_pending_store_jobs: int = 64,
+        metrics: KvtierMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        lookup_factory: LookupFactory | None = None,
+    ) -> None:
+        """``lookup_factory(name, backend, options)`` replaces the default lookup manager (one
+        ``backend.exists`` call per probe batch); ``options`` are the configured lookup settings
+        plus ``clock``."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tier name must be a non-empty str, got {name!r}")
+        for label, value, minimum in (("io_threads", io_threads, 1),
+                                      ("max_pending_store_bytes", max_pending_store_bytes, 0),
+                                      ("max_pending_store_jobs", max_pending_store_jobs, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"tier {name!r}: {label} must be an int >= {minimum}, "
+                                 f"got {value!r}")
+        if isinstance(lookup, LookupConfig):
+            lookup_options: Mapping[str, Any] = lookup.as_kwargs()
+        elif lookup is None:
+            lookup_options = {}
+        else:
+            lookup_options = LookupConfig.from_dict(lookup, f"tier {name}: lookup").as_kwargs()
+        self._name = name
+        self._backend = backend
+        self._metrics = metrics
+        self._lookup: AsyncLookupManager = (
+            _BackendLookup(name, backend, metrics, clock, lookup_options)
+            if lookup_factory is None
+            else lookup_factory(name, backend, {**lookup_options, "clock": clock})
+        )
+        self._max_store_bytes = max_pending_store_bytes
+        self._max_store_jobs = max_pending_store_jobs
+        self._executor = ThreadPoolExecutor(max_workers=io_threads,
+                                            thread_name_prefix=f"kvtier-io-{name}")
+        self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
+        self._outstanding: dict[int, TransferJob] = {}
+        self._job_ids = itertools.count()
+        self._store_bytes = 0
+        self._store_jobs = 0
+        self._counters = TierCounters()
+        self._state = _TierState.RUNNING
+        self._io_log = RateLimitedLog(_log)
+
+    # ---- identity ---------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def lookup_manager(self) -> AsyncLookupManager:
+        return self._lookup
+
+    # ---- lookups (scheduler thread) -----------------------------------------------------------
+    def lookup(self, key: BlockKey, req_context: RequestContext) -> bool | None:
+        return self._lookup.lookup(key, req_context)
+
+    def flush(self) -> None:
+        self._lookup.flush()
+
+    def cleanup(self, req_id: str) -> None:
+        self._lookup.cleanup(req_id)
+
+    def remove(self, keys: Sequence[BlockKey]) -> None:
+        """Delete ``keys`` from the backend (blocking) and tell the lookup manager at once."""
+        self._require_running("remove")
+        self._backend.delete(keys)
+        self._lookup.note_removed(keys)
+
+    # ---- transfers (scheduler thread) ---------------------------------------------------------
+    def submit_load(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> TransferJob:
+        """Start loading ``keys`` into ``outs`` on an I/O thread; never blocks, never sheds."""
+        self._require_running("submit_load")
+        if len(keys) != len(outs):
+            raise ValueError(f"submit_load got {len(keys)} keys but {len(outs)} buffers")
+        job = TransferJob(next(self._job_ids), JobKind.LOAD, tuple(keys), tuple(outs),
+                          sum(out.nbytes for out in outs))
+        self._counters.loads_submitted += 1
+        self._counters.load_keys += len(keys)
+        self._start(job)
+        return job
+
+    def can_accept_store(self, nbytes: int) -> bool:
+        """Whether a store job of ``nbytes`` would be accepted now (backpressure)."""
+        if self._store_jobs >= self._max_store_jobs:
+            return False
+        return self._store_jobs == 0 or self._store_bytes + nbytes <= self._max_store_bytes
+
+    def submit_store(self, keys: Sequence[BlockKey],
+                     payloads: Sequence[Buffer]) -> TransferJob | None:
+        """Start storing on an I/O thread; None (shed, counted) when the tier is backlogged."""
+        self._require_running("submit_store")
+        if len(keys) != len(payloads):
+            raise ValueError(f"submit_store got {len(keys)} keys but {len(payloads)} payloads")
+        nbytes = sum(memoryview(payload).nbytes for payload in payloads)
+        if not self.can_accept_store(nbytes):
+            self._counters.stores_shed += 1
+            self._counters.store_keys_shed += len(keys)
+            if self._metrics is not None:
+                self._metrics.shed_stores.labels(tier=self._name).inc(len(keys))
+            return None
+        job = TransferJob(next(self._job_ids), JobKind.STORE, tuple(keys), tuple(payloads),
+                          nbytes)
+        self._store_bytes += nbytes
+        self._store_jobs += 1
+        self._counters.stores_submitted += 1
+        self._counters.store_keys += len(keys)
+        self._start(job)
+        return job
+
+    def _start(self, job: TransferJob) -> None:
+        self._outstanding[job.job_id] = job
+        try:
+            self._executor.submit(self._run, job)
+        except RuntimeError as exc:  # executor shut down underneath us: fail the job, do not hang
+            job.results = (False,) * len(job.keys)
+            job.error = f"executor unavailable: {exc!r}"
+            self._finished.put(job)
+
+    def get_finished_jobs(self, *, wait: bool = False,
+                          timeout: float | None = None) -> list[TransferJob]:
+        """Collect finished jobs and apply their effects on the lookup manager.
+
+        A failed load key is ``mark_miss``-ed (quarantined); a stored key is ``note_stored``.
+        ``wait=True`` blocks until no job is outstanding (or ``timeout`` s passed) — for
+        shutdown and tests, never on the engine's hot path.
+        """
+        finished: list[TransferJob] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                job = self._finished.get_nowait()
+            except queue.Empty:
+                if not wait or not self._outstanding:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                try:
+                    job = self._finished.get(timeout=remaining)
+                except queue.Empty:
+                    break
+            self._collect(job)
+            finished.append(job)
+        return finished
+
+    def _collect(self, job: TransferJob) -> None:
+        if self._outstanding.pop(job.job_id, None) is None:
+            self._counters.invariant_violations += 1
+            _log.warning("tier %s: finished job %d was not outstanding", self._name, job.job_id)
+            return
+        if len(job.results) != len(job.keys):
+            self._counters.invariant_violations += 1
+            job.results = (False,) * len(job.keys)
+        if job.error is not None:
+            self._counters.job_errors += 1
+        if job.kind is JobKind.LOAD:
+            failed = job.failed
+            if failed:
+                self._counters.load_keys_failed += len(failed)
+                if self._state is _TierState.RUNNING:
+                    self._lookup.mark_miss(failed)
+                if self._metrics is not None:
+                    self._metrics.failed_loads.labels(tier=self._name).inc(len(failed))
+        else:
+            self._store_bytes -= job.nbytes
+            self._store_jobs -= 1
+            stored = job.succeeded
+            if stored and self._state is _TierState.RUNNING:
+                self._lookup.note_stored(stored)
+            self._counters.store_keys_failed += len(job.keys) - len(stored)
+            if self._metrics is not None and stored:
+                self._metrics.stores.labels(tier=self._name).inc(len(stored))
+
+    # ---- I/O thread ---------------------------------------------------------------------------
+    def _run(self, job: TransferJob) -> None:
+        started = time.perf_counter()
+        try:
+            if job.kind is JobKind.LOAD:
+                outs = [memoryview(out) for out in job.buffers]
+                raw = self._backend.get_many(job.keys, outs)
+            else:
+                raw = self._backend.put_many(job.keys, job.buffers)
+            results = tuple(item is True for item in raw)
+            if len(results) != len(job.keys):
+                raise ValueError(f"backend returned {len(results)} results for "
+                                 f"{len(job.keys)} keys")
+            job.results = results
+        except Exception as exc:  # an I/O thread survives everything; the job fails safe
+            job.results = (False,) * len(job.keys)
+            job.error = repr(exc)
+            self._io_log.warning("tier %s: %s job of %d keys failed: %r", self._name,
+                                 job.kind.value, len(job.keys), exc)
+        job.seconds = time.perf_counter() - started
+        metrics = self._metrics
+        if metrics is not None:
+            moved = sum(memoryview(buffer).nbytes
+                        for buffer, ok in zip(job.buffers, job.results, strict=True) if ok)
+            if job.kind is JobKind.LOAD:
+                metrics.backend_calls.labels(tier=self._name, op="get").inc()
+                metrics.bytes_read.labels(tier=self._name).inc(moved)
+                metrics.read_seconds.labels(tier=self._name).inc(job.seconds)
+            else:
+                metrics.backend_calls.labels(tier=self._name, op="put").inc()
+                metrics.bytes_written.labels(tier=self._name).inc(moved)
+                metrics.write_seconds.labels(tier=self._name).inc(job.seconds)
+        self._finished.put(job)
+
+    # ---- introspection ------------------------------------------------------------------------
+    @property
+    def outstanding_jobs(self) -> int:
+        return len(self._outstanding)
+
+    @property
+    def outstanding_store_bytes(self) -> int:
+        return self._store_bytes
+
+    @property
+    def lookup_stats(self) -> LookupStats:
+        return self._lookup.stats
+
+    def stats(self) -> dict[str, Any]:
+        """Lookup counters, transfer counters, and the backend's counters (``backend_*``)."""
+        result: dict[str, Any] = {}
+        lookup_stats = asdict(self._lookup.stats)
+        lookup_stats["breaker_state"] = self._lookup.stats.breaker_state.value
+        result.update(lookup_stats)
+        result["tracked_keys"] = self._lookup.tracked_keys
+        result.update(asdict(self._counters))
+        result["outstanding_jobs"] = len(self._outstanding)
+        result["outstanding_store_bytes"] = self._store_bytes
+        try:
+            backend_stats = self._backend.stats()
+        except Exception as exc:
+            backend_stats = {}
+            _log.debug("tier %s: backend stats unavailable: %r", self._name, exc)
+        result.update({f"backend_{name}": value for name, value in backend_stats.items()})
+        return result
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def _require_running(self, operation: str) -> None:
+        if self._state is _TierState.CLOSED:
+            raise TierClosedError(f"tier {self._name!r} is shut down; {operation}() is not "
+                                  "allowed any more")
+
+    def shutdown(self, timeout: float | None = None) -> list[TransferJob]:
+        """Wait for outstanding jobs (up to ``timeout`` s), stop every thread, close the backend.
+
+        Returns the jobs collected while waiting. Idempotent.
+        """
+        if self._state is _TierState.CLOSED:
+            return []
+        finished = self.get_finished_jobs(wait=True, timeout=timeout)
+        self._state = _TierState.CLOSED
+        # A probe stuck in the backend is abandoned quickly: its answer would be discarded
+        # anyway, and the probe worker is a daemon thread.
+        probe_wait = _PROBE_SHUTDOWN_WAIT_S if timeout is None else min(timeout,
+                                                                         _PROBE_SHUTDOWN_WAIT_S)
+        self._lookup.shutdown(probe_wait)
+        self._executor.shutdown(wait=not self._outstanding, cancel_futures=True)
+        if self._outstanding:
+            _log.warning("tier %s: %d transfer jobs still running at shutdown; abandoned",
+                         self._name, len(self._outstanding))
+        try:
+            self._backend.close()
+        except Exception as exc:
+            _log.warning("tier %s: backend close failed: %r", self._name, exc)
+        return finished
+
+
+def keys_of(jobs: Iterable[TransferJob]) -> list[BlockKey]:
+    """Every key of ``jobs`` (a small helper for callers and tests)."""
+    return [key for job in jobs for key in job.keys]

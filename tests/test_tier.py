@@ -1,0 +1,285 @@
+"""SecondaryTier: lookups through the backend, transfer jobs on I/O threads, backpressure."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+from uuid import uuid4
+
+import pytest
+
+from kvtier.backends import Buffer, open_backend
+from kvtier.backends.base import Backend
+from kvtier.keys import BlockKey, Namespace, RequestContext
+from kvtier.metrics import KvtierMetrics
+from kvtier.tier import JobKind, SecondaryTier, TierClosedError
+
+BLOCK = 256
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def payload(i: int) -> bytes:
+    return bytes([i % 251]) * BLOCK
+
+
+class Gate:
+    """Fault injection a real backend cannot do on demand: hold put/get calls on an Event,
+    or make them raise. Everything else goes to a real memory backend."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.release = threading.Event()
+        self.release.set()
+        self.entered = threading.Semaphore(0)
+        self.fail_with: Exception | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _gate(self) -> None:
+        self.entered.release()
+        if not self.release.wait(30):
+            raise TimeoutError("test gate never opened")
+        if self.fail_with is not None:
+            raise self.fail_with
+
+    def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
+        self._gate()
+        return self.inner.put_many(keys, payloads)
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
+        self._gate()
+        return self.inner.get_many(keys, outs)
+
+
+@pytest.fixture
+def namespace() -> Namespace:
+    return Namespace(model=f"test-{uuid4().hex}")
+
+
+@pytest.fixture
+def tier(namespace: Namespace) -> Iterator[SecondaryTier]:
+    t = SecondaryTier("mem", open_backend("memory://", namespace),
+                      lookup={"quarantine_s": 60.0})
+    yield t
+    t.shutdown(10)
+
+
+def test_store_then_lookup_knows_at_once_without_a_probe(tier: SecondaryTier) -> None:
+    job = tier.submit_store([k(1), k(2)], [payload(1), payload(2)])
+    assert job is not None and job.kind is JobKind.STORE
+    finished = tier.get_finished_jobs(wait=True, timeout=10)
+    assert finished == [job]
+    assert job.results == (True, True)
+    ctx = RequestContext("r")
+    assert tier.lookup(k(1), ctx) is True
+    assert tier.lookup_stats.backend_calls == 0
+    tier.cleanup("r")
+    assert tier.lookup_manager.tracked_keys == 0
+
+
+def test_load_writes_exact_bytes_and_failed_keys_are_quarantined(tier: SecondaryTier) -> None:
+    tier.submit_store([k(1)], [payload(1)])
+    tier.get_finished_jobs(wait=True, timeout=10)
+    outs = [memoryview(bytearray(BLOCK)) for _ in range(2)]
+    job = tier.submit_load([k(1), k(2)], outs)
+    tier.get_finished_jobs(wait=True, timeout=10)
+    assert job.results == (True, False)
+    assert job.succeeded == [k(1)] and job.failed == [k(2)]
+    assert bytes(outs[0]) == payload(1)
+    assert bytes(outs[1]) == bytes(BLOCK)  # untouched
+    ctx = RequestContext("r")
+    assert tier.lookup(k(2), ctx) is False  # quarantined: answered without a probe
+    assert tier.lookup_stats.quarantine_hits == 1
+    stats = tier.stats()
+    assert stats["load_keys_failed"] == 1
+    assert stats["backend_gets"] >= 1
+
+
+def test_lookup_probes_the_backend_once_per_step(tier: SecondaryTier) -> None:
+    tier.submit_store([k(5)], [payload(5)])
+    tier.get_finished_jobs(wait=True, timeout=10)
+    tier.lookup_manager.note_removed([k(5)])  # forget what the store taught it
+    tier.lookup_manager.drain_results()
+    fresh = SecondaryTier("mem2", tier.backend)  # a second view of the same backend
+    try:
+        ctxs = [RequestContext(f"r{i}") for i in range(5)]
+        assert all(fresh.lookup(key, ctx) is None for ctx in ctxs for key in (k(5), k(6)))
+        fresh.flush()
+        assert fresh.lookup_manager._wait_for_results(10)
+        fresh.lookup_manager.drain_results()
+        assert fresh.lookup(k(5), ctxs[0]) is True
+        assert fresh.lookup(k(6), ctxs[0]) is False
+        assert fresh.lookup_stats.backend_calls == 1
+    finally:
+        fresh.lookup_manager.shutdown()
+
+
+def test_backpressure_sheds_stores_while_the_backend_is_held(namespace: Namespace) -> None:
+    gate = Gate(open_backend("memory://", namespace))
+    metrics = KvtierMetrics()
+    tier = SecondaryTier("held", gate, io_threads=1, max_pending_store_bytes=2 * BLOCK,
+                         max_pending_store_jobs=8, metrics=metrics)
+    try:
+        gate.release.clear()
+        first = tier.submit_store([k(1)], [payload(1)])
+        assert first is not None
+        assert gate.entered.acquire(timeout=10)  # the I/O thread is inside put_many
+        second = tier.submit_store([k(2)], [payload(2)])
+        assert second is not None
+        assert tier.outstanding_store_bytes == 2 * BLOCK
+        shed = tier.submit_store([k(3)], [payload(3)])
+        assert shed is None
+        assert tier.stats()["store_keys_shed"] == 1
+        assert metrics.value("kvtier_shed_stores_total", tier="held") == 1
+        # loads are never shed
+        load = tier.submit_load([k(1)], [memoryview(bytearray(BLOCK))])
+        gate.release.set()
+        done = tier.get_finished_jobs(wait=True, timeout=10)
+        assert {job.job_id for job in done} == {first.job_id, second.job_id, load.job_id}
+        assert tier.outstanding_store_bytes == 0 and tier.outstanding_jobs == 0
+        assert tier.can_accept_store(2 * BLOCK)
+    finally:
+        gate.release.set()
+        tier.shutdown(10)
+
+
+def test_job_count_limit_and_one_oversized_job_is_accepted_when_idle(
+        namespace: Namespace) -> None:
+    gate = Gate(open_backend("memory://", namespace))
+    tier = SecondaryTier("jobs", gate, io_threads=1, max_pending_store_bytes=BLOCK // 2,
+                         max_pending_store_jobs=1)
+    try:
+        gate.release.clear()
+        big = tier.submit_store([k(1), k(2)], [payload(1), payload(2)])
+        assert big is not None  # larger than the byte budget, but nothing is outstanding
+        assert tier.submit_store([k(3)], [payload(3)]) is None
+    finally:
+        gate.release.set()
+        tier.shutdown(10)
+
+
+def test_a_raising_backend_fails_the_job_safely_and_the_tier_survives(
+        namespace: Namespace) -> None:
+    gate = Gate(open_backend("memory://", namespace))
+    tier = SecondaryTier("boom", gate)
+    try:
+        gate.fail_with = ConnectionError("injected")
+        out = memoryview(bytearray(BLOCK))
+        job = tier.submit_load([k(1)], [out])
+        tier.get_finished_jobs(wait=True, timeout=10)
+        assert job.results == (False,)
+        assert job.error is not None and "injected" in job.error
+        gate.fail_with = None
+        stored = tier.submit_store([k(1)], [payload(1)])
+        tier.get_finished_jobs(wait=True, timeout=10)
+        assert stored is not None and stored.results == (True,)
+        assert tier.stats()["job_errors"] == 1
+    finally:
+        tier.shutdown(10)
+
+
+def test_remove_deletes_and_updates_the_verdict(tier: SecondaryTier) -> None:
+    tier.submit_store([k(1)], [payload(1)])
+    tier.get_finished_jobs(wait=True, timeout=10)
+    tier.remove([k(1)])
+    assert tier.backend.exists([k(1)]) == [False]
+    assert tier.lookup(k(1), RequestContext("r")) is False
+
+
+def test_bad_arguments(namespace: Namespace) -> None:
+    backend = open_backend("memory://", namespace)
+    with pytest.raises(ValueError, match="io_threads must be an int >= 1, got 0"):
+        SecondaryTier("x", backend, io_threads=0)
+    with pytest.raises(ValueError, match="tier name"):
+        SecondaryTier("", backend)
+    tier = SecondaryTier("x", backend)
+    try:
+        with pytest.raises(ValueError, match="2 keys but 1 buffers"):
+            tier.submit_load([k(1), k(2)], [memoryview(bytearray(1))])
+    finally:
+        tier.shutdown()
+
+
+def test_shutdown_is_idempotent_and_ends_every_thread(namespace: Namespace) -> None:
+    tier = SecondaryTier("bye", open_backend("memory://", namespace), io_threads=3)
+    tier.submit_store([k(1)], [payload(1)])
+    tier.lookup(k(2), RequestContext("r"))
+    tier.flush()
+    tier.shutdown(10)
+    tier.shutdown(10)
+    names = [thread.name for thread in threading.enumerate()]
+    assert not [n for n in names if n.startswith(("kvtier-io-bye", "kvtier-lookup-bye"))]
+    assert tier.stats()["store_keys"] == 1
+    with pytest.raises(TierClosedError, match="'bye' is shut down; submit_store"):
+        tier.submit_store([k(1)], [payload(1)])
+
+
+def test_lookup_factory_replaces_the_lookup_manager(namespace: Namespace) -> None:
+    from kvtier.lookup import AsyncLookupManager
+
+    seen: dict[str, Any] = {}
+
+    class Everything(AsyncLookupManager):
+        def batch_lookup(self, keys: list[BlockKey], req_context: RequestContext) -> list[bool]:
+            return [True] * len(keys)
+
+    def factory(name: str, backend: Backend, options: Any) -> AsyncLookupManager:
+        seen.update(name=name, options=dict(options))
+        return Everything(name, **options)
+
+    tier = SecondaryTier("custom", open_backend("memory://", namespace),
+                         lookup={"quarantine_s": 7.0}, lookup_factory=factory)
+    try:
+        assert isinstance(tier.lookup_manager, Everything)
+        assert seen["name"] == "custom" and seen["options"]["quarantine_s"] == 7.0
+        assert "clock" in seen["options"]
+        ctx = RequestContext("r")
+        assert tier.lookup(k(1), ctx) is None
+        tier.flush()
+        assert tier.lookup_manager._wait_for_results(10)
+        tier.lookup_manager.drain_results()
+        assert tier.lookup(k(1), ctx) is True
+    finally:
+        tier.shutdown(10)
+
+
+class FailingExists:
+    """Fault injection: a backend whose ``exists`` swallows a medium error the way real backends
+    do (answers False, counts ``errors``) — on demand, which a real server cannot do."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.errors = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        self.errors += 1
+        return [False] * len(keys)
+
+    def stats(self) -> dict[str, int]:
+        return {**self.inner.stats(), "errors": self.errors}
+
+
+def test_a_swallowed_backend_error_counts_as_a_probe_error_and_feeds_the_breaker(
+        namespace: Namespace) -> None:
+    backend = FailingExists(open_backend("memory://", namespace))
+    tier = SecondaryTier("flaky", backend, lookup={"breaker_threshold": 1})
+    try:
+        ctx = RequestContext("r")
+        assert tier.lookup(k(1), ctx) is None
+        tier.flush()
+        assert tier.lookup_manager._wait_for_results(10)
+        tier.lookup_manager.drain_results()
+        assert tier.lookup(k(1), ctx) is False
+        stats = tier.lookup_stats
+        assert stats.probe_errors == 1
+        assert stats.breaker_state.value == "open"
+    finally:
+        tier.shutdown(10)
