@@ -9,7 +9,7 @@ from uuid import uuid4
 
 import pytest
 
-from kvtier.backends import Buffer, open_backend
+from kvtier.backends import BackendUnavailableError, Buffer, open_backend
 from kvtier.backends.base import Backend
 from kvtier.keys import BlockKey, Namespace, RequestContext
 from kvtier.metrics import KvtierMetrics
@@ -248,28 +248,27 @@ def test_lookup_factory_replaces_the_lookup_manager(namespace: Namespace) -> Non
         tier.shutdown(10)
 
 
-class FailingExists:
-    """Fault injection: a backend whose ``exists`` swallows a medium error the way real backends
-    do (answers False, counts ``errors``) — on demand, which a real server cannot do."""
+class FailingProbe:
+    """Fault injection: a backend whose existence checks fail the way a lost connection makes
+    real backends fail (``probe`` raises, ``exists`` answers False) — on demand, which a real
+    server cannot do."""
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
-        self.errors = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
-        self.errors += 1
         return [False] * len(keys)
 
-    def stats(self) -> dict[str, int]:
-        return {**self.inner.stats(), "errors": self.errors}
+    def probe(self, keys: Sequence[BlockKey]) -> list[bool]:
+        raise BackendUnavailableError(f"injected: {len(keys)} existence check(s) failed")
 
 
-def test_a_swallowed_backend_error_counts_as_a_probe_error_and_feeds_the_breaker(
+def test_a_failed_existence_check_counts_as_a_probe_error_and_feeds_the_breaker(
         namespace: Namespace) -> None:
-    backend = FailingExists(open_backend("memory://", namespace))
+    backend = FailingProbe(open_backend("memory://", namespace))
     tier = SecondaryTier("flaky", backend, lookup={"breaker_threshold": 1})
     try:
         ctx = RequestContext("r")

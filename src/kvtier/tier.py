@@ -103,23 +103,11 @@ class TierCounters:
     invariant_violations: int = 0
 
 
-class BackendProbeError(RuntimeError):
-    """The backend counted an error during ``exists`` (it answers False instead of raising)."""
-
-
-def _backend_errors(backend: Backend) -> int:
-    try:
-        return int(backend.stats().get("errors", 0))
-    except Exception:
-        return 0
-
-
 class _BackendLookup(AsyncLookupManager):
-    """The tier's lookup manager: one ``backend.exists`` call per probe batch.
+    """The tier's lookup manager: one ``backend.probe`` call per probe batch.
 
-    Backends answer False instead of raising when the medium fails; a probe whose call raised
-    the backend's ``errors`` counter is turned into an exception here, so the lookup manager
-    counts it as a probe error and feeds its circuit breaker (the False is never cached).
+    ``probe`` raises when the medium fails (where ``exists`` would answer False), so the lookup
+    manager counts the failure as a probe error, never caches it, and feeds its circuit breaker.
     """
 
     def __init__(self, tier_name: str, backend: Backend, metrics: KvtierMetrics | None,
@@ -131,19 +119,12 @@ class _BackendLookup(AsyncLookupManager):
         super().__init__(tier_name, clock=clock, **options)
 
     def batch_lookup(self, keys: list[BlockKey], req_context: RequestContext) -> Sequence[bool]:
-        errors_before = _backend_errors(self._backend)
         started = time.perf_counter()
         try:
-            verdicts = self._backend.exists(keys)
+            return self._backend.probe(keys)
         finally:
             if self._probe_latency is not None:
                 self._probe_latency.observe(time.perf_counter() - started)
-        errors = _backend_errors(self._backend) - errors_before
-        if errors > 0:
-            raise BackendProbeError(
-                f"backend {self._backend.url} counted {errors} error(s) during exists()"
-            )
-        return verdicts
 
 
 class SecondaryTier:

@@ -71,6 +71,9 @@ def test_exists_batch_semantics(backend: Backend) -> None:
     assert backend.put_many(present, [payload_for(key, 100) for key in present]) == [True] * 3
     query = [present[0], absent[0], present[0], present[2], absent[1], absent[0], present[1]]
     assert backend.exists(query) == [True, False, True, True, False, False, True]
+    # A healthy backend's probe answers exactly like exists.
+    assert backend.probe(query) == [True, False, True, True, False, False, True]
+    assert backend.probe([]) == []
 
 
 def test_put_if_absent_never_overwrites(backend: Backend) -> None:

@@ -19,7 +19,7 @@ import pytest
 from backends.conftest import fresh_namespace
 from backends.test_contract import keys_for, payload_for, sentinel_buffer
 from kvtier import codec
-from kvtier.backends import open_backend
+from kvtier.backends import BackendUnavailableError, open_backend
 from kvtier.backends.file import DirectIO, FileBackend
 from kvtier.keys import Namespace
 
@@ -426,3 +426,27 @@ def test_wrong_size_out_keeps_buffered_and_padded_files(
     assert out == sentinel_buffer(out_size)
     assert backend.exists([key]) == [True]
     assert backend.stats()["corrupt_objects"] == 0
+
+
+def test_a_failed_stat_is_unknown_to_probe_and_false_to_exists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error (EIO) on ``stat`` cannot be produced on demand by a real disk, so it is
+    injected with a mock ``os.stat``; a missing file (ENOENT) stays a plain "absent"."""
+    backend = open_backend(f"file://{tmp_path}", fresh_namespace())
+    present, absent = keys_for(2, "probe")
+    assert backend.put_many([present], [payload_for(present, 64)]) == [True]
+    real_stat = os.stat
+
+    def failing_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if str(path).endswith(present.hex() + ".kvb"):
+            raise OSError(errno.EIO, "injected I/O error", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", failing_stat)
+    assert backend.exists([present, absent]) == [False, False]
+    with pytest.raises(BackendUnavailableError, match="1 of 2 existence check"):
+        backend.probe([present, absent])
+    monkeypatch.setattr(os, "stat", real_stat)
+    assert backend.probe([present, absent]) == [True, False]
+    backend.close()

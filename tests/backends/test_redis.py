@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from kvtier import codec
-from kvtier.backends import BackendClosedError, open_backend
+from kvtier.backends import BackendClosedError, BackendUnavailableError, open_backend
 from kvtier.backends.redis import (
     RedisBackend,
     RedisTopology,
@@ -474,15 +474,19 @@ def test_killed_server_gives_false_then_recovers_without_a_new_backend(
         assert backend.stats()["errors"] == 4
         # Rate-limited: four failed calls in a row log one line, not four.
         assert len([r for r in caplog.records if r.name == "kvtier.backends.redis"]) == 1
+        # probe() tells "unknown" from "absent": the lookup manager must not cache this False.
+        with pytest.raises(BackendUnavailableError, match="4 of 4 existence check"):
+            backend.probe(keys)
     finally:
         redis_server.start()
     # Same backend object: the pooled sockets are dead, the next call reconnects.
     assert backend.exists(keys) == [False] * 4  # nothing persisted across the restart
+    assert backend.probe(keys) == [False] * 4
     assert backend.put_many(keys, payloads) == [True] * 4
     outs = sentinel_outs(4)
     assert backend.get_many(keys, outs) == [True] * 4
     assert [bytes(o) for o in outs] == payloads
-    assert backend.stats()["errors"] == 4
+    assert backend.stats()["errors"] == 5  # four calls above, then the probe
 
 
 def test_server_killed_mid_run_never_returns_wrong_data(

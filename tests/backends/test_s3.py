@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from kvtier import codec
-from kvtier.backends import BackendClosedError, open_backend
+from kvtier.backends import BackendClosedError, BackendUnavailableError, open_backend
 from kvtier.backends.s3 import PutMode, S3Backend
 from kvtier.keys import Namespace
 from servers.seaweed import SeaweedServer
@@ -355,6 +355,9 @@ def test_server_stopped_then_restarted(
             assert opened.get_many(keys, outs) == [False] * 6
             assert all(bytes(out) == b"\x77" * len(out) for out in outs)
             opened.delete(keys[:1])  # no raise either
+            # probe() tells "unknown" from "absent": the lookup manager must not cache this.
+            with pytest.raises(BackendUnavailableError, match="existence check"):
+                opened.probe(keys)
             elapsed = time.monotonic() - started
             assert opened.stats()["errors"] >= 4
             # Many failed requests, one log line: the rest are counted, not printed.
@@ -366,6 +369,7 @@ def test_server_stopped_then_restarted(
             s3_server.start()
         # Same backend object, no reopen: works as soon as the server is back.
         assert opened.exists(keys) == [True] * 3 + [False] * 3
+        assert opened.probe(keys) == [True] * 3 + [False] * 3
         assert opened.put_many(keys[3:], payloads[3:]) == [True] * 3
         outs = _outs(payloads)
         assert opened.get_many(keys, outs) == [True] * 6

@@ -29,7 +29,9 @@ __all__ = [
     "Backend",
     "BackendClosedError",
     "BackendStats",
+    "BackendUnavailableError",
     "Buffer",
+    "ExistenceChecks",
     "Lifecycle",
     "RateLimitedLog",
     "check_get_args",
@@ -47,6 +49,14 @@ class BackendClosedError(RuntimeError):
     """A backend method was called after ``close()``."""
 
 
+class BackendUnavailableError(RuntimeError):
+    """:meth:`Backend.probe` could not answer for every key (I/O error, lost connection).
+
+    ``exists`` turns such keys into False; ``probe`` raises instead, so that a lookup manager can
+    tell "absent" from "unknown": unknown answers are never cached and feed its circuit breaker.
+    """
+
+
 @runtime_checkable
 class Backend(Protocol):
     """A synchronous, thread-safe block store bound to one :class:`Namespace`."""
@@ -59,7 +69,13 @@ class Backend(Protocol):
         """The backend's URL with credentials redacted."""
         ...
 
-    def exists(self, keys: Sequence[BlockKey]) -> list[bool]: ...
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """True where the block is stored; False where absent or where the check failed."""
+        ...
+
+    def probe(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Like :meth:`exists`, but raises :class:`BackendUnavailableError` if any check failed."""
+        ...
 
     def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
         """True where stored or already present (never overwritten); False where it failed."""
@@ -74,6 +90,34 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
     def stats(self) -> dict[str, int]: ...
+
+
+class ExistenceChecks:
+    """``exists`` and ``probe`` for a backend that implements ``_exists``.
+
+    ``_exists(keys)`` returns one answer per key (False where the check failed) and the number
+    of checks that failed; the failures are already counted and logged by the backend.
+    """
+
+    __slots__ = ()
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def _exists(self, keys: Sequence[BlockKey]) -> tuple[list[bool], int]:
+        raise NotImplementedError
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return self._exists(keys)[0]
+
+    def probe(self, keys: Sequence[BlockKey]) -> list[bool]:
+        answers, failed = self._exists(keys)
+        if failed:
+            raise BackendUnavailableError(
+                f"{self.url}: {failed} of {len(answers)} existence check(s) failed"
+            )
+        return answers
 
 
 # --------------------------------------------------------------------------- lifecycle

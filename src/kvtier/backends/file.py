@@ -55,6 +55,7 @@ from kvtier import codec
 from kvtier.backends.base import (
     BackendStats,
     Buffer,
+    ExistenceChecks,
     Lifecycle,
     RateLimitedLog,
     check_get_args,
@@ -136,7 +137,7 @@ class _Scratch(threading.local):
         return view
 
 
-class FileBackend:
+class FileBackend(ExistenceChecks):
     """A thread-safe block store on a local directory (see module docstring)."""
 
     def __init__(
@@ -209,7 +210,7 @@ class FileBackend:
         parts, name = _key_location(codec.check_key(key).hex())
         return self._dir.joinpath(*parts, name)
 
-    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+    def _exists(self, keys: Sequence[BlockKey]) -> tuple[list[bool], int]:
         key_list = check_keys(keys)
         self._lifecycle.check_open()
         results: list[bool] = []
@@ -225,7 +226,7 @@ class FileBackend:
             else:
                 results.append(True)
         self._stats.add_many({"exists_calls": 1, "errors": errors})
-        return results
+        return results, errors
 
     def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
         key_list, views = check_put_args(keys, payloads)

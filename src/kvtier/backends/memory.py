@@ -22,6 +22,7 @@ from kvtier import codec
 from kvtier.backends.base import (
     BackendStats,
     Buffer,
+    ExistenceChecks,
     Lifecycle,
     check_get_args,
     check_keys,
@@ -35,7 +36,7 @@ _log = logging.getLogger(__name__)
 _OPTIONS = ("max_bytes",)
 
 
-class MemoryBackend:
+class MemoryBackend(ExistenceChecks):
     """A thread-safe in-process block store (see module docstring)."""
 
     def __init__(self, namespace: Namespace, *, max_bytes: int = 0) -> None:
@@ -58,13 +59,13 @@ class MemoryBackend:
     def url(self) -> str:
         return "memory://"
 
-    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+    def _exists(self, keys: Sequence[BlockKey]) -> tuple[list[bool], int]:
         key_list = check_keys(keys)
         self._lifecycle.check_open()
         with self._lock:
             result = [key in self._frames for key in key_list]
         self._stats.add("exists_calls")
-        return result
+        return result, 0
 
     def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
         key_list, views = check_put_args(keys, payloads)

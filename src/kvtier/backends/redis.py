@@ -57,6 +57,7 @@ from kvtier import codec
 from kvtier.backends.base import (
     BackendStats,
     Buffer,
+    ExistenceChecks,
     Lifecycle,
     RateLimitedLog,
     check_get_args,
@@ -375,7 +376,7 @@ _ZERO_COPY_SUPPORTED: Final = _frame_packer_works()
 # --------------------------------------------------------------------------- the backend
 
 
-class RedisBackend:
+class RedisBackend(ExistenceChecks):
     """Blocks of one namespace in Redis / Valkey (see module docstring)."""
 
     def __init__(self, namespace: Namespace, config: RedisConfig) -> None:
@@ -538,30 +539,32 @@ class RedisBackend:
     def config(self) -> RedisConfig:
         return self._config
 
-    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+    def _exists(self, keys: Sequence[BlockKey]) -> tuple[list[bool], int]:
         key_list = check_keys(keys)
         self._lifecycle.check_open()
         self._stats.add("exists_calls")
         if not key_list:
-            return []
+            return [], 0
         try:
             pipe = self._pipeline()
         except _IO_ERRORS as exc:
             self._count_error("exists", len(key_list), exc)
-            return [False] * len(key_list)
+            return [False] * len(key_list), len(key_list)
         for key in key_list:
             pipe.exists(self._name(key))
         replies = self._execute(pipe, "exists", len(key_list))
         if replies is None:
-            return [False] * len(key_list)
+            return [False] * len(key_list), len(key_list)
         results: list[bool] = []
+        failed = 0
         for reply in replies:
             if isinstance(reply, Exception):
                 self._count_error("exists", 1, reply)
                 results.append(False)
+                failed += 1
             else:
                 results.append(reply == 1)
-        return results
+        return results, failed
 
     def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
         key_list, views = check_put_args(keys, payloads)

@@ -29,6 +29,11 @@ False for its key, is counted in ``errors`` and logged (rate-limited). The first
 a batch makes the requests of that batch not yet started answer False without being sent
 (``skipped``), so a dead server costs one timeout per batch, not one per key. The next call
 tries again, so the backend recovers by itself once the server is back.
+
+Corrupt objects (any codec frame error, including a frame of another namespace) are deleted
+with one bulk DELETE per ``get_many``. The DELETE is unconditional: if another writer stored a
+good block under that name between our GET and our DELETE (possible only after someone else
+deleted the bad one), that block is lost too, which is a cache miss and never wrong data.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from kvtier import codec
 from kvtier.backends.base import (
     BackendStats,
     Buffer,
+    ExistenceChecks,
     Lifecycle,
     RateLimitedLog,
     check_get_args,
@@ -238,6 +244,7 @@ class _Batch:
     size: int
     results: list[bool] = field(init=False)
     state: _BatchState = _BatchState.ACTIVE
+    answered: int = 0  # requests that got a definite answer (found or not found)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -249,9 +256,13 @@ class _Batch:
 
     def abandon(self) -> list[bool]:
         """Called by the caller when it stops waiting: freeze and return the results so far."""
+        return self.abandon_counted()[0]
+
+    def abandon_counted(self) -> tuple[list[bool], int]:
+        """Like :meth:`abandon`, also returning how many requests got a definite answer."""
         with self.lock:
             self.state = _BatchState.ABANDONED
-            return list(self.results)
+            return list(self.results), self.answered
 
 
 class _Outcome(enum.Enum):
@@ -311,7 +322,7 @@ class _LoopThread:
 # --------------------------------------------------------------------------- backend
 
 
-class S3Backend:
+class S3Backend(ExistenceChecks):
     """A thread-safe block store on an S3-compatible object store (see module docstring).
 
     Credentials come from the standard environment (``AWS_ACCESS_KEY_ID``,
@@ -364,14 +375,16 @@ class S3Backend:
         """The object key (inside the bucket) that holds ``key``'s block."""
         return self._object_prefix + codec.check_key(key).hex()
 
-    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+    def _exists(self, keys: Sequence[BlockKey]) -> tuple[list[bool], int]:
         key_list = check_keys(keys)
         self._lifecycle.check_open()
         self._stats.add("exists_calls")
         if not key_list:
-            return []
+            return [], 0
         names = [self._object_prefix + key.hex() for key in key_list]
-        return self._run(len(names), lambda batch: self._exists_batch(batch, names))
+        batch = self._run_batch(len(names), lambda batch: self._exists_batch(batch, names))
+        results, answered = batch.abandon_counted()
+        return results, len(results) - answered
 
     def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
         key_list, views = check_put_args(keys, payloads)
@@ -418,13 +431,19 @@ class S3Backend:
 
     def _run(self, size: int, make: Callable[[_Batch], Coroutine[Any, Any, None]]) -> list[bool]:
         """Run one batch on the loop thread; never raises for I/O, never waits forever."""
+        return self._run_batch(size, make).abandon()
+
+    def _run_batch(
+        self, size: int, make: Callable[[_Batch], Coroutine[Any, Any, None]]
+    ) -> _Batch:
+        """Run one batch; the caller reads it with ``abandon`` (it may still be settling)."""
         batch = _Batch(size)
         waves = math.ceil(size / self._settings.max_concurrency)
         deadline_s = self._wave_timeout_s * (waves + 1)
         try:
             future = self._loop.submit(make(batch))
         except RuntimeError:  # the loop is gone: close() won the race with this call
-            return batch.abandon()
+            return batch
         try:
             future.result(timeout=deadline_s)
         except concurrent.futures.TimeoutError:
@@ -441,7 +460,7 @@ class S3Backend:
         except Exception as exc:  # a bug in a batch coroutine must not reach the engine
             self._stats.add("errors")
             self._warn.warning("s3 backend %s: batch failed: %r", self.url, exc)
-        return batch.abandon()
+        return batch
 
     # -- loop side ----------------------------------------------------------------------------
 
@@ -497,9 +516,10 @@ class S3Backend:
                     outcome = await self._head(batch, name)
                 finally:
                     self._leave()
-            if outcome is _Outcome.OK:
+            if outcome is not _Outcome.FAILED:
                 with batch.lock:
-                    batch.results[index] = True
+                    batch.results[index] = outcome is _Outcome.OK
+                    batch.answered += 1
 
         await asyncio.gather(*(one(index, name) for index, name in enumerate(names)))
 
