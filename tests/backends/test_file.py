@@ -107,10 +107,12 @@ def test_crash_mid_put_leaves_no_block_and_the_temp_file_is_removed_on_open(
     script = textwrap.dedent(
         f"""
         import os, signal
-        from kvtier.backends.file import FileBackend
+        from kvtier.backends import file
         from kvtier.keys import Namespace
-        backend = FileBackend({str(tmp_path)!r}, Namespace(model={namespace.model!r}))
-        os.link = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+        backend = file.FileBackend({str(tmp_path)!r}, Namespace(model={namespace.model!r}))
+        die = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+        os.link = die  # whichever way the backend publishes, it dies first
+        file._rename_noreplace = die
         backend.put_many([{key!r}], [bytes(100000)])
         """
     )
@@ -449,4 +451,28 @@ def test_a_failed_stat_is_unknown_to_probe_and_false_to_exists(
         backend.probe([present, absent])
     monkeypatch.setattr(os, "stat", real_stat)
     assert backend.probe([present, absent]) == [True, False]
+    backend.close()
+
+
+def test_publishing_falls_back_to_hard_links_without_rename_noreplace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that refuses RENAME_NOREPLACE (EINVAL) is simulated with a mock, since the
+    test machine's filesystems all support it; the block must still be published once, and an
+    existing block still never overwritten."""
+    from kvtier.backends import file
+
+    def refusing(temp: str, final: str) -> None:
+        raise OSError(errno.EINVAL, "injected: no RENAME_NOREPLACE", final)
+
+    monkeypatch.setattr(file, "_rename_noreplace", refusing)
+    backend = open_backend(f"file://{tmp_path}", fresh_namespace())
+    [key] = keys_for(1, "fallback")
+    first, second = payload_for(key, 4096, b"first"), payload_for(key, 4096, b"second")
+    assert backend.put_many([key], [first]) == [True]
+    assert backend.put_many([key], [second]) == [True]
+    out = sentinel_buffer(4096)
+    assert backend.get_many([key], [memoryview(out)]) == [True]
+    assert bytes(out) == first
+    assert temp_files(tmp_path) == []
     backend.close()

@@ -65,6 +65,7 @@ _SCHEME_MODULES: dict[str, str] = {
     "redis": "kvtier.backends.redis",
     "rediss": "kvtier.backends.redis",
     "redis+cluster": "kvtier.backends.redis",
+    "rediss+cluster": "kvtier.backends.redis",
     "s3": "kvtier.backends.s3",
 }
 

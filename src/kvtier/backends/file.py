@@ -37,6 +37,7 @@ temp files left by crashed processes (whose pid is gone) are removed.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import errno
 import itertools
@@ -90,8 +91,39 @@ class DirectIO(enum.Enum):
 
 
 class _LinkMode(enum.Enum):
-    HARD_LINK = "hard_link"
-    CHECK_THEN_REPLACE = "check_then_replace"
+    """How a temp file is published without overwriting, best first."""
+
+    RENAME_NOREPLACE = "rename_noreplace"  # renameat2(RENAME_NOREPLACE): one atomic syscall
+    HARD_LINK = "hard_link"  # link + unlink: atomic, two syscalls
+    CHECK_THEN_REPLACE = "check_then_replace"  # racy fallback for filesystems without links
+
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+
+
+def _load_renameat2() -> Any:
+    """glibc's ``renameat2`` (2.28+), or None where the C library lacks it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                         ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_renameat2 = _load_renameat2()
+
+
+def _rename_noreplace(temp: str, final: str) -> None:
+    """Atomically rename ``temp`` to ``final``; FileExistsError if ``final`` exists."""
+    if _renameat2(_AT_FDCWD, os.fsencode(temp), _AT_FDCWD, os.fsencode(final),
+                  _RENAME_NOREPLACE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), final)
 
 
 def _round_up(size: int) -> int:
@@ -163,7 +195,9 @@ class FileBackend(ExistenceChecks):
         if wants_direct and not _O_DIRECT:
             _log.warning("file backend: O_DIRECT is not available on this OS; using buffered I/O")
         self._direct_io = DirectIO.ACTIVE if wants_direct and _O_DIRECT else DirectIO.OFF
-        self._link_mode = _LinkMode.HARD_LINK
+        self._link_mode = (
+            _LinkMode.HARD_LINK if _renameat2 is None else _LinkMode.RENAME_NOREPLACE
+        )
         self._dir = root_path / namespace.digest_hex
         self._dir_str = str(self._dir)
         self._lock = threading.Lock()
@@ -350,7 +384,20 @@ class FileBackend(ExistenceChecks):
     def _publish(self, temp: str, final: str, directory: str) -> bool:
         """Make ``temp`` visible as ``final`` unless it exists; True if ours was published."""
         published = True
-        if self._link_mode is _LinkMode.HARD_LINK:
+        if self._link_mode is _LinkMode.RENAME_NOREPLACE:
+            try:
+                _rename_noreplace(temp, final)
+            except FileExistsError:
+                published = False
+                os.unlink(temp)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise
+                _log.info("file backend: no RENAME_NOREPLACE on %s (%s); using hard links",
+                          directory, exc)
+                self._link_mode = _LinkMode.HARD_LINK
+                return self._publish(temp, final, directory)
+        elif self._link_mode is _LinkMode.HARD_LINK:
             try:
                 os.link(temp, final)
             except FileExistsError:
