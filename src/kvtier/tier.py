@@ -103,20 +103,21 @@ class TierCounters:
     invariant_violations: int = 0
 
 
-class _BackendLookup(AsyncLookupManager):
+class BackendLookupManager(AsyncLookupManager):
     """The tier's lookup manager: one ``backend.probe`` call per probe batch.
 
     ``probe`` raises when the medium fails (where ``exists`` would answer False), so the lookup
     manager counts the failure as a probe error, never caches it, and feeds its circuit breaker.
     """
 
-    def __init__(self, tier_name: str, backend: Backend, metrics: KvtierMetrics | None,
-                 clock: Callable[[], float], options: Mapping[str, Any]) -> None:
+    def __init__(self, tier_name: str, backend: Backend, metrics: KvtierMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 options: Mapping[str, Any] | None = None) -> None:
         self._backend = backend
         self._probe_latency = (
             None if metrics is None else metrics.probe_latency.labels(tier=tier_name)
         )
-        super().__init__(tier_name, clock=clock, **options)
+        super().__init__(tier_name, clock=clock, **(options or {}))
 
     def batch_lookup(self, keys: list[BlockKey], req_context: RequestContext) -> Sequence[bool]:
         started = time.perf_counter()
@@ -164,7 +165,7 @@ class SecondaryTier:
         self._backend = backend
         self._metrics = metrics
         self._lookup: AsyncLookupManager = (
-            _BackendLookup(name, backend, metrics, clock, lookup_options)
+            BackendLookupManager(name, backend, metrics, clock, lookup_options)
             if lookup_factory is None
             else lookup_factory(name, backend, {**lookup_options, "clock": clock})
         )

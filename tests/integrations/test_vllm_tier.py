@@ -38,7 +38,7 @@ from integrations.vllm_harness import (
 )
 from kvtier.backends.memory import MemoryBackend
 from kvtier.integrations.vllm import CpuCopyWorker, KvtierOffloadingSpec
-from kvtier.integrations.vllm._tier import KvtierTierClosedError
+from kvtier.integrations.vllm._tier import KvtierTierClosedError, KvtierTierContractError
 
 pytestmark = pytest.mark.vllm
 
@@ -321,3 +321,28 @@ def test_spec_defers_to_vllms_worker_on_device_platforms(
     monkeypatch.setattr("kvtier.integrations.vllm._spec._device_worker_supported", lambda: True)
     with pytest.raises(Exception, match="only supported on CUDA-alike"):
         spec.get_worker(CanonicalKVCaches(tensors=[], group_data_refs=[]))
+
+
+def test_jobs_breaking_the_contract_raise_a_named_error(tmp_path: Path) -> None:
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    with engine(_file_url(tmp_path), primary_chunks=4) as stack:
+        context = stack.new_request()
+        keys = random_keys(2)
+
+        def job(job_id: int, chunks: list[int]) -> TransferJob:
+            return TransferJob(job_id=job_id, keys=keys,
+                               chunk_ids=np.array(chunks, dtype=np.int32),
+                               is_promotion=True, req_context=context)
+
+        with pytest.raises(KvtierTierContractError, match=r"chunk ids \[9\] outside"):
+            stack.tier.submit_load(job(1, [0, 9]))
+        with pytest.raises(KvtierTierContractError, match="2 keys but 1 chunk ids"):
+            stack.tier.submit_load(job(2, [0]))
+        stack.tier.submit_load(job(3, [0, 1]))
+        with pytest.raises(KvtierTierContractError, match="submitted twice"):
+            stack.tier.submit_load(job(3, [2, 3]))
+        stack.tier.drain_jobs()
+        [result] = list(stack.tier.get_finished_jobs())
+        assert result.job_id == 3 and result.success is False  # nothing stored: all missing
+        assert result.successful_keys is None

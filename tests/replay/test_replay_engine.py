@@ -7,6 +7,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 import pytest
 
@@ -144,11 +145,12 @@ def test_default_stack_is_a_temporary_file_tier(shared_prefix_trace: Trace,
 
 
 def test_redis_tier_with_real_server(shared_prefix_trace: Trace, redis_server: Any) -> None:
+    tag = f"redis-{uuid4().hex}"
     first = replay(shared_prefix_trace, _opts(
-        tier_urls=(redis_server.url,), namespace_tag="redis-run", max_running=1))
+        tier_urls=(redis_server.url,), namespace_tag=tag, max_running=1))
     assert first.block_hits == first.ideal_block_hits
     second = replay(shared_prefix_trace, _opts(
-        tier_urls=(redis_server.url,), namespace_tag="redis-run", max_running=1, gpu_blocks=0))
+        tier_urls=(redis_server.url,), namespace_tag=tag, max_running=1, gpu_blocks=0))
     tiers = _tiers(second)
     assert tiers["redis"].block_hits == 8
     assert second.block_hits == second.block_refs == second.verified_blocks
@@ -299,3 +301,27 @@ def test_an_unreachable_tier_degrades_to_recompute(shared_prefix_trace: Trace) -
     assert (redis_tier.failed_stores or 0) + (redis_tier.shed_stores or 0) > 0
     assert result.block_hits == result.ideal_block_hits  # the CPU tier still serves
     _assert_no_state_left(result)
+
+
+def test_s3_tier_with_real_server(shared_prefix_trace: Trace, s3_server: Any) -> None:
+    url = s3_server.url(f"replay-{uuid4().hex}")
+    tag = f"s3-{uuid4().hex}"
+    replay(shared_prefix_trace, _opts(tier_urls=(url,), namespace_tag=tag, max_running=1))
+    second = replay(shared_prefix_trace, _opts(tier_urls=(url,), namespace_tag=tag,
+                                               max_running=1, gpu_blocks=0))
+    assert _tiers(second)["s3"].block_hits == 8
+    assert second.block_hits == second.block_refs == second.verified_blocks
+    _assert_no_state_left(second)
+
+
+def test_redis_cluster_tier_shared_by_two_instances(shared_prefix_trace: Trace,
+                                                    redis_cluster: Any) -> None:
+    options = {"tier_urls": (redis_cluster.url,), "namespace_tag": f"cluster-{uuid4().hex}",
+               "max_running": 1}
+    replay(shared_prefix_trace, _opts(**options))
+    second = replay(shared_prefix_trace, _opts(**options, gpu_blocks=0, instances=2))
+    secondary = second.tiers[2]
+    assert secondary.kind is TierKind.SECONDARY
+    assert secondary.block_hits == 6 + 5  # each instance loads its own unique blocks once
+    assert second.block_hits == second.block_refs == second.verified_blocks
+    _assert_no_state_left(second)

@@ -28,7 +28,7 @@ import enum
 import logging
 import queue
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, fields
@@ -53,7 +53,8 @@ from vllm.v1.kv_offload.tiering.base import (
 
 from kvtier.backends import Backend, open_backend, redact_url
 from kvtier.keys import BlockKey, Namespace, RequestContext
-from kvtier.lookup import AsyncLookupManager, BreakerState, LookupStats
+from kvtier.lookup import BreakerState, LookupStats
+from kvtier.tier import BackendLookupManager
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -80,6 +81,10 @@ _METRIC_PREFIX = "vllm:kvtier_"  # vLLM exports (and LLM.get_metrics reads) vllm
 
 class KvtierTierClosedError(RuntimeError):
     """A ``KvtierTier`` was used after ``shutdown()``."""
+
+
+class KvtierTierContractError(RuntimeError):
+    """vLLM handed the tier a job that breaks the secondary-tier contract."""
 
 
 class _Lifecycle(enum.Enum):
@@ -132,17 +137,6 @@ class _ReportedTotals:
     """Counter values already handed to vLLM's metrics, so each report carries deltas."""
 
     values: dict[str, int] = field(default_factory=dict)
-
-
-class _BackendLookup(AsyncLookupManager):
-    """kvtier's lookup manager probing one backend with ``exists`` (on the probe thread)."""
-
-    def __init__(self, backend: Backend, tier_name: str, settings: Mapping[str, Any]) -> None:
-        super().__init__(tier_name, **settings)
-        self._backend = backend
-
-    def batch_lookup(self, keys: list[BlockKey], req_context: RequestContext) -> Sequence[bool]:
-        return self._backend.exists(keys)
 
 
 def _parse_lookup_settings(raw: object) -> dict[str, Any]:
@@ -270,7 +264,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         self._backend: Backend = open_backend(url, self._namespace, **backend_options)
         self._url = redact_url(url)
         try:
-            self._lookup = _BackendLookup(self._backend, self._url, lookup_settings)
+            self._lookup = BackendLookupManager(self._url, self._backend, options=lookup_settings)
         except Exception:
             self._backend.close()
             raise
@@ -362,14 +356,14 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         keys = [bytes(key) for key in job_metadata.keys]
         slots = [int(chunk) for chunk in job_metadata.chunk_ids]
         if job_id in self._jobs:
-            raise ValueError(f"KvtierTier: job {job_id} was submitted twice")
+            raise KvtierTierContractError(f"KvtierTier: job {job_id} was submitted twice")
         if len(keys) != len(slots):
-            raise ValueError(
+            raise KvtierTierContractError(
                 f"KvtierTier: job {job_id} has {len(keys)} keys but {len(slots)} chunk ids"
             )
         bad = [slot for slot in slots if not 0 <= slot < self._num_chunks]
         if bad:
-            raise ValueError(
+            raise KvtierTierContractError(
                 f"KvtierTier: job {job_id} names chunk ids {bad[:4]} outside the primary region "
                 f"of {self._num_chunks} chunks"
             )
