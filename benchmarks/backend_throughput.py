@@ -1,6 +1,7 @@
 """Backend throughput against the machine's own limit, measured in the same run.
 
     .venv/bin/python benchmarks/backend_throughput.py                      # memory, file, redis
+    .venv/bin/python benchmarks/backend_throughput.py --backends s3 --total 24MiB
     .venv/bin/python benchmarks/backend_throughput.py --backends file --sizes 1MiB --total 256MiB
 
 For every backend and block size: put and get GB/s; for every batch size: ``exists`` keys/s.
@@ -12,17 +13,24 @@ Each number sits next to a baseline measured in the same run, interleaved round 
           file per block; ``exists``: ``os.stat``.
 - redis:  raw redis-py pipelined SET / GET of the same bytes, same batch size; ``exists``: a raw
           pipelined EXISTS per key. The benchmark starts its own private valkey server.
+- s3:     raw obstore PUT (``If-None-Match: *``, as the backend) / GET (into the caller's buffer)
+          / HEAD of the same bytes, the same batch size and the same concurrency
+          (``--s3-concurrency``, a semaphore as in the backend) on one asyncio loop. The
+          benchmark starts its own SeaweedFS (``weed mini``, loopback, private directory).
 
 Targets (issue 3): file and redis put/get >= 80% of raw; redis ``exists`` >= 80% of raw.
-This module owns no shared state; everything runs on the main thread.
+This module owns no shared state; everything runs on the main thread (the S3 baseline's event
+loop runs on it too, inside ``run_until_complete``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import importlib
 import os
+import secrets
 import shutil
 import statistics
 import sys
@@ -32,6 +40,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +196,76 @@ class RedisBaseline:
             self._client.delete(*[b"raw:" + key for key in chunk])
 
 
+class S3Baseline:
+    """Raw obstore requests: what any S3 client must do for the same bytes and concurrency."""
+
+    name = "obstore PUT/GET"
+    exists_name = "obstore HEAD"
+
+    def __init__(self, store: Any, concurrency: int) -> None:
+        self._store = store
+        self._concurrency = concurrency
+        self._loop = asyncio.new_event_loop()
+
+    def _gather(self, names: Sequence[str], request: Callable[[str], Any]) -> None:
+        async def run() -> None:
+            slots = asyncio.Semaphore(self._concurrency)
+
+            async def one(name: str) -> None:
+                async with slots:
+                    with suppress(FileNotFoundError):
+                        await request(name)
+
+            await asyncio.gather(*(one(name) for name in names))
+
+        self._loop.run_until_complete(run())
+
+    def put(self, keys: Sequence[bytes], payload: np.ndarray[Any, Any], batch: int) -> None:
+        import obstore
+
+        data = payload.tobytes()
+
+        def request(name: str) -> Any:
+            return obstore.put_async(self._store, name, data, mode="create", use_multipart=False)
+
+        for chunk in _batches(keys, batch):
+            self._gather([f"raw/{key.hex()}" for key in chunk], request)
+
+    def get(self, keys: Sequence[bytes], out: np.ndarray[Any, Any], batch: int) -> None:
+        import obstore
+
+        view = out.data.cast("B")
+
+        async def request(name: str) -> None:
+            result = await obstore.get_async(self._store, name)
+            view[:] = memoryview(await result.bytes_async())
+
+        for chunk in _batches(keys, batch):
+            self._gather([f"raw/{key.hex()}" for key in chunk], request)
+
+    def exists(self, keys: Sequence[bytes]) -> None:
+        import obstore
+
+        self._gather(
+            [f"raw/{key.hex()}" for key in keys],
+            lambda name: obstore.head_async(self._store, name),
+        )
+
+    def cleanup(self, keys: Sequence[bytes]) -> None:
+        import obstore
+
+        names = [f"raw/{key.hex()}" for key in keys]
+
+        async def delete(chunk: list[str]) -> None:
+            await obstore.delete_async(self._store, chunk)
+
+        for chunk in _batches(names, 1000):
+            self._loop.run_until_complete(delete(list(chunk)))
+
+    def close(self) -> None:
+        self._loop.close()
+
+
 # --------------------------------------------------------------------------- harness
 
 
@@ -317,11 +396,15 @@ def _human(size: int) -> str:
 
 
 @contextmanager
-def _subjects(kinds: Sequence[str], workdir: Path) -> Iterator[list[Subject]]:
+def _subjects(
+    kinds: Sequence[str], workdir: Path, s3_concurrency: int = 32
+) -> Iterator[list[Subject]]:
     namespace = Namespace(model=f"bench-{uuid.uuid4().hex}")
     subjects: list[Subject] = []
     server: Any = None
     client: Any = None
+    seaweed: Any = None
+    s3_baseline: S3Baseline | None = None
     try:
         for kind in kinds:
             if kind == "memory":
@@ -341,8 +424,42 @@ def _subjects(kinds: Sequence[str], workdir: Path) -> Iterator[list[Subject]]:
                 subjects.append(
                     Subject(kind, open_backend(server.url, namespace), RedisBaseline(client))
                 )
+            elif kind == "s3":
+                from obstore.store import S3Store
+
+                # The test suite's private-server helper: weed mini on loopback, free ports.
+                sys.path.insert(0, str(_TESTS_DIR))
+                seaweed_module = importlib.import_module("servers.seaweed")
+                (workdir / "seaweed").mkdir()
+                seaweed = seaweed_module.SeaweedServer(
+                    root=workdir / "seaweed",
+                    bucket="bench",
+                    access_key="AK" + secrets.token_hex(8),
+                    secret_key=secrets.token_hex(16),
+                )
+                seaweed.start()
+                os.environ.update(
+                    AWS_ACCESS_KEY_ID=seaweed.access_key,
+                    AWS_SECRET_ACCESS_KEY=seaweed.secret_key,
+                    AWS_REGION=seaweed.region,
+                )
+                store = S3Store(
+                    seaweed.bucket,
+                    endpoint=seaweed.endpoint_url,
+                    region=seaweed.region,
+                    virtual_hosted_style_request=False,
+                    client_options={"allow_http": True, "timeout": timedelta(seconds=30)},
+                )
+                s3_baseline = S3Baseline(store, s3_concurrency)
+                backend = open_backend(
+                    seaweed.url("bench"),
+                    namespace,
+                    max_concurrency=s3_concurrency,
+                    timeout_s=30,
+                )
+                subjects.append(Subject(kind, backend, s3_baseline))
             else:
-                raise SystemExit(f"unknown backend {kind!r}; expected memory, file or redis")
+                raise SystemExit(f"unknown backend {kind!r}; expected memory, file, redis or s3")
         yield subjects
     finally:
         for subject in subjects:
@@ -351,6 +468,11 @@ def _subjects(kinds: Sequence[str], workdir: Path) -> Iterator[list[Subject]]:
             client.close()
         if server is not None:
             server.close()
+        if s3_baseline is not None:
+            s3_baseline.close()
+        if seaweed is not None:
+            seaweed.stop()
+            seaweed.remove_socket_files()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -363,6 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--exists-keys", type=int, default=20000, help="keys probed per round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
     parser.add_argument("--dir", default=None, help="scratch directory for the file backend")
+    parser.add_argument(
+        "--s3-concurrency", type=int, default=32, help="requests in flight (backend and raw)"
+    )
     args = parser.parse_args(argv)
 
     kinds = [kind.strip() for kind in args.backends.split(",") if kind.strip()]
@@ -374,7 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     started = time.perf_counter()
     try:
-        with _subjects(kinds, workdir) as subjects:
+        with _subjects(kinds, workdir, args.s3_concurrency) as subjects:
             for subject in subjects:
                 for size in sizes:
                     console.log(f"{subject.kind}: put/get {_human(size)}")

@@ -307,12 +307,33 @@ def test_worker_survives_a_failing_lookup_scope(make: Callable[..., SetTier]) ->
     step(tier)
     assert tier.lookup(key(1), ctx("no-tenant")) is False
     assert tier.stats.probe_errors == 1
-    tier.lookup(key(1), ctx("ok", tenant="t"))  # joins the live (fault) state: no new probe
+    # A later request never gets a fault's False: the key is probed again, for everyone.
+    assert tier.lookup(key(1), ctx("ok", tenant="t")) is None
+    assert tier.phase(key(1)) is LookupPhase.PENDING
+    step(tier)
+    assert tier.lookup(key(1), ctx("ok", tenant="t")) is True
+    assert tier.lookup(key(1), ctx("no-tenant")) is True  # the first request sees the answer
     tier.cleanup("no-tenant")
     tier.cleanup("ok")
-    assert tier.lookup(key(1), ctx("later", tenant="t")) is None  # faults are not cached
+    assert tier.lookup(key(1), ctx("later", tenant="t")) is True  # a backend answer is cached
+    assert tier.stats.probe_errors == 1
+
+
+def test_a_fault_verdict_is_not_served_to_a_request_that_joins_it(
+    make: Callable[..., SetTier]
+) -> None:
+    """Faults resolve False for the requests that saw them, never for a later request."""
+    tier = make(key(1))
+    tier.script = [lambda keys: 1 / 0]
+    tier.lookup(key(1), ctx("r1"))
     step(tier)
-    assert tier.lookup(key(1), ctx("later", tenant="t")) is True
+    assert tier.lookup(key(1), ctx("r1")) is False
+    assert tier.stats.probe_errors == 1
+    assert tier.lookup(key(1), ctx("r2")) is None  # re-probed, not the fault's False
+    step(tier)
+    assert tier.lookup(key(1), ctx("r2")) is True
+    assert tier.lookup(key(1), ctx("r1")) is True
+    assert tier.stats.backend_calls == 2
 
 
 # --------------------------------------------------------------------------- verdict cache
@@ -638,6 +659,43 @@ def test_probe_timeout_detected_at_flush(make: Callable[..., SetTier], clock: Fa
     tier.flush()
     assert tier.phase(key(1)) is LookupPhase.RESOLVED
     assert tier.stats.probe_timeouts == 1
+
+
+def test_answer_posted_before_the_deadline_is_not_a_timeout_at_lookup(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    """The worker answered in time but nobody drained yet: a lookup past the deadline must apply
+    that answer, not time the probe out (and not feed the breaker with a phantom failure)."""
+    tier = make(key(1), probe_timeout_s=5.0, breaker_threshold=1)
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    assert tier.lookup(key(1), ctx("r1")) is None  # the post-flush drain found nothing yet
+    assert tier._wait_for_results(WAIT_S)  # answered at t0, well before the deadline
+    clock.advance(5.0)
+    assert tier.lookup(key(1), ctx("r1")) is True
+    stats = tier.stats
+    assert (stats.probe_timeouts, stats.failed_calls, stats.stale_results_dropped) == (0, 0, 0)
+    assert stats.breaker_state is BreakerState.CLOSED
+
+
+def test_late_failing_result_of_a_timed_out_probe_is_not_counted_twice(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    keys = [key(1), key(2)]
+    hold = threading.Event()
+    tier = make(hold=hold, probe_timeout_s=1.0)
+    tier.script = [lambda ks: 1 / 0]
+    for k in keys:
+        tier.lookup(k, ctx("r1"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    clock.advance(1.0)
+    tier.flush()  # timed out: 2 keys, 1 failed call
+    hold.set()
+    step(tier)  # the late result is an error: dropped as stale, not a second failure
+    stats = tier.stats
+    assert (stats.probe_timeouts, stats.probe_errors) == (2, 0)
+    assert (stats.failed_calls, stats.backend_calls, stats.stale_results_dropped) == (1, 1, 2)
 
 
 # --------------------------------------------------------------------------- circuit breaker

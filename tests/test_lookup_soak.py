@@ -3,8 +3,11 @@
 Thousands of engine steps with random request overlap, backend latency, errors, malformed
 results, calls held past their deadline (the clock is a FakeClock the scheduler moves, so a held
 call really times out), failed loads (mark_miss), our own stores/evictions (note_*), and
-cleanups. Checked every step: an answer is never True for a key the tier does not hold, no probe
-outlives its deadline after a flush, and no invariant is violated; at the end nothing is left.
+cleanups. Checked every step: an answer is never True for a key the tier does not hold, a
+quarantined key (``mark_miss`` less than ``quarantine_s`` ago, no ``note_stored`` since) always
+answers False, a key whose last event was ``note_stored`` less than ``verdict_ttl_s`` ago always
+answers True, no probe outlives its deadline after a flush, and no invariant is violated; at the
+end nothing is left.
 
 The worker really runs concurrently, so the interleaving differs from run to run; every
 decision (which keys, which faults, when time jumps) comes from the seeded generators.
@@ -94,6 +97,8 @@ def test_soak_ends_empty_and_never_claims_a_missing_block(seed: int) -> None:
     active: dict[str, tuple[RequestContext, list[BlockKey], int]] = {}
     next_request = 0
     true_answers = 0
+    # the soak's own model of the last event per key: ("miss" | "stored" | "removed", when)
+    last_event: dict[BlockKey, tuple[str, float]] = {}
     try:
         for _ in range(4000):
             for _ in range(rng.choice((0, 0, 1, 1, 2, 3))):
@@ -106,6 +111,11 @@ def test_soak_ends_empty_and_never_claims_a_missing_block(seed: int) -> None:
             for req_id, (context, keys, steps_left) in list(active.items()):
                 for block in keys:
                     verdict = tier.lookup(block, context)
+                    kind, when = last_event.get(block, ("", -1e9))
+                    if kind == "miss" and clock.now < when + 5.0:
+                        assert verdict is False, "a quarantined key was not answered False"
+                    if kind == "stored" and clock.now < when + 2.0:
+                        assert verdict is True, "note_stored was not honoured within its TTL"
                     if verdict is True:
                         true_answers += 1
                         assert block in tier.present, "True for a block the tier lacks"
@@ -118,15 +128,19 @@ def test_soak_ends_empty_and_never_claims_a_missing_block(seed: int) -> None:
                     active[req_id] = (context, keys, steps_left - 1)
             action = rng.random()
             if action < 0.05:
-                tier.mark_miss(rng.sample(sorted(tier.present), 2))
+                missed = rng.sample(sorted(tier.present), 2)
+                tier.mark_miss(missed)
+                last_event.update((block, ("miss", clock.now)) for block in missed)
             elif action < 0.08:
                 stored = _key(rng.randrange(400))
                 tier.present.add(stored)
                 tier.note_stored([stored])
+                last_event[stored] = ("stored", clock.now)
             elif action < 0.11:
                 removed = _key(rng.randrange(400))
                 tier.present.discard(removed)
                 tier.note_removed([removed])
+                last_event[removed] = ("removed", clock.now)
             pace = rng.random()
             if pace < 0.5:  # a fast backend this step: release holds, let the worker catch up
                 tier.gate.set()

@@ -15,6 +15,7 @@ from kvtier.backends.base import Backend
 from kvtier.config import ConfigError
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.manager import (
+    BlockPromoted,
     BlockRemoved,
     BlockStored,
     KeyNotResidentError,
@@ -229,7 +230,9 @@ def test_promotion_goes_retry_pending_hit_with_exact_bytes(make: Factory) -> Non
     m.on_request_finished(ctx)
     step(m)
     assert_no_state(m)
-    assert BlockStored((k(1), k(2)), "primary") in m.take_events()
+    events = m.take_events()
+    stored = events.index(BlockStored((k(1), k(2)), "primary"))
+    assert events[stored + 1] == BlockPromoted((k(1), k(2)), "memory")
 
 
 def test_a_landed_promotion_is_held_for_its_request_against_other_promotions(
@@ -363,6 +366,9 @@ def test_a_failed_load_in_one_tier_falls_through_to_the_next(make: Factory,
     stats = m.get_stats()["tiers"]
     assert stats["file"]["load_keys_failed"] == 1
     assert stats["file2"]["load_keys"] == 1 and stats["file2"]["load_keys_failed"] == 0
+    events = m.take_events()
+    assert PromotionFailed((k(1),), "file") in events
+    assert [e for e in events if isinstance(e, BlockPromoted)] == [BlockPromoted((k(1),), "file2")]
 
 
 # ---- cascade --------------------------------------------------------------------------------

@@ -166,6 +166,83 @@ def test_arc_invariants_hold_under_random_workloads(
         assert all(key in arc for key in pinned)
 
 
+class TextbookARC:
+    """ARC exactly as printed in Megiddo & Modha (FAST'03, Fig. 4), the reference to match."""
+
+    def __init__(self, c: int) -> None:
+        self.c, self.p = c, 0.0
+        self.t1: dict[int, None] = {}
+        self.t2: dict[int, None] = {}
+        self.b1: dict[int, None] = {}
+        self.b2: dict[int, None] = {}
+
+    @staticmethod
+    def _pop_lru(entries: dict[int, None]) -> int:
+        key = next(iter(entries))
+        del entries[key]
+        return key
+
+    def _replace(self, x: int) -> None:
+        if self.t1 and ((x in self.b2 and len(self.t1) == self.p) or len(self.t1) > self.p):
+            self.b1[self._pop_lru(self.t1)] = None
+        else:
+            self.b2[self._pop_lru(self.t2)] = None
+
+    def access(self, x: int) -> bool:
+        c = self.c
+        if x in self.t1 or x in self.t2:
+            self.t1.pop(x, None)
+            self.t2.pop(x, None)
+            self.t2[x] = None
+            return True
+        if x in self.b1:
+            self.p = min(c, self.p + max(len(self.b2) / len(self.b1), 1.0))
+            self._replace(x)
+            del self.b1[x]
+            self.t2[x] = None
+            return False
+        if x in self.b2:
+            self.p = max(0.0, self.p - max(len(self.b1) / len(self.b2), 1.0))
+            self._replace(x)
+            del self.b2[x]
+            self.t2[x] = None
+            return False
+        l1 = len(self.t1) + len(self.b1)
+        total = l1 + len(self.t2) + len(self.b2)
+        if l1 == c:
+            if len(self.t1) < c:
+                self._pop_lru(self.b1)
+                self._replace(x)
+            else:
+                self._pop_lru(self.t1)
+        elif total >= c:
+            if total == 2 * c:
+                self._pop_lru(self.b2)
+            self._replace(x)
+        self.t1[x] = None
+        return False
+
+
+def test_arc_matches_the_textbook_algorithm_hit_for_hit() -> None:
+    """Same hits, same p and same resident set as the paper's ARC on a skewed trace whose
+    target p takes fractional values (the B2-ghost tie-break compares |T1| with p exactly)."""
+    import random
+
+    rng = random.Random(0)
+    capacity = 16
+    ours, reference = ARCPolicy(capacity), TextbookARC(capacity)
+    ours_hits = reference_hits = 0
+    for _ in range(20000):
+        x = (int(rng.paretovariate(1.2)) % 200 if rng.random() < 0.7 else rng.randrange(60))
+        reference_hits += reference.access(x)
+        ours_hits += k(x) in ours
+        access(ours, k(x))
+        assert ours.target_t1 == reference.p
+    assert ours_hits == reference_hits
+    assert {key for key in (k(x) for x in range(200)) if key in ours} == {
+        k(x) for x in (*reference.t1, *reference.t2)}
+
+
 def test_make_policy_names_the_bad_value() -> None:
     assert isinstance(make_policy("lru", 2), LRUPolicy)
     assert isinstance(make_policy("arc", 2), ARCPolicy)

@@ -141,6 +141,10 @@ def test_closed_pool_refuses_work() -> None:
         _ = pool.arena
     with pytest.raises(PoolClosedError):
         pool.reserve(k(1))
+    with pytest.raises(PoolClosedError):
+        pool.as_array()
+    with pytest.raises(PoolClosedError):
+        pool.view(0)
 
 
 def test_arc_policy_by_name() -> None:

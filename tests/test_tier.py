@@ -148,6 +148,46 @@ def test_backpressure_sheds_stores_while_the_backend_is_held(namespace: Namespac
         tier.shutdown(10)
 
 
+class OrderedGate(Gate):
+    """Gate that also records the order in which the I/O thread enters the backend."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self.calls: list[tuple[str, tuple[BlockKey, ...]]] = []
+
+    def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
+        self.calls.append(("put", tuple(keys)))
+        return super().put_many(keys, payloads)
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
+        self.calls.append(("get", tuple(keys)))
+        return super().get_many(keys, outs)
+
+
+def test_a_waiting_load_runs_before_waiting_stores(namespace: Namespace) -> None:
+    """A promotion never queues behind a backlog of cascades on the tier's I/O threads."""
+    gate = OrderedGate(open_backend("memory://", namespace))
+    gate.inner.put_many([k(9)], [payload(9)])
+    tier = SecondaryTier("prio", gate, io_threads=1)
+    try:
+        gate.release.clear()
+        assert tier.submit_store([k(1)], [payload(1)]) is not None
+        assert gate.entered.acquire(timeout=10)  # the only I/O thread is busy with store 1
+        assert tier.submit_store([k(2)], [payload(2)]) is not None
+        assert tier.submit_store([k(3)], [payload(3)]) is not None
+        out = bytearray(BLOCK)
+        load = tier.submit_load([k(9)], [memoryview(out)])
+        gate.release.set()
+        done = tier.get_finished_jobs(wait=True, timeout=10)
+        assert len(done) == 4 and tier.outstanding_jobs == 0
+        assert gate.calls == [("put", (k(1),)), ("get", (k(9),)), ("put", (k(2),)),
+                              ("put", (k(3),))]
+        assert load.results == (True,) and bytes(out) == payload(9)
+    finally:
+        gate.release.set()
+        tier.shutdown(10)
+
+
 def test_job_count_limit_and_one_oversized_job_is_accepted_when_idle(
         namespace: Namespace) -> None:
     gate = Gate(open_backend("memory://", namespace))

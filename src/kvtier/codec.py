@@ -229,10 +229,27 @@ def decode_checked(
     length = _verify_header(view, namespace_digest, key)
     if target.nbytes != length:
         raise OutputSizeMismatch(f"out has {target.nbytes} bytes, the frame payload has {length}")
+    _verify_checksum(view)
+    target[:] = view[HEADER_BYTES:]
+
+
+def verify_frame(frame: Buffer, namespace_digest: bytes, key: bytes) -> int:
+    """Verify ``frame`` completely (checksum included) without copying; return its payload length.
+
+    Raises a :class:`FrameError` subclass for a bad frame. Backends use it to tell a valid block
+    read with a wrong-size ``out`` (kept) from a block whose length field is damaged (deleted).
+    """
+    _check_digest(namespace_digest)
+    check_key(key)
+    view = as_byte_view(frame, "frame")
+    length = _verify_header(view, namespace_digest, key)
+    _verify_checksum(view)
+    return length
+
+
+def _verify_checksum(view: memoryview) -> None:
     hasher = xxhash.xxh3_64(view[:_CHECKSUM_OFFSET])
-    payload = view[HEADER_BYTES:]
-    hasher.update(payload)
+    hasher.update(view[HEADER_BYTES:])
     (stored,) = _CHECKSUM.unpack_from(view, _CHECKSUM_OFFSET)
     if hasher.intdigest() != stored:
         raise ChecksumMismatch(f"checksum {hasher.intdigest():#018x}, stored {stored:#018x}")
-    target[:] = payload

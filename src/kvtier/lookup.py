@@ -374,6 +374,8 @@ class AsyncLookupManager(abc.ABC):
             return self._lookup_untracked(key, req_context)
         requests = state.requests
         if req_id not in requests:  # first time this request asks for this key (inlined: hot)
+            if state.source is _SOURCE_FAULT:
+                return self._reprobe_after_fault(key, state, req_context)
             requests.add(req_id)
             request_keys = self._request_keys.get(req_id)
             if request_keys is None:
@@ -386,6 +388,8 @@ class AsyncLookupManager(abc.ABC):
         if verdict is None and state.phase is _PHASE_IN_FLIGHT:
             now = self._clock()
             if now >= state.deadline:
+                # An answer already posted by the worker is not a timeout (as in flush).
+                self._drain(now)
                 self._expire_timed_out(now)
                 return state.verdict
         return verdict
@@ -608,6 +612,27 @@ class AsyncLookupManager(abc.ABC):
         self._pending.append((key, generation, req_context))
         return None
 
+    def _reprobe_after_fault(self, key: BlockKey, state: _KeyState,
+                             req_context: RequestContext) -> bool | None:
+        """A request joins a key whose False came from a fault: faults are never served to later
+        requests, so the key is probed again (if the breaker admits it) for everyone."""
+        req_id = req_context.req_id
+        state.requests.add(req_id)
+        request_keys = self._request_keys.get(req_id)
+        if request_keys is None:
+            self._request_keys[req_id] = {key}
+        else:
+            request_keys.add(key)
+        if self._breaker_state is not _BREAKER_CLOSED and not self._breaker_admits(self._clock()):
+            self._counters.breaker_short_circuits += 1
+            return False
+        self._supersede(state)
+        state.phase = _PHASE_PENDING
+        state.verdict = state.source = state.cache_expiry = None
+        state.deadline = math.inf
+        self._pending.append((key, state.generation, req_context))
+        return None
+
     def _breaker_admits(self, now: float) -> bool:
         """Whether new keys may be probed now; moves OPEN to HALF_OPEN after the cool-down."""
         breaker = self._breaker_state
@@ -668,15 +693,16 @@ class AsyncLookupManager(abc.ABC):
     def _apply(self, result: _ProbeResult, now: float | None) -> None:
         counters = self._counters
         counters.backend_calls += len(result.call_outcomes)
-        counters.failed_calls += result.call_outcomes.count(False)
-        counters.probe_errors += result.error_keys
         batch = self._inflight_batches.pop(result.batch_id, None)
         if batch is None:
             if result.batch_id >= self._next_batch_id:
                 self._violation("result for batch %d that was never sent", result.batch_id)
-            # Timed out earlier: every answer is late; the timeout already fed the breaker.
+            # Timed out earlier: every answer is late; the timeout already fed the breaker and
+            # was counted (failed_calls, probe_timeouts), so its errors are not counted again.
             counters.stale_results_dropped += len(result.answers)
             return
+        counters.failed_calls += result.call_outcomes.count(False)
+        counters.probe_errors += result.error_keys
         self._breaker_record(result.batch_id, result.call_outcomes, now)
         ttl = self._verdict_ttl_s
         states = self._states

@@ -36,7 +36,7 @@ Public API::
 
     LookupResult: HIT, HIT_PENDING, RETRY, MISS
     LoadPlan(keys, slots); StorePlan(keys, slots, evicted)
-    events: BlockStored, BlockRemoved, PromotionFailed, StoreShed (keys, tier)
+    events: BlockStored, BlockRemoved, BlockPromoted, PromotionFailed, StoreShed (keys, tier)
     TieringManager(pool, tiers, *, namespace, write_policy, metrics, clock, max_events)
     open_manager(config=None, **overrides) -> TieringManager
 """
@@ -67,6 +67,7 @@ from kvtier.primary import PrimaryPool
 from kvtier.tier import JobKind, LookupFactory, SecondaryTier, TransferJob
 
 __all__ = [
+    "BlockPromoted",
     "BlockRemoved",
     "BlockStored",
     "KeyNotResidentError",
@@ -131,6 +132,15 @@ class BlockRemoved:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockPromoted:
+    """``keys`` were promoted into the primary pool from secondary tier ``tier`` (each promotion
+    also emits ``BlockStored(keys, "primary")``, just before this event)."""
+
+    keys: tuple[BlockKey, ...]
+    tier: str
+
+
+@dataclass(frozen=True, slots=True)
 class PromotionFailed:
     """Loading ``keys`` from ``tier`` failed (missing, I/O error or corrupt); they recompute."""
 
@@ -146,7 +156,7 @@ class StoreShed:
     tier: str
 
 
-ManagerEvent = BlockStored | BlockRemoved | PromotionFailed | StoreShed
+ManagerEvent = BlockStored | BlockRemoved | BlockPromoted | PromotionFailed | StoreShed
 
 
 class KeyNotResidentError(ValueError):
@@ -648,6 +658,7 @@ class TieringManager:
             self._counters.promotions_failed += len(failed)
             if loaded:
                 self._emit(BlockStored(tuple(loaded), PRIMARY))
+                self._emit(BlockPromoted(tuple(loaded), tier_name))
             if failed:
                 self._emit(PromotionFailed(tuple(failed), tier_name))
             return

@@ -210,7 +210,7 @@ class ARCPolicy:
         t1_size = len(self._t1)
         prefer_t1 = t1_size > 0 and (
             t1_size > self._p or (incoming is not None and incoming in self._b2
-                                  and t1_size == int(self._p))
+                                  and t1_size == self._p)
         )
         order = ((self._t1, self._b1), (self._t2, self._b2))
         if not prefer_t1:

@@ -159,6 +159,8 @@ class PrimaryPool:
 
     def as_array(self) -> npt.NDArray[np.uint8]:
         """The arena as a ``(num_slots, block_bytes)`` uint8 array (no copy)."""
+        if self._arena is None:
+            raise PoolClosedError("the primary pool is closed")
         return self._array.reshape(self._num_slots, self._block_bytes)
 
     def view(self, slot: int) -> memoryview:

@@ -7,7 +7,9 @@ Thread ownership:
   ``_store_jobs``), the counters (``_counters``), the lifecycle (``_state``) and everything in the
   lookup manager. It submits jobs, and collects finished ones with :meth:`get_finished_jobs`.
 - **I/O threads** (``io_threads`` per tier, a ``ThreadPoolExecutor``) run one
-  :class:`TransferJob` at a time: they call the backend, fill in the job's ``results``,
+  :class:`TransferJob` at a time, taken from the ready queues (``_ready_loads`` before
+  ``_ready_stores``: ``collections.deque``, appended by the scheduler, popped by I/O threads,
+  each job popped exactly once): they call the backend, fill in the job's ``results``,
   ``error`` and ``seconds`` and post the job to ``_finished`` (a ``queue.SimpleQueue``). After
   posting they never touch the job again; before posting the scheduler never reads those fields.
 - **Probe worker** (inside the lookup manager) calls ``backend.exists``.
@@ -21,7 +23,9 @@ that must stay unchanged until the job is collected.
 Backpressure: a tier accepts at most ``max_pending_store_jobs`` outstanding store jobs and
 ``max_pending_store_bytes`` of outstanding store payload (one job is always accepted when none
 is outstanding). :meth:`submit_store` sheds (returns None, counts) what does not fit, so a slow
-or dead tier never stalls the engine. Loads are never shed.
+or dead tier never stalls the engine. Loads are never shed, and they go first: an idle I/O
+thread takes the oldest waiting load before any waiting store, so a promotion a request waits
+for never queues behind a backlog of cascades.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import itertools
 import logging
 import queue
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -175,6 +180,8 @@ class SecondaryTier:
                                             thread_name_prefix=f"kvtier-io-{name}")
         self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
         self._outstanding: dict[int, TransferJob] = {}
+        self._ready_loads: deque[TransferJob] = deque()
+        self._ready_stores: deque[TransferJob] = deque()
         self._job_ids = itertools.count()
         self._store_bytes = 0
         self._store_jobs = 0
@@ -254,12 +261,21 @@ class SecondaryTier:
 
     def _start(self, job: TransferJob) -> None:
         self._outstanding[job.job_id] = job
+        (self._ready_loads if job.kind is JobKind.LOAD else self._ready_stores).append(job)
         try:
-            self._executor.submit(self._run, job)
-        except RuntimeError as exc:  # executor shut down underneath us: fail the job, do not hang
-            job.results = (False,) * len(job.keys)
-            job.error = f"executor unavailable: {exc!r}"
-            self._finished.put(job)
+            self._executor.submit(self._run_next)
+        except RuntimeError as exc:  # executor shut down underneath us: fail the jobs, no hang
+            # Tasks already submitted each pop one job (or find none and return); every job
+            # still waiting now is failed here, so no job is run twice or left behind.
+            for ready in (self._ready_loads, self._ready_stores):
+                while True:
+                    try:
+                        waiting = ready.popleft()
+                    except IndexError:
+                        break
+                    waiting.results = (False,) * len(waiting.keys)
+                    waiting.error = f"executor unavailable: {exc!r}"
+                    self._finished.put(waiting)
 
     def get_finished_jobs(self, *, wait: bool = False,
                           timeout: float | None = None) -> list[TransferJob]:
@@ -317,6 +333,16 @@ class SecondaryTier:
                 self._metrics.stores.labels(tier=self._name).inc(len(stored))
 
     # ---- I/O thread ---------------------------------------------------------------------------
+    def _run_next(self) -> None:
+        """Run the oldest waiting load, else the oldest waiting store (one per submitted task)."""
+        for ready in (self._ready_loads, self._ready_stores):
+            try:
+                job = ready.popleft()
+            except IndexError:
+                continue
+            self._run(job)
+            return
+
     def _run(self, job: TransferJob) -> None:
         started = time.perf_counter()
         try:

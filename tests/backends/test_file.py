@@ -476,3 +476,123 @@ def test_publishing_falls_back_to_hard_links_without_rename_noreplace(
     assert bytes(out) == first
     assert temp_files(tmp_path) == []
     backend.close()
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_damaged_length_field_is_corrupt_not_a_wrong_size_read(
+    tmp_path: Path, o_direct: bool
+) -> None:
+    """A flipped bit in the header's payload-length field must not pass for "the caller's out
+    has the wrong size" (which keeps the file): the file would then be kept, never counted, and
+    answer True to exists but False to every read, forever."""
+    backend = FileBackend(tmp_path, fresh_namespace(), o_direct=o_direct)
+    [key] = keys_for(1, "length-flip")
+    assert backend.put_many([key], [b"q" * 1000]) == [True]
+    path = backend.path_for(key)
+    damaged = bytearray(path.read_bytes())
+    damaged[9] ^= 0x01  # payload length 1000 -> 744: within the same O_DIRECT page
+    path.write_bytes(bytes(damaged))
+    out = sentinel_buffer(1000)
+    assert backend.get_many([key], [memoryview(out)]) == [False]
+    assert out == sentinel_buffer(1000)
+    assert backend.stats()["corrupt_objects"] == 1
+    assert not path.exists()
+
+
+def test_good_block_published_while_dropping_a_corrupt_one_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader finds a corrupt file; while it removes it, another reader drops the bad file and
+    a writer publishes the good block under the same name. Only the bad file may go. The
+    wrappers around ``os.stat`` / ``os.rename`` only pin that interleaving right after the
+    reader's first filesystem call on the block's name (no real part can pause between two
+    syscalls); the files, renames and unlinks are real."""
+    namespace = fresh_namespace()
+    reader, writer = FileBackend(tmp_path, namespace), FileBackend(tmp_path, namespace)
+    [key] = keys_for(1, "drop-race")
+    payload = b"g" * 5000
+    path = str(reader.path_for(key))
+    good = bytes(codec.encode(namespace.digest, key, payload))
+    bad = bytearray(good)
+    bad[codec.HEADER_BYTES + 7] ^= 0x01
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(bytes(bad))
+    armed = threading.Event()
+    raced = threading.Event()
+    real_decode, real_stat, real_rename = codec.decode_checked, os.stat, os.rename
+
+    def decode_then_arm(*args: Any) -> None:
+        try:
+            real_decode(*args)
+        except codec.FrameError:
+            armed.set()
+            raise
+
+    def race() -> None:
+        if not raced.is_set():
+            raced.set()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # another reader dropped the bad file ...
+            assert writer.put_many([key], [payload]) == [True]  # ... and the block came back
+
+    def stat_then_race(target: Any, *args: Any, **kwargs: Any) -> Any:
+        result = real_stat(target, *args, **kwargs)
+        if armed.is_set() and os.fspath(target) == path:
+            race()
+        return result
+
+    def rename_then_race(source: Any, *args: Any, **kwargs: Any) -> None:
+        real_rename(source, *args, **kwargs)
+        if armed.is_set() and os.fspath(source) == path:
+            race()
+
+    monkeypatch.setattr(codec, "decode_checked", decode_then_arm)
+    monkeypatch.setattr(os, "stat", stat_then_race)
+    monkeypatch.setattr(os, "rename", rename_then_race)
+    out = sentinel_buffer(len(payload))
+    assert reader.get_many([key], [memoryview(out)]) == [False]
+    monkeypatch.undo()
+    assert raced.is_set() and out == sentinel_buffer(len(payload))
+    assert reader.stats()["corrupt_objects"] == 1
+    assert Path(path).read_bytes() == good
+    assert reader.get_many([key], [memoryview(out)]) == [True] and bytes(out) == payload
+    assert temp_files(tmp_path) == []
+
+
+def test_two_instances_in_one_process_never_share_a_temp_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two instances on one directory (a scheduler and a worker in one process) write into the
+    same fan-out directory at once: their temp names must differ, or the second O_EXCL open
+    fails and a good put answers False. The ``os.fsync`` wrapper only holds the first write
+    open (with its temp file on disk) while the second one runs."""
+    namespace = fresh_namespace()
+    first = FileBackend(tmp_path, namespace, fsync=True)
+    second = FileBackend(tmp_path, namespace)
+    key_a, key_b = b"\xab\xcd" + b"a" * 14, b"\xab\xcd" + b"b" * 14  # one fan-out directory
+    holding, release = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+    results: list[list[bool]] = []
+
+    def held_fsync(fd: int) -> None:
+        if threading.current_thread().name == "first-writer" and not holding.is_set():
+            holding.set()
+            if not release.wait(30):
+                raise TimeoutError("the test never released the first writer")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", held_fsync)
+    writer = threading.Thread(
+        target=lambda: results.append(first.put_many([key_a], [b"1" * 100])), name="first-writer"
+    )
+    writer.start()
+    try:
+        assert holding.wait(30)
+        assert temp_files(tmp_path) != []  # the first write is in flight
+        assert second.put_many([key_b], [b"2" * 100]) == [True]
+    finally:
+        release.set()
+        writer.join(30)
+    assert results == [[True]]
+    assert second.stats()["errors"] == 0
+    assert first.exists([key_a, key_b]) == [True, True]

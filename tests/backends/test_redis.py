@@ -401,6 +401,46 @@ def test_corrupt_object_is_false_counted_and_deleted(
     assert backend.get_many(keys[:1], outs[:1]) == [True] and bytes(outs[0]) == payloads[0]
 
 
+@pytest.mark.parametrize("topology", ["standalone", "cluster"])
+def test_good_block_stored_after_the_corrupt_read_is_not_deleted(
+    topology: str,
+    request: pytest.FixtureRequest,
+    open_redis: Callable[..., RedisBackend],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reader finds a corrupt object; before it deletes it, another reader removes it and a
+    writer stores the good block (SET NX succeeds on the free name). The first reader's delete
+    must spare that good block. The wrapper around ``codec.decode_into`` only pins that
+    interleaving (a real server cannot be paused between two of our commands); the servers,
+    objects and deletes are real."""
+    fixture = "redis_server" if topology == "standalone" else "redis_cluster"
+    server = request.getfixturevalue(fixture)
+    namespace = fresh_namespace()
+    reader, writer = open_redis(server.url, namespace), open_redis(server.url, namespace)
+    keys, payloads = random_keys(1), random_payloads(1)
+    name = object_name(namespace, keys[0])
+    with server.client() as raw:
+        raw.set(name, _flip_payload_byte(codec.encode(namespace.digest, keys[0], payloads[0]),
+                                         namespace, keys[0]))
+        real_decode = codec.decode_into
+
+        def decode_then_race(frame: Any, digest: bytes, key: bytes, out: memoryview) -> None:
+            try:
+                real_decode(frame, digest, key, out)
+            except codec.FrameError:
+                raw.delete(name)  # someone else dropped the bad object ...
+                assert writer.put_many(keys, payloads) == [True]  # ... and the block came back
+                raise
+
+        monkeypatch.setattr(codec, "decode_into", decode_then_race)
+        outs = sentinel_outs(1)
+        assert reader.get_many(keys, outs) == [False] and untouched(outs[0])
+        monkeypatch.undo()
+        assert raw.exists(name) == 1
+    assert reader.stats()["corrupt_objects"] == 1 and reader.stats()["errors"] == 0
+    assert reader.get_many(keys, outs) == [True] and bytes(outs[0]) == payloads[0]
+
+
 def test_foreign_data_type_under_a_block_name_is_corrupt(
     backend: RedisBackend, redis_server: ValkeyServer
 ) -> None:

@@ -277,6 +277,42 @@ def test_corrupt_object_is_false_counted_and_deleted(
     assert bytes(outs[1]) == payloads[1]
 
 
+def test_good_block_stored_after_the_corrupt_read_is_not_deleted(
+    backend: S3Backend, s3_server: SeaweedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader GETs a corrupt object; before it deletes it, another reader removes it and a
+    writer stores the good block (the conditional PUT succeeds on the free name). The first
+    reader's delete must spare that good block. The wrapper around ``codec.decode_into`` only
+    pins that interleaving (a real server cannot be paused between our GET and DELETE); server,
+    objects and deletes are real."""
+    keys, payloads = _keys(1), _payloads(1, size=1024)
+    name = backend.object_name(keys[0])
+    raw = s3_server.raw_client()
+    good = bytes(codec.encode(backend.namespace.digest, keys[0], payloads[0]))
+    raw.put_object(Bucket=s3_server.bucket, Key=name, Body=_flip_payload_byte(good, b""))
+    writer = _open(s3_server.url("kvtier-tests"), backend.namespace, timeout_s=3)
+    real_decode = codec.decode_into
+
+    def decode_then_race(frame: Any, digest: bytes, key: bytes, out: memoryview) -> None:
+        try:
+            real_decode(frame, digest, key, out)
+        except codec.FrameError:
+            raw.delete_object(Bucket=s3_server.bucket, Key=name)  # someone dropped it ...
+            assert writer.put_many(keys, payloads) == [True]  # ... and the block came back
+            raise
+
+    monkeypatch.setattr(codec, "decode_into", decode_then_race)
+    try:
+        outs = _outs(payloads)
+        assert backend.get_many(keys, outs) == [False]
+        monkeypatch.undo()
+        assert backend.stats()["corrupt_objects"] == 1
+        assert raw.get_object(Bucket=s3_server.bucket, Key=name)["Body"].read() == good
+        assert backend.get_many(keys, outs) == [True] and bytes(outs[0]) == payloads[0]
+    finally:
+        writer.close()
+
+
 # --------------------------------------------------------------------------- put-if-absent
 
 

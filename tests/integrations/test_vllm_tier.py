@@ -6,6 +6,7 @@ Each test builds vLLM's ``TieringOffloadingManager`` from ``KvtierOffloadingSpec
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from integrations.vllm_harness import (
+    END_OF_STEP,
     PAGE_BYTES,
     Engine,
     engine,
@@ -36,7 +38,9 @@ from integrations.vllm_harness import (
     random_payloads,
     tier_entry,
 )
+from kvtier.backends.file import FileBackend
 from kvtier.backends.memory import MemoryBackend
+from kvtier.codec import encode
 from kvtier.integrations.vllm import CpuCopyWorker, KvtierOffloadingSpec
 from kvtier.integrations.vllm._tier import KvtierTierClosedError, KvtierTierContractError
 
@@ -110,6 +114,33 @@ def test_damaged_block_fails_only_its_key_and_is_not_retried(tmp_path: Path, dam
             assert stats["lookup_quarantined_keys"] >= 1
         else:
             assert stats["blocks_loaded"] in (0, 2)  # missing: no probe hit, or a failed load
+
+
+def test_a_block_that_cannot_be_loaded_is_not_promised_again_after_its_recompute_is_stored(
+    tmp_path: Path,
+) -> None:
+    """An object the backend keeps but cannot load (here: a valid frame of another size; in
+    production e.g. a file that stats but fails to read) makes the recompute's store answer
+    "already present". That answer must not lift the quarantine: each later request would
+    start the same doomed promotion again."""
+    [key], [payload] = random_keys(1), random_payloads(1)
+    with engine(_file_url(tmp_path), lookup={"verdict_ttl_s": 0}) as stack:
+        planted = FileBackend(tmp_path, stack.tier.namespace).path_for(key)
+        planted.parent.mkdir(parents=True, exist_ok=True)
+        planted.write_bytes(encode(stack.tier.namespace.digest, key, os.urandom(PAGE_BYTES // 2)))
+
+        first = stack.new_request()
+        assert stack.lookup_until_final([key], first) == [LookupResult.MISS]  # load failed
+        assert stack.tier.stats_snapshot()["blocks_load_failed"] == 1
+        stack.manager.on_request_finished(first)
+        stack.store([key], [payload])  # the recompute, cascaded: the backend says "present"
+        stack.manager.reset_cache()  # the block leaves vLLM's CPU tier (eviction or restart)
+        assert planted.stat().st_size < PAGE_BYTES  # still the unloadable object
+
+        later = stack.new_request()
+        assert stack.manager.lookup(key, later) is LookupResult.MISS  # not HIT_PENDING again
+        stack.settle()
+        assert stack.tier.stats_snapshot()["blocks_load_failed"] == 1
 
 
 def test_partially_failed_load_reports_successful_keys(tmp_path: Path) -> None:
@@ -217,6 +248,55 @@ def test_store_is_written_through_without_engine_steps_and_reported_as_pending(
         assert not stack.tier.has_pending_work()
         assert backend.exists(keys) == [True, True]
         stack.manager.on_request_finished(context)
+
+
+class _StuckProbeBackend(MemoryBackend):
+    """A real memory backend whose ``probe`` waits for the test's Event.
+
+    Fault injection: a real backend stuck in an existence check (a black-holed server) cannot be
+    produced on demand, and the test needs a probe in flight at shutdown.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def probe(self, keys: Sequence[bytes]) -> list[bool]:
+        self.entered.set()
+        self.release.wait(60)
+        return super().probe(keys)  # type: ignore[arg-type]
+
+
+def test_shutdown_does_not_wait_for_a_probe_stuck_in_the_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stuck: list[_StuckProbeBackend] = []
+
+    def open_stuck(url: str, namespace: object, **options: object) -> _StuckProbeBackend:
+        backend = _StuckProbeBackend(namespace)
+        stuck.append(backend)
+        return backend
+
+    monkeypatch.setattr("kvtier.integrations.vllm._tier.open_backend", open_stuck)
+    monkeypatch.setattr("kvtier.integrations.vllm._tier._PROBE_SHUTDOWN_WAIT_S", 0.05)
+    stack = Engine("memory://")
+    backend = stuck[0]
+    closed = threading.Event()
+    try:
+        context = stack.new_request()
+        assert stack.manager.lookup(random_keys(1)[0], context) is LookupResult.RETRY
+        stack.manager.on_schedule_end(END_OF_STEP)  # flush: the probe goes to the worker
+        assert backend.entered.wait(10)
+        closer = threading.Thread(target=lambda: (stack.close(), closed.set()), daemon=True)
+        closer.start()
+        # Shutdown returns while the probe is still stuck (before: it waited for the backend).
+        assert closed.wait(10), "shutdown waited for a probe stuck in the backend"
+        assert not backend.release.is_set()
+    finally:
+        backend.release.set()
+        if not closed.is_set():
+            closed.wait(30)
 
 
 def test_shutdown_is_idempotent_and_ends_threads(tmp_path: Path) -> None:

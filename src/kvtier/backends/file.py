@@ -36,7 +36,6 @@ temp files left by crashed processes (whose pid is gone) are removed.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import enum
 import errno
@@ -82,6 +81,8 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
 _MISSING_ERRNOS = {errno.ENOENT, errno.ENOTDIR}
+# Temp-file sequence numbers, shared by every instance in this process (next() is atomic).
+_TEMP_COUNTER = itertools.count()
 
 
 class DirectIO(enum.Enum):
@@ -204,7 +205,8 @@ class FileBackend(ExistenceChecks):
         self._index: OrderedDict[BlockKey, int] = OrderedDict()
         self._used_bytes = 0
         self._reserved_bytes = 0
-        self._temp_counter = itertools.count()
+        # Process-wide: two instances on one directory must never pick the same temp name.
+        self._temp_counter = _TEMP_COUNTER
         self._pid = os.getpid()
         self._scratch = _Scratch()
         self._stats = BackendStats(
@@ -272,9 +274,13 @@ class FileBackend(ExistenceChecks):
     def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
         key_list, views = check_get_args(keys, outs)
         self._lifecycle.check_open()
-        results = [self._get_one(key, out) for key, out in zip(key_list, views, strict=True)]
+        get_one = self._get_one
+        results = [get_one(key, out) for key, out in zip(key_list, views, strict=True)]
         hits = sum(results)
-        self._stats.add_many({"gets": len(key_list), "hits": hits, "misses": len(key_list) - hits})
+        read = sum(out.nbytes for out, hit in zip(views, results, strict=True) if hit)
+        self._stats.add_many(
+            {"gets": len(key_list), "hits": hits, "misses": len(key_list) - hits, "bytes_read": read}
+        )
         return results
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
@@ -307,9 +313,14 @@ class FileBackend(ExistenceChecks):
         frame_len = codec.HEADER_BYTES + view.nbytes
         direct = self._direct_io is DirectIO.ACTIVE
         file_size = _round_up(frame_len) if direct else frame_len
-        parts, name = _key_location(key.hex())
-        directory = os.path.join(self._dir_str, *parts)
-        final = os.path.join(directory, name)
+        key_hex = key.hex()
+        if 4 <= len(key_hex) <= _MAX_NAME_HEX:  # the common case, as in _path_str
+            directory = f"{self._dir_str}/{key_hex[0:2]}/{key_hex[2:4]}"
+            final = f"{directory}/{key_hex}{_SUFFIX}"
+        else:
+            parts, name = _key_location(key_hex)
+            directory = os.path.join(self._dir_str, *parts)
+            final = os.path.join(directory, name)
         if os.path.lexists(final):
             self._adopt(key, file_size)
             return True
@@ -318,13 +329,13 @@ class FileBackend(ExistenceChecks):
             self._stats.add("put_rejected")
             return False
         header = codec.encode_header(self._digest, key, view)
-        temp = os.path.join(directory, f"{_TEMP_PREFIX}{self._pid}-{next(self._temp_counter)}")
+        temp = f"{directory}/{_TEMP_PREFIX}{self._pid}-{next(self._temp_counter)}"
         published = False
         try:
             try:
                 written = self._write_temp(temp, header, view, direct)
             except FileNotFoundError:
-                self._make_dirs(Path(directory))
+                self._make_dirs(directory)
                 written = self._write_temp(temp, header, view, direct)
             published = self._publish(temp, final, directory)
         except OSError as exc:
@@ -454,10 +465,8 @@ class FileBackend(ExistenceChecks):
             except codec.OutputSizeMismatch:
                 return False  # wrong-size out: keep the object
             except codec.FrameError:
-                if len(frame) >= codec.HEADER_BYTES:
-                    with contextlib.suppress(codec.FrameError):
-                        if codec.payload_length(frame) != out.nbytes:
-                            return False  # wrong-size out: keep the (maybe valid) object
+                if self._valid_with_other_size(fd, frame, key, out.nbytes):
+                    return False  # wrong-size out: keep the valid object
                 raise
         except codec.FrameError as exc:
             self._drop_corrupt(key, path, os.fstat(fd).st_ino, exc)
@@ -468,24 +477,73 @@ class FileBackend(ExistenceChecks):
             return False
         finally:
             os.close(fd)
-        self._stats.add("bytes_read", out.nbytes)
         if self._max_bytes:
             self._adopt(key, size)
         return True
 
+    def _valid_with_other_size(
+        self, fd: int, head: memoryview, key: BlockKey, out_size: int
+    ) -> bool:
+        """Whether the open file is a whole, valid frame whose payload is not ``out_size`` bytes.
+
+        Only on the (rare) frame-error path of a read: the header's length field alone cannot be
+        trusted (a flipped bit there would make a corrupt file look like a wrong-size read
+        forever), so the claimed frame is read and verified, checksum included.
+        """
+        if len(head) < codec.HEADER_BYTES:
+            return False
+        try:
+            length = codec.payload_length(head)
+        except codec.FrameError:
+            return False
+        frame_len = codec.HEADER_BYTES + length
+        if length == out_size or os.fstat(fd).st_size not in (frame_len, _round_up(frame_len)):
+            return False
+        # Page-aligned and page-sized, so that an O_DIRECT descriptor can read into it too.
+        with mmap.mmap(-1, _round_up(max(frame_len, 1))) as scratch:
+            view = memoryview(scratch)
+            try:
+                if os.preadv(fd, [view], 0) < frame_len:
+                    return False
+                codec.verify_frame(view[:frame_len], self._digest, key)
+            except codec.FrameError:
+                return False
+            finally:
+                view.release()
+        return True
+
     def _drop_corrupt(self, key: BlockKey, path: str, inode: int, exc: Exception) -> None:
+        """Remove the corrupt file we read (inode ``inode``), and only that file.
+
+        Between our read and now, another reader may have removed it and a writer published the
+        good block under the same name. "stat, then unlink if same inode" would still delete that
+        block if it lands between the two calls; instead the name is first renamed aside
+        (atomic), then the file that was moved is checked, and put back if it is not ours.
+        """
         self._stats.add("corrupt_objects")
         self._error_log.warning("file backend: dropping corrupt block %s: %s", path, exc)
+        directory = os.path.dirname(path)
+        aside = os.path.join(directory, f"{_TEMP_PREFIX}{self._pid}-{next(self._temp_counter)}")
+        removed = False
         try:
-            # Only remove the file we read: a racing writer may have replaced it meanwhile.
-            if os.stat(path).st_ino == inode:
-                os.unlink(path)
-        except OSError:
-            pass
-        with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used_bytes -= size
+            os.rename(path, aside)
+        except OSError as error:
+            removed = error.errno in _MISSING_ERRNOS  # someone else already removed it
+        else:
+            try:
+                if os.lstat(aside).st_ino == inode:
+                    os.unlink(aside)
+                    removed = True
+                else:  # a good block published meanwhile: give it its name back
+                    self._publish(aside, path, directory)
+            except OSError as error:
+                self._stats.add("errors")
+                self._report("drop corrupt", key, error)
+        if removed:
+            with self._lock:
+                size = self._index.pop(key, None)
+                if size is not None:
+                    self._used_bytes -= size
 
     # ------------------------------------------------------------------ capacity index
 
@@ -613,21 +671,23 @@ class FileBackend(ExistenceChecks):
         parts, name = _key_location(key_hex)
         return os.path.join(self._dir_str, *parts, name)
 
-    def _make_dirs(self, path: Path) -> None:
-        """Create ``path`` and its missing parents with mode 0700."""
-        missing: list[Path] = []
-        current = path
-        while not current.exists():
-            missing.append(current)
-            if current.parent == current:
-                break
-            current = current.parent
-        for directory in reversed(missing):
+    def _make_dirs(self, path: str | Path) -> None:
+        """Create ``path`` and its missing parents with mode 0700 (existing ones untouched)."""
+        directory = os.fspath(path)
+        try:
+            os.mkdir(directory, _DIR_MODE)
+        except FileExistsError:
+            return
+        except FileNotFoundError:
+            parent = os.path.dirname(directory)
+            if parent == directory:
+                raise
+            self._make_dirs(parent)
             try:
                 os.mkdir(directory, _DIR_MODE)
             except FileExistsError:
-                continue
-            os.chmod(directory, _DIR_MODE)  # the umask may have removed bits we need
+                return
+        os.chmod(directory, _DIR_MODE)  # the umask may have removed bits we need
 
     def _disable_direct_io(self, exc: OSError) -> None:
         with self._lock:

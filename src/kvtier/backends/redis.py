@@ -40,6 +40,7 @@ forward, so the TTL bounds idle time, not age.
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import os
 import threading
@@ -93,6 +94,21 @@ _DEFAULT_SOCKET_TIMEOUT_S: Final = 5.0
 _DEFAULT_CONNECT_TIMEOUT_S: Final = 2.0
 _KEY_PREFIX: Final = b"kvtier:"
 _SEPARATE_CHUNK_BYTES: Final = 16 * 1024
+# Deletes a corrupt block only if it is still the object we read: a string whose SHA-1 is
+# ARGV[1], or (ARGV[1] empty) a value of a non-string type. A good block that a concurrent
+# writer stored after someone else removed the bad one is therefore never deleted.
+_DELETE_IF_UNCHANGED: Final = b"""
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return 0 end
+if kind ~= 'string' then
+  if ARGV[1] == '' then return redis.call('UNLINK', KEYS[1]) end
+  return 0
+end
+if ARGV[1] ~= '' and redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[1] then
+  return redis.call('UNLINK', KEYS[1])
+end
+return 0
+"""
 
 # The I/O errors a batch call turns into False answers. RedisClusterException is not a
 # RedisError subclass (e.g. "no node reachable for slot"), hence listed on its own.
@@ -625,14 +641,14 @@ class RedisBackend(ExistenceChecks):
             self._stats.add_many({"gets": len(key_list), "misses": len(key_list)})
             return [False] * len(key_list)
         results: list[bool] = []
-        corrupt: list[BlockKey] = []
+        corrupt: list[tuple[BlockKey, str]] = []  # (key, SHA-1 of the bad value or "")
         read = size_mismatches = 0
         for key, out, reply in zip(key_list, views, replies, strict=True):
             if reply is None:
                 results.append(False)
             elif isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
                 # Something that is not a string sits under our block's name: not our block.
-                corrupt.append(key)
+                corrupt.append((key, ""))
                 _log.warning(
                     "redis backend %s: deleting foreign object under block %s: %s",
                     self._config.url, key.hex(), reply,
@@ -648,7 +664,7 @@ class RedisBackend(ExistenceChecks):
                     size_mismatches += 1
                     results.append(False)
                 except codec.FrameError as exc:
-                    corrupt.append(key)
+                    corrupt.append((key, hashlib.sha1(reply, usedforsecurity=False).hexdigest()))
                     _log.warning(
                         "redis backend %s: deleting corrupt block %s: %s",
                         self._config.url, key.hex(), exc,
@@ -658,9 +674,7 @@ class RedisBackend(ExistenceChecks):
                     read += out.nbytes
                     results.append(True)
         if corrupt:
-            # A plain UNLINK: a valid block can only replace this one after it is gone (puts
-            # are SET NX), so the worst a race can do here is drop a fresh copy -> a miss.
-            self._unlink(corrupt, "delete corrupt")
+            self._delete_corrupt(corrupt)
         hits = sum(results)
         self._stats.add_many(
             {
@@ -680,6 +694,26 @@ class RedisBackend(ExistenceChecks):
         self._stats.add("deletes", len(key_list))
         if key_list:
             self._unlink(key_list, "delete")
+
+    def _delete_corrupt(self, corrupt: list[tuple[BlockKey, str]]) -> None:
+        """Delete each bad object only if it is unchanged (one pipelined round trip).
+
+        Between our GET and this delete, another reader may have removed the bad object and a
+        writer stored the good block under the same name (``SET NX`` succeeds once the name is
+        free); a plain UNLINK would drop that good block. The script compares first.
+        """
+        try:
+            pipe = self._pipeline()
+        except _IO_ERRORS as exc:
+            self._count_error("delete corrupt", len(corrupt), exc)
+            return
+        for key, digest in corrupt:
+            # execute_command: redis-py's ClusterPipeline refuses .eval(), not EVAL itself.
+            pipe.execute_command("EVAL", _DELETE_IF_UNCHANGED, 1, self._name(key), digest)
+        replies = self._execute(pipe, "delete corrupt", len(corrupt))
+        for reply in replies or ():
+            if isinstance(reply, Exception):
+                self._count_error("delete corrupt", 1, reply)
 
     def _unlink(self, key_list: list[BlockKey], operation: str) -> None:
         try:

@@ -31,9 +31,11 @@ a batch makes the requests of that batch not yet started answer False without be
 tries again, so the backend recovers by itself once the server is back.
 
 Corrupt objects (any codec frame error, including a frame of another namespace) are deleted
-with one bulk DELETE per ``get_many``. The DELETE is unconditional: if another writer stored a
-good block under that name between our GET and our DELETE (possible only after someone else
-deleted the bad one), that block is lost too, which is a cache miss and never wrong data.
+with one bulk DELETE per ``get_many``, but only those whose ETag, checked by a HEAD just before,
+is still the one our GET saw: if another reader removed the bad object and a writer stored the
+good block under that name meanwhile, the good block is kept. S3 has no portable conditional
+DELETE, so a replacement landing between that HEAD and the DELETE (microseconds, against the
+whole GET + verify before it) can still be lost: a cache miss, never wrong data.
 """
 
 from __future__ import annotations
@@ -575,13 +577,14 @@ class S3Backend(ExistenceChecks):
         self._stats.add("bytes_written", len(frame))
         return _Outcome.OK
 
-    async def _fetch(self, name: str) -> obstore.Bytes:
+    async def _fetch(self, name: str) -> tuple[obstore.Bytes, str | None]:
+        """The object's bytes and the ETag of that version (None if the store sent none)."""
         result = await obstore.get_async(self._store, name)
-        return await result.bytes_async()
+        return await result.bytes_async(), result.meta.get("e_tag")
 
     async def _get_batch(self, batch: _Batch, keys: list[BlockKey], outs: list[memoryview]) -> None:
         slots = self._slots
-        corrupt: list[str] = []
+        corrupt: list[tuple[str, str | None]] = []  # (object name, ETag we read)
 
         async def one(index: int, key: BlockKey) -> None:
             name = self._object_prefix + key.hex()
@@ -591,7 +594,8 @@ class S3Backend(ExistenceChecks):
                     return
                 self._enter()
                 try:
-                    frame = memoryview(await self._request(self._fetch(name)))
+                    data, e_tag = await self._request(self._fetch(name))
+                    frame = memoryview(data)
                 except _NOT_FOUND:
                     return
                 except Exception as exc:
@@ -613,11 +617,39 @@ class S3Backend(ExistenceChecks):
                 self._warn.warning(
                     "s3 backend %s: deleting corrupt object %s: %s", self.url, name, exc
                 )
-                corrupt.append(name)
+                corrupt.append((name, e_tag))
 
         await asyncio.gather(*(one(index, key) for index, key in enumerate(keys)))
         if corrupt:
-            await self._delete_names(_Batch(len(corrupt)), corrupt)
+            await self._delete_unchanged(corrupt)
+
+    async def _delete_unchanged(self, corrupt: list[tuple[str, str | None]]) -> None:
+        """Delete the bad objects that still carry the ETag we read (see module docstring)."""
+        slots = self._slots
+        batch = _Batch(len(corrupt))
+        doomed: list[str] = []
+
+        async def check(name: str, e_tag: str | None) -> None:
+            if e_tag is None:  # no ETag to compare: the old unconditional delete
+                doomed.append(name)
+                return
+            async with slots:
+                self._enter()
+                try:
+                    meta = await self._request(obstore.head_async(self._store, name))
+                except _NOT_FOUND:
+                    return  # already gone
+                except Exception as exc:
+                    self._failed(batch, "HEAD", name, exc)
+                    return
+                finally:
+                    self._leave()
+            if meta.get("e_tag") == e_tag:
+                doomed.append(name)
+
+        await asyncio.gather(*(check(name, e_tag) for name, e_tag in corrupt))
+        if doomed:
+            await self._delete_names(batch, doomed)
 
     async def _delete_batch(self, batch: _Batch, names: list[str]) -> None:
         await self._delete_names(batch, names)

