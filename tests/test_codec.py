@@ -165,3 +165,16 @@ def test_bad_arguments_name_what_was_expected() -> None:
     frame = codec.encode(NS, KEY, b"abc")
     with pytest.raises(TypeError, match="writable"):
         codec.decode_into(frame, NS, KEY, memoryview(b"xyz"))
+
+
+def test_verify_frame_checks_everything_and_returns_the_length() -> None:
+    key = b"k" * 16
+    frame = codec.encode(NS, key, b"p" * 777)
+    assert codec.verify_frame(frame, NS, key) == 777
+    for offset in (9, 100, codec.HEADER_BYTES + 5, len(frame) - 1):
+        damaged = bytearray(frame)
+        damaged[offset] ^= 0x01
+        with pytest.raises(codec.FrameError):
+            codec.verify_frame(damaged, NS, key)
+    with pytest.raises(codec.KeyMismatch):
+        codec.verify_frame(frame, NS, b"x" * 16)

@@ -322,3 +322,34 @@ def test_a_failed_existence_check_counts_as_a_probe_error_and_feeds_the_breaker(
         assert stats.breaker_state.value == "open"
     finally:
         tier.shutdown(10)
+
+
+def test_a_store_of_a_key_whose_load_failed_does_not_lift_its_quarantine(
+    tmp_path: Any, namespace: Namespace
+) -> None:
+    """The livelock class: the file tier keeps a valid block of another size under the key (the
+    engine's block size changed), so every load of it fails; the recompute's store answers True
+    ("already present") but must not make the tier promise the key again."""
+    backend = open_backend(f"file://{tmp_path}", namespace)
+    assert backend.put_many([k(1)], [bytes(BLOCK // 2)]) == [True]  # another size
+    tier = SecondaryTier("file", backend, lookup={"quarantine_s": 60.0})
+    try:
+        job = tier.submit_load([k(1)], [memoryview(bytearray(BLOCK))])
+        assert job is not None
+        tier.get_finished_jobs(wait=True, timeout=10)
+        assert job.failed == [k(1)]
+        store = tier.submit_store([k(1)], [payload(1)])  # the recompute, written through
+        assert store is not None
+        tier.get_finished_jobs(wait=True, timeout=10)
+        assert store.results == (True,)  # put-if-absent: the old object is still there
+        ctx = RequestContext("r")
+        assert tier.lookup(k(1), ctx) is False  # still quarantined: no doomed promotion
+        assert tier.lookup_stats.quarantine_hits == 1
+        tier.cleanup("r")
+        other = k(2)  # a key whose load never failed is noted at once, as before
+        assert tier.submit_store([other], [payload(2)]) is not None
+        tier.get_finished_jobs(wait=True, timeout=10)
+        assert tier.lookup(other, ctx) is True
+        assert tier.lookup_stats.backend_calls == 0
+    finally:
+        tier.shutdown(10)

@@ -358,6 +358,11 @@ class AsyncLookupManager(abc.ABC):
     def tier_name(self) -> str:
         return self._tier_name
 
+    @property
+    def quarantine_s(self) -> float:
+        """How long :meth:`mark_miss` keeps a key answering False."""
+        return self._quarantine_s
+
     def lookup(self, key: BlockKey, req_context: RequestContext) -> bool | None:
         """True present, False absent, None not yet known (ask again next step). Never blocks."""
         if self._gate is not _GATE_READY:

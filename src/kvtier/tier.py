@@ -4,15 +4,16 @@ Thread ownership:
 
 - **Scheduler thread** (the thread that owns the :class:`~kvtier.manager.TieringManager`) owns
   the job table (``_outstanding``), the outstanding-store accounting (``_store_bytes``,
-  ``_store_jobs``), the counters (``_counters``), the lifecycle (``_state``) and everything in the
-  lookup manager. It submits jobs, and collects finished ones with :meth:`get_finished_jobs`.
+  ``_store_jobs``), the recent load failures (``_load_failures``), the counters (``_counters``),
+  the lifecycle (``_state``) and everything in the lookup manager. It submits jobs, and
+  collects finished ones with :meth:`get_finished_jobs`.
 - **I/O threads** (``io_threads`` per tier, a ``ThreadPoolExecutor``) run one
   :class:`TransferJob` at a time, taken from the ready queues (``_ready_loads`` before
   ``_ready_stores``: ``collections.deque``, appended by the scheduler, popped by I/O threads,
   each job popped exactly once): they call the backend, fill in the job's ``results``,
   ``error`` and ``seconds`` and post the job to ``_finished`` (a ``queue.SimpleQueue``). After
   posting they never touch the job again; before posting the scheduler never reads those fields.
-- **Probe worker** (inside the lookup manager) calls ``backend.exists``.
+- **Probe worker** (inside the lookup manager) calls ``backend.probe``.
 - The backend is thread-safe by contract; the metrics are thread-safe (prometheus-client).
 
 A load job writes straight into caller-provided ``memoryview``s (primary slots that the manager
@@ -35,7 +36,7 @@ import itertools
 import logging
 import queue
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -133,6 +134,51 @@ class BackendLookupManager(AsyncLookupManager):
                 self._probe_latency.observe(time.perf_counter() - started)
 
 
+class RecentLoadFailures:
+    """Keys whose load from one tier failed recently; owned by the scheduler thread.
+
+    ``put_many`` answers True both for "written" and for "already present", so a store of a key
+    whose load just failed proves nothing: the backend may be keeping the very object that could
+    not be loaded (a valid frame of another size, a file that stats but cannot be read). Lifting
+    the key's quarantine with ``note_stored`` then would restart the same doomed promotion for
+    every later request, the livelock class; such keys stay quarantined until it ends.
+    """
+
+    __slots__ = ("_clock", "_hold_s", "_max_keys", "_until")
+
+    def __init__(self, hold_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_keys: int = 65536) -> None:
+        self._hold_s = hold_s
+        self._clock = clock
+        self._max_keys = max_keys
+        self._until: OrderedDict[BlockKey, float] = OrderedDict()  # in expiry order
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def add(self, keys: Iterable[BlockKey]) -> None:
+        if self._hold_s <= 0:
+            return
+        until = self._clock() + self._hold_s
+        for key in keys:
+            self._until[key] = until
+            self._until.move_to_end(key)
+        while len(self._until) > self._max_keys:
+            self._until.popitem(last=False)
+
+    def without(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """``keys`` less those whose load failed within the hold time."""
+        if not self._until:
+            return list(keys)
+        now = self._clock()
+        while self._until:
+            oldest, until = next(iter(self._until.items()))
+            if until > now:
+                break
+            del self._until[oldest]
+        return [key for key in keys if key not in self._until]
+
+
 class SecondaryTier:
     """A backend + its :class:`AsyncLookupManager` + transfer jobs on I/O threads."""
 
@@ -174,6 +220,7 @@ class SecondaryTier:
             if lookup_factory is None
             else lookup_factory(name, backend, {**lookup_options, "clock": clock})
         )
+        self._load_failures = RecentLoadFailures(self._lookup.quarantine_s, clock)
         self._max_store_bytes = max_pending_store_bytes
         self._max_store_jobs = max_pending_store_jobs
         self._executor = ThreadPoolExecutor(max_workers=io_threads,
@@ -320,6 +367,7 @@ class SecondaryTier:
                 self._counters.load_keys_failed += len(failed)
                 if self._state is _TierState.RUNNING:
                     self._lookup.mark_miss(failed)
+                    self._load_failures.add(failed)
                 if self._metrics is not None:
                     self._metrics.failed_loads.labels(tier=self._name).inc(len(failed))
         else:
@@ -327,7 +375,7 @@ class SecondaryTier:
             self._store_jobs -= 1
             stored = job.succeeded
             if stored and self._state is _TierState.RUNNING:
-                self._lookup.note_stored(stored)
+                self._lookup.note_stored(self._load_failures.without(stored))
             self._counters.store_keys_failed += len(job.keys) - len(stored)
             if self._metrics is not None and stored:
                 self._metrics.stores.labels(tier=self._name).inc(len(stored))

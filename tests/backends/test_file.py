@@ -596,3 +596,16 @@ def test_two_instances_in_one_process_never_share_a_temp_name(
     assert results == [[True]]
     assert second.stats()["errors"] == 0
     assert first.exists([key_a, key_b]) == [True, True]
+
+
+def test_put_of_an_existing_block_indexes_its_size_on_disk(tmp_path: Path) -> None:
+    """A block another instance already wrote (unpadded, buffered I/O) is indexed by a put with
+    its real file size, not the padded size this O_DIRECT instance would have written."""
+    namespace = fresh_namespace()
+    direct = FileBackend(tmp_path, namespace, o_direct=True, max_bytes=1 << 20)
+    buffered = FileBackend(tmp_path, namespace)
+    [key] = keys_for(1, "adopt-size")
+    assert buffered.put_many([key], [b"s" * 1000]) == [True]
+    assert direct.stats()["used_bytes"] == 0  # opened before the block existed
+    assert direct.put_many([key], [b"s" * 1000]) == [True]
+    assert direct.stats()["used_bytes"] == codec.HEADER_BYTES + 1000

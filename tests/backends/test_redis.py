@@ -688,6 +688,24 @@ def test_acl_user_auth(
         open_redis(f"redis://127.0.0.1:{server.port}/0", username="alice", password="nope")
 
 
+def test_corrupt_object_is_deleted_when_scripting_is_denied(
+    valkey_factory: Callable[..., ValkeyServer], open_redis: Callable[..., RedisBackend]
+) -> None:
+    """An ACL user without @scripting cannot run the compare-and-delete script: the corrupt
+    object must still be counted and removed (plain UNLINK), not stay forever."""
+    server = valkey_factory("--user", "bob", "on", ">bob-pw", "~kvtier:*", "+@all", "-@scripting")
+    backend = open_redis(f"redis://bob:bob-pw@127.0.0.1:{server.port}/0")
+    keys, payloads = random_keys(1), random_payloads(1)
+    assert backend.put_many(keys, payloads) == [True]
+    name = object_name(backend.namespace, keys[0])
+    with server.client() as raw:
+        raw.set(name, _flip_payload_byte(raw.get(name), backend.namespace, keys[0]))
+        outs = sentinel_outs(1)
+        assert backend.get_many(keys, outs) == [False] and untouched(outs[0])
+        assert raw.exists(name) == 0
+    assert backend.stats()["corrupt_objects"] == 1
+
+
 def test_tls_with_ca_certs(redis_tls: TlsRedis, open_redis: Callable[..., RedisBackend]) -> None:
     backend = open_redis(redis_tls.url, ssl_ca_certs=str(redis_tls.ca_certs))
     keys, payloads = random_keys(3), random_payloads(3, 300_000)

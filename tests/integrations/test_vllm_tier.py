@@ -389,6 +389,86 @@ def test_cpu_copy_worker_round_trips_blocks(blocks_per_chunk: int) -> None:
         worker.shutdown()
 
 
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2, 4])
+def test_cpu_copy_worker_matches_vllms_copy_plan_for_groups_and_padded_pages(
+    blocks_per_chunk: int,
+) -> None:
+    """Three KV groups (one empty in the job), a padded and block-strided engine tensor, starts
+    mid-chunk: the bytes moved equal those of vLLM's own CUDA copy plan (its sub-block
+    pointers from ``compute_sub_block_ptrs``, replayed with memmove on the same tensors)."""
+    import ctypes
+
+    from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
+
+    num_blocks, num_chunks = 12, 10
+    padded, unpadded = [96, 64], [80, 64]
+    storage = torch.randint(-128, 127, (num_blocks * 128,), dtype=torch.int8)
+    strided = torch.tensor([], dtype=torch.int8).set_(
+        storage.untyped_storage(), 0, (num_blocks, 96), (128, 1))
+    tensors = [strided, torch.randint(-128, 127, (num_blocks, 64), dtype=torch.int8)]
+    groups = [[CanonicalKVCacheRef(0, unpadded[0]), CanonicalKVCacheRef(1, unpadded[1])],
+              [CanonicalKVCacheRef(1, unpadded[1])], [CanonicalKVCacheRef(0, unpadded[0])]]
+    region = SharedOffloadRegion(
+        engine_id=f"kvtier-worker-test-{uuid4().hex}", num_chunks=num_chunks, rank=0,
+        kv_bytes_per_chunk=4096, cpu_page_size=sum(padded) * blocks_per_chunk)
+    worker = CpuCopyWorker(
+        CanonicalKVCaches([CanonicalKVCacheTensor(t, p) for t, p in zip(tensors, padded,
+                                                                       strict=True)], groups),
+        blocks_per_chunk, region)
+    try:
+        hosts = [host.flatten(1) for host in worker._host_chunks]
+        sizes, firsts, engine_blocks = [3, 0, 2], [1, 0, 5], [7, 2, 9, 0, 11]
+        chunks: list[int] = []
+        next_chunk = iter([8, 1, 6, 3, 9, 4, 0, 5])
+        for size, first in zip(sizes, firsts, strict=True):
+            if size:
+                skip = first % blocks_per_chunk
+                chunks += [next(next_chunk) for _ in range(-(-(size + skip) // blocks_per_chunk))]
+        operations: list[tuple[int, int, int]] = []  # (engine address, host address, bytes)
+        engine_at = host_at = 0
+        for group, (size, first) in enumerate(zip(sizes, firsts, strict=True)):
+            if not size:
+                continue
+            skip = first % blocks_per_chunk
+            count = -(-(size + skip) // blocks_per_chunk)
+            for ref in groups[group]:
+                src, dst = np.zeros(size, np.uint64), np.zeros(size, np.uint64)
+                compute_sub_block_ptrs(np.array(engine_blocks[engine_at:engine_at + size]), 1,
+                                       src, tensors[ref.tensor_idx])
+                compute_sub_block_ptrs(np.array(chunks[host_at:host_at + count]),
+                                       blocks_per_chunk, dst, hosts[ref.tensor_idx], skip)
+                pairs = zip(src, dst, strict=True)
+                operations += [(int(a), int(b), ref.page_size_bytes) for a, b in pairs]
+            engine_at, host_at = engine_at + size, host_at + count
+        spec = GPULoadStoreSpec(engine_blocks, group_sizes=sizes, block_indices=firsts)
+
+        before = [host.clone() for host in hosts]
+        for engine_address, host_address, length in operations:
+            ctypes.memmove(host_address, engine_address, length)
+        expected_hosts = [host.clone() for host in hosts]
+        for host, saved in zip(hosts, before, strict=True):
+            host.copy_(saved)
+        assert worker.submit_store(1, spec, CPULoadStoreSpec(chunks))
+        for host, expected in zip(hosts, expected_hosts, strict=True):
+            assert torch.equal(host, expected)
+
+        for tensor in tensors:
+            tensor[engine_blocks] = 0
+        clobbered = [tensor.clone() for tensor in tensors]
+        for engine_address, host_address, length in operations:
+            ctypes.memmove(engine_address, host_address, length)
+        expected_engines = [tensor.clone() for tensor in tensors]
+        for tensor, saved in zip(tensors, clobbered, strict=True):
+            tensor.copy_(saved)
+        assert worker.submit_load(2, CPULoadStoreSpec(chunks), spec)
+        for tensor, expected in zip(tensors, expected_engines, strict=True):
+            assert torch.equal(tensor, expected)
+        assert [result.job_id for result in worker.get_finished()] == [1, 2]
+        del hosts, host, before, expected_hosts  # views of the region: let it unmap
+    finally:
+        worker.shutdown()
+
+
 def test_spec_defers_to_vllms_worker_on_device_platforms(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

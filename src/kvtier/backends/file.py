@@ -278,9 +278,8 @@ class FileBackend(ExistenceChecks):
         results = [get_one(key, out) for key, out in zip(key_list, views, strict=True)]
         hits = sum(results)
         read = sum(out.nbytes for out, hit in zip(views, results, strict=True) if hit)
-        self._stats.add_many(
-            {"gets": len(key_list), "hits": hits, "misses": len(key_list) - hits, "bytes_read": read}
-        )
+        counts = {"gets": len(key_list), "hits": hits, "misses": len(key_list) - hits}
+        self._stats.add_many({**counts, "bytes_read": read})
         return results
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
@@ -321,8 +320,12 @@ class FileBackend(ExistenceChecks):
             parts, name = _key_location(key_hex)
             directory = os.path.join(self._dir_str, *parts)
             final = os.path.join(directory, name)
-        if os.path.lexists(final):
-            self._adopt(key, file_size)
+        try:
+            existing = os.lstat(final).st_size
+        except OSError:
+            pass  # absent (or unreadable: the write below reports the real error)
+        else:
+            self._adopt(key, existing)  # the size on disk, whoever wrote it
             return True
         reserved = file_size
         if not self._reserve(reserved):

@@ -711,9 +711,20 @@ class RedisBackend(ExistenceChecks):
             # execute_command: redis-py's ClusterPipeline refuses .eval(), not EVAL itself.
             pipe.execute_command("EVAL", _DELETE_IF_UNCHANGED, 1, self._name(key), digest)
         replies = self._execute(pipe, "delete corrupt", len(corrupt))
-        for reply in replies or ():
-            if isinstance(reply, Exception):
+        refused: list[BlockKey] = []
+        for (key, _digest), reply in zip(corrupt, replies or (), strict=False):
+            if isinstance(reply, redis.ResponseError):
+                # Scripting disabled or denied by an ACL (NOPERM): a plain UNLINK still gets rid
+                # of the bad object, with the small race described above.
+                refused.append(key)
+                self._errors.warning(
+                    "redis backend %s: compare-and-delete refused (%s); using UNLINK",
+                    self._config.url, reply,
+                )
+            elif isinstance(reply, Exception):
                 self._count_error("delete corrupt", 1, reply)
+        if refused:
+            self._unlink(refused, "delete corrupt")
 
     def _unlink(self, key_list: list[BlockKey], operation: str) -> None:
         try:

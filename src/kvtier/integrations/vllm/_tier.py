@@ -14,7 +14,7 @@ missing, so vLLM keeps the good prefix and recomputes the rest.
 Threads and state ownership:
 
 - Scheduler thread (vLLM's scheduler; every public method): ``_jobs`` (in-flight transfer
-  jobs), ``_lookup`` (the lookup manager's scheduler-side state), ``_events``,
+  jobs), ``_lookup`` (the lookup manager's scheduler-side state), ``_unloadable``, ``_events``,
   ``_reported_totals`` and ``_counters``, ``_lifecycle``.
 - I/O threads (``_io_pool``): run one job at a time each, read or write the primary chunks the
   job names (vLLM pins them until the job is reported), call the backend, and hand the job's
@@ -56,7 +56,7 @@ from vllm.v1.kv_offload.tiering.base import (
 from kvtier.backends import Backend, open_backend, redact_url
 from kvtier.keys import BlockKey, Namespace, RequestContext
 from kvtier.lookup import BreakerState, LookupStats
-from kvtier.tier import BackendLookupManager
+from kvtier.tier import BackendLookupManager, RecentLoadFailures
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -281,6 +281,9 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         )
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._jobs: dict[int, _Job] = {}
+        # A store of a key whose load just failed must not lift its quarantine (see
+        # RecentLoadFailures): the backend may be keeping the very object that failed.
+        self._unloadable = RecentLoadFailures(self._lookup.quarantine_s)
         self._counters = _TierCounters()
         self._reported = _ReportedTotals()
         emit_events = bool(enable_kv_events) and bool(
@@ -441,13 +444,14 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                 # Missing or damaged in the backend: never promise these again for a while,
                 # so the scheduler recomputes instead of retrying a doomed promotion.
                 self._lookup.mark_miss(failed)
+                self._unloadable.add(failed)
         else:
             self._counters.store_jobs += 1
             self._counters.blocks_stored += len(good)
             self._counters.blocks_store_failed += len(failed)
             self._counters.bytes_stored += outcome.transferred_bytes
             if good:
-                self._lookup.note_stored(good)
+                self._lookup.note_stored(self._unloadable.without(good))
                 if self._events is not None:
                     self._events.append(
                         OffloadingEvent(
