@@ -24,7 +24,7 @@ Keys (dict / YAML)::
         name: redis                # default: derived from the scheme, made unique
         io_threads: 4
         max_pending_store_bytes: 256MiB    # backpressure: cascades beyond this are shed
-        max_pending_store_jobs: 64
+        max_pending_store_jobs: 1024
         lookup: {probe_timeout_s: 2.0, verdict_ttl_s: 5.0, max_cached_verdicts: 65536,
                  quarantine_s: 30.0, max_batch_keys: 1024, breaker_threshold: 5,
                  breaker_cooldown_s: 10.0}   # unset: the lookup manager's defaults
@@ -216,7 +216,7 @@ class TierConfig:
     lookup: LookupConfig = field(default_factory=LookupConfig)
     io_threads: int = 4
     max_pending_store_bytes: int = 256 * 1024**2
-    max_pending_store_jobs: int = 64
+    max_pending_store_jobs: int = 1024
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property

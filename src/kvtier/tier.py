@@ -190,7 +190,7 @@ class SecondaryTier:
         lookup: LookupConfig | Mapping[str, Any] | None = None,
         io_threads: int = 4,
         max_pending_store_bytes: int = 256 * 1024**2,
-        max_pending_store_jobs: int = 64,
+        max_pending_store_jobs: int = 1024,
         metrics: KvtierMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         lookup_factory: LookupFactory | None = None,
