@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,9 +22,6 @@ EXIT_USAGE = 2
 DEFAULT_TRACE = "builtin:conversation"
 DEFAULT_TRACE_REQUESTS = 3_000
 """Requests of the bundled conversation trace replayed when no trace is given."""
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
 
 class _UsageError(Exception):
@@ -68,13 +64,14 @@ def _non_negative_float(text: str) -> float:
 
 
 def _size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _SIZE_UNITS:
+    from kvtier.backends.base import parse_size_option
+
+    try:
+        return parse_size_option("size", text)
+    except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a size like 16384, 16KiB or 1MiB, got {text!r}"
-        )
-    return int(match.group(1)) * _SIZE_UNITS[unit]
+        ) from None
 
 
 def _block_bytes(text: str) -> int:
@@ -87,11 +84,12 @@ def _block_bytes(text: str) -> int:
 
 
 def _tier_url(text: str) -> str:
+    from kvtier.backends import SCHEMES
+
     scheme = text.split("://", 1)[0] if "://" in text else ""
-    known = ("memory", "file", "redis", "rediss", "redis+cluster", "s3")
-    if scheme not in known:
+    if scheme not in SCHEMES:
         raise argparse.ArgumentTypeError(
-            f"expected a tier URL with a scheme in {', '.join(s + '://' for s in known)}, "
+            f"expected a tier URL with a scheme in {', '.join(s + '://' for s in SCHEMES)}, "
             f"got {text!r}"
         )
     return text

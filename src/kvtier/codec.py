@@ -29,12 +29,13 @@ from typing import TypeAlias
 
 import xxhash
 
+from kvtier.keys import NAMESPACE_DIGEST_BYTES
+
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
 MAX_KEY_BYTES = 255
-NAMESPACE_DIGEST_BYTES = 16
 HEADER_BYTES = 320
 
 _FIXED = struct.Struct("<4sHHQ16s")  # magic, version, key length, payload length, namespace
@@ -170,16 +171,6 @@ def _check_magic_and_version(magic: bytes, version: int) -> None:
         raise BadMagic(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise UnsupportedVersion(f"frame format version {version}, expected {FORMAT_VERSION}")
-
-
-def verify_header(frame: Buffer, namespace_digest: bytes, key: bytes) -> int:
-    """Verify magic, version, namespace, key and length; return the payload length.
-
-    The checksum is not checked here (see :func:`decode_into`).
-    """
-    _check_digest(namespace_digest)
-    check_key(key)
-    return _verify_header(as_byte_view(frame, "frame"), namespace_digest, key)
 
 
 def _verify_header(view: memoryview, namespace_digest: bytes, key: bytes) -> int:

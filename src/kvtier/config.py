@@ -54,6 +54,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from kvtier.backends import SCHEMES
+from kvtier.backends.base import parse_size_option
 from kvtier.keys import Namespace
 from kvtier.policies import PolicyName
 from kvtier.primary import PrimaryBacking
@@ -76,39 +78,23 @@ class MetricsRegistry(enum.Enum):
     DISABLED = "disabled"  # no metrics
 
 
-KNOWN_SCHEMES = ("memory", "file", "redis", "rediss", "redis+cluster", "rediss+cluster", "s3")
+KNOWN_SCHEMES = SCHEMES
 _RESERVED_TIER_NAMES = frozenset({"primary"})
 _TIER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]i?b|b)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {
-    "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "pb": 1000**5,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "pib": 1024**5,
-}
 _MAX_S = 3600.0  # the lookup manager's ceiling for every time setting
 _SIZE_OPTIONS = frozenset({"max_bytes"})  # backend options that are byte sizes
 
 
 def parse_size(value: object, path: str) -> int:
-    """An int, or a string like "4GiB" / "512MB" / "1024" -> bytes (KiB = 1024, KB = 1000)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{path}: expected a size (int bytes or a string like '4GiB'), "
-                          f"got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{path}: expected a size >= 0, got {value!r}")
-        return value
-    if isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if match is not None:
-            number, unit = match.groups()
-            scaled = float(number) * _SIZE_UNITS[(unit or "b").lower()]
-            if scaled.is_integer() and not math.isinf(scaled):
-                return int(scaled)
-            raise ConfigError(f"{path}: expected a whole number of bytes, got {value!r}")
-    raise ConfigError(
-        f"{path}: expected a size (int bytes, or a string like '4GiB', '512MB', '1024'), "
-        f"got {value!r}"
-    )
+    """An int, or a string like "4GiB" / "512MB" / "1024" -> bytes (see
+    :func:`~kvtier.backends.base.parse_size_option`), as a :class:`ConfigError` naming ``path``."""
+    try:
+        return parse_size_option(path, value)
+    except ValueError:
+        raise ConfigError(
+            f"{path}: expected a size (a whole number of bytes >= 0: an int, or a string like "
+            f"'4GiB', '512MB', '1024'), got {value!r}"
+        ) from None
 
 
 def _int(value: object, path: str, minimum: int) -> int:

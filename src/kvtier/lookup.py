@@ -34,6 +34,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from kvtier.backends.base import RateLimitedLog
 from kvtier.keys import BlockKey, RequestContext, validate_keys
 
 __all__ = [
@@ -183,29 +184,21 @@ class _ProbeResult:
 
 
 class _RateLimitedLog:
-    """One warning per interval per kind; owned by a single thread."""
+    """One :class:`RateLimitedLog` per kind of message, each line prefixed with the tier name;
+    owned by a single thread."""
 
-    __slots__ = ("_clock", "_last", "_suppressed", "_tier")
+    __slots__ = ("_clock", "_logs", "_tier")
 
     def __init__(self, tier: str, clock: Callable[[], float]) -> None:
         self._tier = tier
         self._clock = clock
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
+        self._logs: dict[str, RateLimitedLog] = {}
 
     def warning(self, kind: str, message: str, *args: object) -> None:
-        now = self._clock()
-        last = self._last.get(kind)
-        if last is not None and now - last < _LOG_INTERVAL_S:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        suppressed = self._suppressed.pop(kind, 0)
-        self._last[kind] = now
-        if suppressed:
-            _log.warning("tier %s: " + message + " (%d similar messages suppressed)",
-                         self._tier, *args, suppressed)
-        else:
-            _log.warning("tier %s: " + message, self._tier, *args)
+        log = self._logs.get(kind)
+        if log is None:
+            log = self._logs[kind] = RateLimitedLog(_log, _LOG_INTERVAL_S, self._clock)
+        log.warning("tier %s: " + message, self._tier, *args)
 
 
 def _check_number(name: str, value: object, *, minimum: float, maximum: float = math.inf,
@@ -558,12 +551,15 @@ class AsyncLookupManager(abc.ABC):
         state = _KeyState(self._next_generation, phase, requests={req_id})
         self._next_generation += 1
         self._states[key] = state
+        self._index_request(req_id, key)
+        return state
+
+    def _index_request(self, req_id: str, key: BlockKey) -> None:
         request_keys = self._request_keys.get(req_id)
         if request_keys is None:
             self._request_keys[req_id] = {key}
         else:
             request_keys.add(key)
-        return state
 
     def _lookup_untracked(self, key: BlockKey, req_context: RequestContext) -> bool | None:
         if not isinstance(key, bytes):
@@ -606,15 +602,8 @@ class AsyncLookupManager(abc.ABC):
                 state = self._new_state(key, req_id, _PHASE_RESOLVED)
                 state.verdict, state.source = False, _SOURCE_FAULT
                 return False
-        generation = self._next_generation
-        self._next_generation = generation + 1
-        self._states[key] = _KeyState(generation, _PHASE_PENDING, None, None, {req_id})
-        request_keys = self._request_keys.get(req_id)
-        if request_keys is None:
-            self._request_keys[req_id] = {key}
-        else:
-            request_keys.add(key)
-        self._pending.append((key, generation, req_context))
+        state = self._new_state(key, req_id, _PHASE_PENDING)
+        self._pending.append((key, state.generation, req_context))
         return None
 
     def _reprobe_after_fault(self, key: BlockKey, state: _KeyState,
@@ -623,11 +612,7 @@ class AsyncLookupManager(abc.ABC):
         requests, so the key is probed again (if the breaker admits it) for everyone."""
         req_id = req_context.req_id
         state.requests.add(req_id)
-        request_keys = self._request_keys.get(req_id)
-        if request_keys is None:
-            self._request_keys[req_id] = {key}
-        else:
-            request_keys.add(key)
+        self._index_request(req_id, key)
         if self._breaker_state is not _BREAKER_CLOSED and not self._breaker_admits(self._clock()):
             self._counters.breaker_short_circuits += 1
             return False

@@ -845,10 +845,10 @@ class TieringManager:
             self._poll_jobs(wait=True, timeout=timeout)
         finally:
             self._state = _ManagerState.CLOSED
-            for tier in self._tiers:
+            for index, tier in enumerate(self._tiers):
                 try:
                     for job in tier.shutdown(timeout):
-                        self._apply_job(self._tiers.index(tier), job)
+                        self._apply_job(index, job)
                 except Exception as exc:
                     _log.warning("tier %s: shutdown failed: %r", tier.name, exc)
             self._promotions.clear()

@@ -47,13 +47,8 @@ BREAKER_STATE_VALUES = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, Break
 _PROBE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                   0.5, 1.0, 2.5, 5.0, 10.0)
 
-# LookupStats field -> counter attribute published from it.
-_LOOKUP_COUNTERS = {
-    "lookups": "lookups",
-    "inflight_reuses": "inflight_reuses",
-    "verdict_cache_hits": "verdict_cache_hits",
-    "quarantine_hits": "quarantine_hits",
-}
+# LookupStats fields published as the counter attribute of the same name.
+_LOOKUP_COUNTERS = ("lookups", "inflight_reuses", "verdict_cache_hits", "quarantine_hits")
 
 
 class KvtierMetrics:
@@ -108,11 +103,11 @@ class KvtierMetrics:
     def publish_lookup_stats(self, tier: str, stats: LookupStats) -> None:
         """Publish a lookup manager's counters (scheduler thread), as deltas since last time."""
         previous = self._published.get(tier)
-        for field_name, attribute in _LOOKUP_COUNTERS.items():
+        for field_name in _LOOKUP_COUNTERS:
             now_value: int = getattr(stats, field_name)
             delta = now_value - (getattr(previous, field_name) if previous is not None else 0)
             if delta > 0:
-                counter: Counter = getattr(self, attribute)
+                counter: Counter = getattr(self, field_name)
                 counter.labels(tier=tier).inc(delta)
         calls = stats.backend_calls - (previous.backend_calls if previous is not None else 0)
         if calls > 0:

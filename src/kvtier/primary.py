@@ -122,7 +122,6 @@ class PrimaryPool:
             make_policy(policy, num_slots) if isinstance(policy, (str, PolicyName)) else policy
         )
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._key_at: list[BlockKey | None] = [None] * num_slots
         self._slot_of: dict[BlockKey, int] = {}
         self._filling: set[BlockKey] = set()
         self._pins: dict[BlockKey, int] = {}
@@ -192,9 +191,6 @@ class PrimaryPool:
     def slot_of(self, key: BlockKey) -> int | None:
         return self._slot_of.get(key)
 
-    def key_at(self, slot: int) -> BlockKey | None:
-        return self._key_at[slot]
-
     def pin_count(self, key: BlockKey) -> int:
         return self._pins.get(key, 0)
 
@@ -217,9 +213,6 @@ class PrimaryPool:
     @property
     def total_pins(self) -> int:
         return sum(self._pins.values())
-
-    def resident_keys(self) -> list[BlockKey]:
-        return [key for key in self._slot_of if key not in self._filling]
 
     # ---- transitions ----------------------------------------------------------------------
     def reserve(
@@ -246,7 +239,6 @@ class PrimaryPool:
                 return None
             slot = self._slot_of.pop(evicted)
             self.evictions += 1
-        self._key_at[slot] = key
         self._slot_of[key] = slot
         self._filling.add(key)
         return Reservation(key, slot, evicted)
@@ -302,9 +294,7 @@ class PrimaryPool:
         return True
 
     def _release_slot(self, key: BlockKey) -> None:
-        slot = self._slot_of.pop(key)
-        self._key_at[slot] = None
-        self._free.append(slot)
+        self._free.append(self._slot_of.pop(key))
 
     def pin(self, key: BlockKey) -> int:
         """Protect a resident key's slot from eviction; pins nest. Returns the slot."""

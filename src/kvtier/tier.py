@@ -196,7 +196,7 @@ class SecondaryTier:
         lookup_factory: LookupFactory | None = None,
     ) -> None:
         """``lookup_factory(name, backend, options)`` replaces the default lookup manager (one
-        ``backend.exists`` call per probe batch); ``options`` are the configured lookup settings
+        ``backend.probe`` call per probe batch); ``options`` are the configured lookup settings
         plus ``clock``."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"tier name must be a non-empty str, got {name!r}")
@@ -484,8 +484,3 @@ class SecondaryTier:
         except Exception as exc:
             _log.warning("tier %s: backend close failed: %r", self._name, exc)
         return finished
-
-
-def keys_of(jobs: Iterable[TransferJob]) -> list[BlockKey]:
-    """Every key of ``jobs`` (a small helper for callers and tests)."""
-    return [key for job in jobs for key in job.keys]

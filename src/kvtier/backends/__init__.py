@@ -40,6 +40,7 @@ from kvtier.backends.base import (
 from kvtier.keys import Namespace
 
 __all__ = [
+    "SCHEMES",
     "Backend",
     "BackendClosedError",
     "BackendStats",
@@ -68,6 +69,8 @@ _SCHEME_MODULES: dict[str, str] = {
     "rediss+cluster": "kvtier.backends.redis",
     "s3": "kvtier.backends.s3",
 }
+SCHEMES: tuple[str, ...] = tuple(_SCHEME_MODULES)
+"""Every backend URL scheme :func:`open_backend` accepts."""
 
 
 def _scheme_of(url: str) -> str:

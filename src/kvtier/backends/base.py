@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from kvtier.codec import MAX_KEY_BYTES, Buffer, as_byte_view, check_key
+from kvtier.codec import Buffer, as_byte_view, check_key
 from kvtier.keys import BlockKey, Namespace
 
 __all__ = [
@@ -314,7 +314,8 @@ def parse_size_option(name: str, value: object, *, minimum: int = 0) -> int:
     """Bytes from an int or a string like ``"512MiB"``, ``"4G"``, ``"1.5GB"``, ``"4096"``.
 
     Binary (KiB, MiB, ...) and decimal (KB, MB, ...) units are honoured; a bare K/M/G/T is
-    binary, as in most storage tools.
+    binary, as in most storage tools. The result must be a whole number of bytes. This is the
+    one size syntax of kvtier: backend options, the config file and the command line.
     """
     result: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
@@ -325,7 +326,7 @@ def parse_size_option(name: str, value: object, *, minimum: int = 0) -> int:
             number, prefix, binary, byte_suffix = match.groups()
             base = 1000 if (prefix and byte_suffix and not binary) else 1024
             scaled = float(number) * base ** _SIZE_POWERS[prefix.lower()]
-            if scaled == int(scaled) or prefix:
+            if scaled.is_integer():  # a whole number of bytes (never inf)
                 result = int(scaled)
     if result is None:
         raise ValueError(
@@ -380,5 +381,3 @@ def reject_unknown_options(scheme: str, options: Mapping[str, Any], allowed: Seq
             f"expected some of {sorted(allowed)}"
         )
 
-
-MAX_KEY_LENGTH = MAX_KEY_BYTES

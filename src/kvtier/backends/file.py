@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import codec
+from kvtier.backends import split_url_options
 from kvtier.backends.base import (
     BackendStats,
     Buffer,
@@ -312,14 +313,8 @@ class FileBackend(ExistenceChecks):
         frame_len = codec.HEADER_BYTES + view.nbytes
         direct = self._direct_io is DirectIO.ACTIVE
         file_size = _round_up(frame_len) if direct else frame_len
-        key_hex = key.hex()
-        if 4 <= len(key_hex) <= _MAX_NAME_HEX:  # the common case, as in _path_str
-            directory = f"{self._dir_str}/{key_hex[0:2]}/{key_hex[2:4]}"
-            final = f"{directory}/{key_hex}{_SUFFIX}"
-        else:
-            parts, name = _key_location(key_hex)
-            directory = os.path.join(self._dir_str, *parts)
-            final = os.path.join(directory, name)
+        final = self._path_str(key)
+        directory = os.path.dirname(final)
         try:
             existing = os.lstat(final).st_size
         except OSError:
@@ -752,8 +747,6 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBac
 
     Options (keyword or query string): ``max_bytes`` (0 = unlimited), ``fsync``, ``o_direct``.
     """
-    from kvtier.backends import split_url_options
-
     parts, merged = split_url_options(url, options)
     if parts.scheme != "file":
         raise ValueError(f"file backend URL must start with file://, got {url!r}")
@@ -772,10 +765,10 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBac
     if "\x00" in path:
         raise ValueError(f"file backend URL {url!r} contains a NUL byte in its path")
     reject_unknown_options("file", merged, _OPTIONS)
-    return FileBackend(
+    return FileBackend(  # the constructor parses the options
         path,
         namespace,
-        max_bytes=parse_size_option("max_bytes", merged.get("max_bytes", 0)),
-        fsync=parse_bool_option("fsync", merged.get("fsync", False)),
-        o_direct=parse_bool_option("o_direct", merged.get("o_direct", False)),
+        max_bytes=merged.get("max_bytes", 0),
+        fsync=merged.get("fsync", False),
+        o_direct=merged.get("o_direct", False),
     )

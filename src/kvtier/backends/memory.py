@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier import codec
+from kvtier.backends import split_url_options
 from kvtier.backends.base import (
     BackendStats,
     Buffer,
@@ -179,8 +180,6 @@ class MemoryBackend(ExistenceChecks):
 
 def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> MemoryBackend:
     """Build a :class:`MemoryBackend` from ``memory://`` (options: ``max_bytes``)."""
-    from kvtier.backends import split_url_options
-
     parts, merged = split_url_options(url, options)
     if parts.scheme != "memory":
         raise ValueError(f"memory backend URL must start with memory://, got {url!r}")
@@ -189,6 +188,4 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> MemoryB
             f"memory backend URL takes no host or path, got {url!r}; expected 'memory://'"
         )
     reject_unknown_options("memory", merged, _OPTIONS)
-    return MemoryBackend(
-        namespace, max_bytes=parse_size_option("max_bytes", merged.get("max_bytes", 0))
-    )
+    return MemoryBackend(namespace, max_bytes=merged.get("max_bytes", 0))  # parsed there

@@ -55,6 +55,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvtier import codec
+from kvtier.backends import redact_url, split_url_options
 from kvtier.backends.base import (
     BackendStats,
     Buffer,
@@ -158,17 +159,9 @@ class RedisConfig:
 # --------------------------------------------------------------------------- URL parsing
 
 
-def _redacted(url: str) -> str:
-    from kvtier.backends import redact_url
-
-    return redact_url(url)
-
-
 def parse_redis_url(url: str, options: dict[str, Any]) -> RedisConfig:
     """Parse and validate a redis URL plus options; ``ValueError`` names the bad part."""
-    from kvtier.backends import split_url_options
-
-    shown = _redacted(url)
+    shown = redact_url(url)
     try:
         parts, merged = split_url_options(url, options)
     except ValueError as exc:

@@ -64,6 +64,7 @@ except ImportError as _missing:  # pragma: no cover - depends on the install
     ) from _missing
 
 from kvtier import codec
+from kvtier.backends import redact_url, split_url_options
 from kvtier.backends.base import (
     BackendStats,
     Buffer,
@@ -412,7 +413,7 @@ class S3Backend(ExistenceChecks):
         if not key_list:
             return
         names = list(dict.fromkeys(self._object_prefix + key.hex() for key in key_list))
-        self._run(len(names), lambda batch: self._delete_batch(batch, names))
+        self._run(len(names), lambda batch: self._delete_names(batch, names))
         self._stats.add("deletes", len(key_list))
 
     def close(self) -> None:
@@ -651,9 +652,6 @@ class S3Backend(ExistenceChecks):
         if doomed:
             await self._delete_names(batch, doomed)
 
-    async def _delete_batch(self, batch: _Batch, names: list[str]) -> None:
-        await self._delete_names(batch, names)
-
     async def _delete_names(self, batch: _Batch, names: list[str]) -> None:
         slots = self._slots
         for start in range(0, len(names), _MAX_DELETE_BATCH):
@@ -720,8 +718,6 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> S3Backe
     ``timeout_s`` (per request, retries included, default 5), ``put_mode``
     (``if-none-match`` or ``head-then-put``).
     """
-    from kvtier.backends import redact_url, split_url_options
-
     try:
         parts, merged = split_url_options(url, options)
     except ValueError as exc:

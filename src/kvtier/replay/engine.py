@@ -282,7 +282,7 @@ class _Instance:
             now = time.monotonic()
             if request.first_wait_wall is None:
                 request.first_wait_wall = now
-                request.resident_at_first_ask = self._resident_run(rest, request.ctx)
+                request.resident_at_first_ask = manager.pool.resident_prefix_length(rest)
                 counters.requests_waited += 1
             elif now - request.first_wait_wall > self.options.max_wait_s:
                 raise ReplayStuckError(
@@ -358,16 +358,6 @@ class _Instance:
                         gpu.popitem(last=False)
         request.steps_left = 1 + -(-record.output_length // self.options.decode_tokens_per_step)
         return True, engine_time, hits
-
-    def _resident_run(self, keys: Sequence[BlockKey], ctx: RequestContext) -> int:
-        """How many leading keys the primary pool holds right now (for tier attribution)."""
-        is_resident = self.manager.pool.is_resident
-        run = 0
-        for key in keys:
-            if not is_resident(key):
-                break
-            run += 1
-        return run
 
 
 def _key_maker(namespace: Namespace) -> Callable[[int], BlockKey]:
