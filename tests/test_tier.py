@@ -223,6 +223,45 @@ def test_a_raising_backend_fails_the_job_safely_and_the_tier_survives(
         tier.shutdown(10)
 
 
+class CountingGate(Gate):
+    """Counts backend transfer calls and fails the call numbered ``fail_call`` (fault injection)."""
+
+    def __init__(self, inner: Backend, fail_call: int | None = None) -> None:
+        super().__init__(inner)
+        self.calls: list[int] = []
+        self.fail_call = fail_call
+
+    def _gate(self) -> None:
+        self.calls.append(len(self.calls))
+        if len(self.calls) == self.fail_call:
+            raise ConnectionError("injected")
+
+
+def test_max_keys_per_call_splits_jobs_and_keeps_keys_moved_before_a_failed_call(
+        namespace: Namespace) -> None:
+    gate = CountingGate(open_backend("memory://", namespace))
+    tier = SecondaryTier("split", gate, max_keys_per_call=2)
+    try:
+        stored = tier.submit_store([k(i) for i in range(5)], [payload(i) for i in range(5)])
+        tier.get_finished_jobs(wait=True, timeout=10)
+        assert stored is not None and stored.results == (True,) * 5 and stored.error is None
+        assert len(gate.calls) == 3  # 2 + 2 + 1 keys
+        gate.calls.clear()
+        gate.fail_call = 2
+        outs = [memoryview(bytearray(BLOCK)) for _ in range(5)]
+        job = tier.submit_load([k(i) for i in range(5)], outs)
+        tier.get_finished_jobs(wait=True, timeout=10)
+        assert job.results == (True, True, False, False, False)
+        assert job.error is not None and "injected" in job.error
+        assert len(gate.calls) == 2  # no call after the failed one
+        assert bytes(outs[1]) == payload(1)
+        assert tier.lookup(k(2), RequestContext("r")) is False  # failed keys are quarantined
+    finally:
+        tier.shutdown(10)
+    with pytest.raises(ValueError, match="max_keys_per_call must be an int >= 1, got 0"):
+        SecondaryTier("bad", open_backend("memory://", namespace), max_keys_per_call=0)
+
+
 def test_remove_deletes_and_updates_the_verdict(tier: SecondaryTier) -> None:
     tier.submit_store([k(1)], [payload(1)])
     tier.get_finished_jobs(wait=True, timeout=10)

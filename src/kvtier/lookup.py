@@ -29,7 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Final
 
 import numpy as np
@@ -149,6 +149,12 @@ class LookupStats:
     quarantined_keys: int = 0
     inflight_batches: int = 0
     breaker_state: BreakerState = _BREAKER_CLOSED
+
+    def as_dict(self) -> dict[str, int | str]:
+        """Every field by name; ``breaker_state`` as its value string (``"closed"``, ...)."""
+        result: dict[str, int | str] = asdict(self)
+        result["breaker_state"] = self.breaker_state.value
+        return result
 
 
 @dataclass(slots=True)

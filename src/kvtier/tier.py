@@ -27,6 +27,10 @@ is outstanding). :meth:`submit_store` sheds (returns None, counts) what does not
 or dead tier never stalls the engine. Loads are never shed, and they go first: an idle I/O
 thread takes the oldest waiting load before any waiting store, so a promotion a request waits
 for never queues behind a backlog of cascades.
+
+With ``max_keys_per_call`` a job's keys go to the backend in consecutive calls of at most that
+many keys (one I/O thread, in order); a call that raises or answers short fails its keys and the
+rest of the job, and the keys moved by earlier calls stay moved.
 """
 
 from __future__ import annotations
@@ -58,6 +62,13 @@ LookupFactory = Callable[[str, Backend, Mapping[str, Any]], AsyncLookupManager]
 class JobKind(enum.Enum):
     LOAD = "load"
     STORE = "store"
+
+
+def require_int(what: str, value: object, minimum: int) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum``, else a ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return value
 
 
 class TierClosedError(RuntimeError):
@@ -194,18 +205,19 @@ class SecondaryTier:
         metrics: KvtierMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         lookup_factory: LookupFactory | None = None,
+        max_keys_per_call: int | None = None,
     ) -> None:
         """``lookup_factory(name, backend, options)`` replaces the default lookup manager (one
         ``backend.probe`` call per probe batch); ``options`` are the configured lookup settings
-        plus ``clock``."""
+        plus ``clock``. ``max_keys_per_call`` (None: no limit) splits each job's backend calls."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"tier name must be a non-empty str, got {name!r}")
         for label, value, minimum in (("io_threads", io_threads, 1),
                                       ("max_pending_store_bytes", max_pending_store_bytes, 0),
                                       ("max_pending_store_jobs", max_pending_store_jobs, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"tier {name!r}: {label} must be an int >= {minimum}, "
-                                 f"got {value!r}")
+            require_int(f"tier {name!r}: {label}", value, minimum)
+        if max_keys_per_call is not None:
+            require_int(f"tier {name!r}: max_keys_per_call", max_keys_per_call, 1)
         if isinstance(lookup, LookupConfig):
             lookup_options: Mapping[str, Any] = lookup.as_kwargs()
         elif lookup is None:
@@ -223,6 +235,7 @@ class SecondaryTier:
         self._load_failures = RecentLoadFailures(self._lookup.quarantine_s, clock)
         self._max_store_bytes = max_pending_store_bytes
         self._max_store_jobs = max_pending_store_jobs
+        self._max_keys_per_call = max_keys_per_call
         self._executor = ThreadPoolExecutor(max_workers=io_threads,
                                             thread_name_prefix=f"kvtier-io-{name}")
         self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
@@ -248,6 +261,11 @@ class SecondaryTier:
     @property
     def lookup_manager(self) -> AsyncLookupManager:
         return self._lookup
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`shutdown` has stopped the tier."""
+        return self._state is _TierState.CLOSED
 
     # ---- lookups (scheduler thread) -----------------------------------------------------------
     def lookup(self, key: BlockKey, req_context: RequestContext) -> bool | None:
@@ -393,33 +411,42 @@ class SecondaryTier:
 
     def _run(self, job: TransferJob) -> None:
         started = time.perf_counter()
+        results: list[bool] = []
+        step = self._max_keys_per_call
+        starts: Iterable[int] = [0] if step is None else range(0, len(job.keys), step)
+        calls = 0
         try:
-            if job.kind is JobKind.LOAD:
-                outs = [memoryview(out) for out in job.buffers]
-                raw = self._backend.get_many(job.keys, outs)
-            else:
-                raw = self._backend.put_many(job.keys, job.buffers)
-            results = tuple(item is True for item in raw)
-            if len(results) != len(job.keys):
-                raise ValueError(f"backend returned {len(results)} results for "
-                                 f"{len(job.keys)} keys")
-            job.results = results
+            for start in starts:
+                end = len(job.keys) if step is None else start + step
+                keys = job.keys[start:end]
+                calls += 1
+                if job.kind is JobKind.LOAD:
+                    outs = [memoryview(out) for out in job.buffers[start:end]]
+                    raw = self._backend.get_many(keys, outs)
+                else:
+                    raw = self._backend.put_many(keys, job.buffers[start:end])
+                answers = [item is True for item in raw]
+                if len(answers) != len(keys):
+                    raise ValueError(f"backend returned {len(answers)} results for "
+                                     f"{len(keys)} keys")
+                results.extend(answers)
         except Exception as exc:  # an I/O thread survives everything; the job fails safe
-            job.results = (False,) * len(job.keys)
             job.error = repr(exc)
             self._io_log.warning("tier %s: %s job of %d keys failed: %r", self._name,
                                  job.kind.value, len(job.keys), exc)
+        # Keys after a failed call are failed; keys moved by earlier calls stay moved.
+        job.results = tuple(results) + (False,) * (len(job.keys) - len(results))
         job.seconds = time.perf_counter() - started
         metrics = self._metrics
         if metrics is not None:
             moved = sum(memoryview(buffer).nbytes
                         for buffer, ok in zip(job.buffers, job.results, strict=True) if ok)
             if job.kind is JobKind.LOAD:
-                metrics.backend_calls.labels(tier=self._name, op="get").inc()
+                metrics.backend_calls.labels(tier=self._name, op="get").inc(calls)
                 metrics.bytes_read.labels(tier=self._name).inc(moved)
                 metrics.read_seconds.labels(tier=self._name).inc(job.seconds)
             else:
-                metrics.backend_calls.labels(tier=self._name, op="put").inc()
+                metrics.backend_calls.labels(tier=self._name, op="put").inc(calls)
                 metrics.bytes_written.labels(tier=self._name).inc(moved)
                 metrics.write_seconds.labels(tier=self._name).inc(job.seconds)
         self._finished.put(job)
@@ -440,9 +467,7 @@ class SecondaryTier:
     def stats(self) -> dict[str, Any]:
         """Lookup counters, transfer counters, and the backend's counters (``backend_*``)."""
         result: dict[str, Any] = {}
-        lookup_stats = asdict(self._lookup.stats)
-        lookup_stats["breaker_state"] = self._lookup.stats.breaker_state.value
-        result.update(lookup_stats)
+        result.update(self._lookup.stats.as_dict())
         result["tracked_keys"] = self._lookup.tracked_keys
         result.update(asdict(self._counters))
         result["outstanding_jobs"] = len(self._outstanding)

@@ -111,7 +111,7 @@ class Engine:
                 return results
             self.manager.on_schedule_end(END_OF_STEP)
             # Private test hook of kvtier's lookup manager: wait for the probe just flushed.
-            self.tier._lookup._wait_for_results(10.0)
+            self.tier._tier.lookup_manager._wait_for_results(10.0)
             self.tier.drain_jobs()
         return results
 

@@ -40,6 +40,7 @@ from kvtier.backends.base import (
 from kvtier.keys import Namespace
 
 __all__ = [
+    "REMOTE_SCHEMES",
     "SCHEMES",
     "Backend",
     "BackendClosedError",
@@ -71,6 +72,8 @@ _SCHEME_MODULES: dict[str, str] = {
 }
 SCHEMES: tuple[str, ...] = tuple(_SCHEME_MODULES)
 """Every backend URL scheme :func:`open_backend` accepts."""
+REMOTE_SCHEMES: frozenset[str] = frozenset(SCHEMES) - {"memory", "file"}
+"""The schemes whose backend is shared over the network (the others live on this host)."""
 
 
 def _scheme_of(url: str) -> str:

@@ -3,36 +3,39 @@
 vLLM's ``TieringOffloadingManager`` owns the CPU primary tier (one shared memory region of
 fixed-size chunks) and drives every secondary tier from the scheduler thread: ``lookup`` each
 chunk key, ``on_schedule_end`` once per step, ``submit_store`` / ``submit_load`` with the
-primary chunk ids of a job, ``get_finished_jobs`` to collect results. This tier answers
-lookups with kvtier's non-blocking :class:`~kvtier.lookup.AsyncLookupManager` and moves bytes
-between the primary region and any kvtier backend (``memory://``, ``file://``, ``redis://``,
-``redis+cluster://``, ``s3://``) on its own I/O threads. Every block loaded is verified (frame
+primary chunk ids of a job, ``get_finished_jobs`` to collect results. This tier maps those
+calls onto a :class:`~kvtier.tier.SecondaryTier` — kvtier's backend + non-blocking lookup
+manager + I/O threads — that moves bytes between slices of the primary region and any kvtier
+backend (``memory://``, ``file://``, ``redis://``, ``redis+cluster://``, ``s3://``). One vLLM
+job is one SecondaryTier job (its backend calls at most ``max_blocks_per_call`` keys each); the
+SecondaryTier never sheds a store here (vLLM has its own back-pressure), and a store it did shed
+would be reported as a failed job, never lost. Every block loaded is verified (frame
 magic, namespace, key echo, length, checksum) by the backend before a byte of it reaches the
 primary region; a damaged or missing block fails only that key of the job and is marked
 missing, so vLLM keeps the good prefix and recomputes the rest.
 
 Threads and state ownership:
 
-- Scheduler thread (vLLM's scheduler; every public method): ``_jobs`` (in-flight transfer
-  jobs), ``_lookup`` (the lookup manager's scheduler-side state), ``_unloadable``, ``_events``,
-  ``_reported_totals`` and ``_counters``, ``_lifecycle``.
-- I/O threads (``_io_pool``): run one job at a time each, read or write the primary chunks the
-  job names (vLLM pins them until the job is reported), call the backend, and hand the job's
-  outcome back through ``_outcomes`` (a ``queue.SimpleQueue``). They touch nothing else.
+- Scheduler thread (vLLM's scheduler; every public method): ``_jobs`` / ``_vllm_job_ids``
+  (submitted jobs not yet reported, by vLLM job id / by SecondaryTier job id), ``_collected``
+  (jobs finished but not yet reported: collected by ``drain_jobs``, or shed), ``_events``,
+  ``_reported`` and ``_counters``, and — through the SecondaryTier's scheduler-side API — its
+  job table, lookup state (``mark_miss`` on failed loads, ``note_stored`` unless the key's load
+  just failed) and lifecycle.
+- The SecondaryTier's I/O threads run one job at a time each, reading or writing the primary
+  chunks the job's ``memoryview`` slices name (vLLM pins them until the job is reported), and
+  post the finished job back to the scheduler thread (see :mod:`kvtier.tier`).
 - The lookup manager's probe thread calls ``backend.probe`` (backends are thread-safe); it
-  touches no primary memory, so ``shutdown()`` waits for it only briefly
-  (``_PROBE_SHUTDOWN_WAIT_S``) and then abandons a call stuck in the backend.
+  touches no primary memory, so ``shutdown()`` waits for it only briefly (the SecondaryTier's
+  bounded probe wait) and then abandons a call stuck in the backend.
 """
 
 from __future__ import annotations
 
-import enum
+import itertools
 import logging
-import queue
-import time
+import sys
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -53,10 +56,12 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
-from kvtier.backends import Backend, open_backend, redact_url
-from kvtier.keys import BlockKey, Namespace, RequestContext
-from kvtier.lookup import BreakerState, LookupStats
-from kvtier.tier import BackendLookupManager, RecentLoadFailures
+from kvtier.backends import REMOTE_SCHEMES, open_backend, redact_url
+from kvtier.config import LookupConfig
+from kvtier.keys import Namespace, RequestContext
+from kvtier.lookup import BreakerState
+from kvtier.tier import JobKind, SecondaryTier, require_int
+from kvtier.tier import TransferJob as TierJob
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -67,21 +72,9 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-_LOOKUP_SETTINGS = (
-    "probe_timeout_s",
-    "verdict_ttl_s",
-    "max_cached_verdicts",
-    "quarantine_s",
-    "max_batch_keys",
-    "breaker_threshold",
-    "breaker_cooldown_s",
-)
+_LOOKUP_SETTINGS = tuple(item.name for item in fields(LookupConfig))
 _NAMESPACE_OVERRIDES = ("model", "revision", "tenant")
-_REMOTE_SCHEMES = ("redis", "rediss", "redis+cluster", "s3")
 _METRIC_PREFIX = "vllm:kvtier_"  # vLLM exports (and LLM.get_metrics reads) vllm:* only
-# How long shutdown() waits for a probe stuck in the backend: its answer would be discarded,
-# and vLLM's shutdown must not wait for a slow backend's full timeout.
-_PROBE_SHUTDOWN_WAIT_S = 2.0
 
 
 class KvtierTierClosedError(RuntimeError):
@@ -90,36 +83,6 @@ class KvtierTierClosedError(RuntimeError):
 
 class KvtierTierContractError(RuntimeError):
     """vLLM handed the tier a job that breaks the secondary-tier contract."""
-
-
-class _Lifecycle(enum.Enum):
-    OPEN = "open"
-    CLOSED = "closed"
-
-
-class _JobKind(enum.Enum):
-    LOAD = "load"  # backend -> primary (vLLM: promotion)
-    STORE = "store"  # primary -> backend (vLLM: cascade)
-
-
-@dataclass(slots=True)
-class _Job:
-    job_id: int
-    kind: _JobKind
-    keys: list[BlockKey]
-    future: Future[None] | None = None
-
-
-@dataclass(slots=True)
-class _Outcome:
-    """What an I/O thread reports for one job: one verdict per key, in job order."""
-
-    job_id: int
-    kind: _JobKind
-    ok: list[bool]
-    seconds: float
-    transferred_bytes: int
-    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -144,9 +107,9 @@ class _ReportedTotals:
     values: dict[str, int] = field(default_factory=dict)
 
 
-def _parse_lookup_settings(raw: object) -> dict[str, Any]:
+def _parse_lookup_settings(raw: object) -> LookupConfig:
     if raw is None:
-        return {}
+        return LookupConfig()
     if not isinstance(raw, Mapping):
         raise ValueError(
             f"KvtierTier option 'lookup' must be a mapping of {list(_LOOKUP_SETTINGS)}, got "
@@ -158,13 +121,7 @@ def _parse_lookup_settings(raw: object) -> dict[str, Any]:
             f"unknown KvtierTier lookup setting(s) {unknown}; expected some of "
             f"{list(_LOOKUP_SETTINGS)}"
         )
-    return dict(raw)
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"KvtierTier option {name!r} must be an int >= 1, got {value!r}")
-    return value
+    return LookupConfig.from_dict(raw, "KvtierTier option 'lookup'")
 
 
 def namespace_for(
@@ -245,8 +202,9 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                 f" redis://host:port/db, redis+cluster://host:port, s3://bucket/prefix), got "
                 f"{url!r}"
             )
-        io_threads = _positive_int("io_threads", io_threads)
-        self._max_blocks_per_call = _positive_int("max_blocks_per_call", max_blocks_per_call)
+        for option, number in (("io_threads", io_threads),
+                               ("max_blocks_per_call", max_blocks_per_call)):
+            require_int(f"KvtierTier option {option!r}", number, 1)
         lookup_settings = _parse_lookup_settings(lookup)
         overrides = {"model": model, "revision": revision, "tenant": tenant}
         for name, value in overrides.items():
@@ -254,7 +212,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                 raise ValueError(f"KvtierTier option {name!r} must be a str, got {value!r}")
         if locality is None:
             scheme = url.partition("://")[0].lower()
-            self.locality = Locality.REMOTE if scheme in _REMOTE_SCHEMES else Locality.LOCAL
+            self.locality = Locality.REMOTE if scheme in REMOTE_SCHEMES else Locality.LOCAL
         else:
             try:
                 self.locality = Locality(str(locality).upper())
@@ -266,31 +224,38 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         self._chunk_bytes = self.block_size_bytes
         self._num_chunks = primary_kv_view.nbytes // self._chunk_bytes
         self._namespace = namespace_for(offloading_spec, self._chunk_bytes, overrides)
-        self._backend: Backend = open_backend(url, self._namespace, **backend_options)
+        backend = open_backend(url, self._namespace, **backend_options)
         self._url = redact_url(url)
         try:
-            self._lookup = BackendLookupManager(self._url, self._backend, options=lookup_settings)
+            # vLLM bounds its own in-flight stores (back-pressure): this tier must never shed
+            # one, so its store limits are unreachable. The SecondaryTier applies each job's
+            # effects on lookups: mark_miss on failed loads, note_stored on stores (unless the
+            # key's load just failed: see RecentLoadFailures).
+            self._tier = SecondaryTier(
+                self._url, backend, lookup=lookup_settings, io_threads=io_threads,
+                max_pending_store_bytes=sys.maxsize, max_pending_store_jobs=sys.maxsize,
+                max_keys_per_call=max_blocks_per_call,
+            )
         except Exception:
-            self._backend.close()
+            backend.close()
             raise
         # Taken last: this view pins vLLM's primary mmap until shutdown() releases it, so a
         # failed constructor must not leave one behind.
-        self._primary_bytes = primary_kv_view.cast("B")
-        self._io_pool = ThreadPoolExecutor(
-            max_workers=io_threads, thread_name_prefix=f"kvtier-io-{tier_type}"
-        )
-        self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
-        self._jobs: dict[int, _Job] = {}
-        # A store of a key whose load just failed must not lift its quarantine (see
-        # RecentLoadFailures): the backend may be keeping the very object that failed.
-        self._unloadable = RecentLoadFailures(self._lookup.quarantine_s)
+        try:
+            self._primary_bytes = primary_kv_view.cast("B")
+        except Exception:
+            self._tier.shutdown()
+            raise
+        self._jobs: dict[int, int] = {}  # vLLM job id -> SecondaryTier job id, until reported
+        self._vllm_job_ids: dict[int, int] = {}  # SecondaryTier job id -> vLLM job id
+        self._collected: list[TierJob] = []  # finished, reported by the next get_finished_jobs
+        self._shed_ids = itertools.count(-1, -1)  # ids of shed store jobs (never the tier's)
         self._counters = _TierCounters()
         self._reported = _ReportedTotals()
         emit_events = bool(enable_kv_events) and bool(
             offloading_spec.kv_events_config.enable_kv_cache_events
         )
         self._events: list[OffloadingEvent] | None = [] if emit_events else None
-        self._lifecycle = _Lifecycle.OPEN
         _log.info(
             "kvtier tier %s: %s, %d chunks of %d bytes, namespace %s",
             tier_type, self._url, self._num_chunks, self._chunk_bytes,
@@ -313,14 +278,12 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         snapshot: dict[str, int] = {
             item.name: int(getattr(self._counters, item.name)) for item in fields(_TierCounters)
         }
-        lookup_stats = self._lookup.stats
-        for item in fields(LookupStats):
-            value = getattr(lookup_stats, item.name)
-            if isinstance(value, BreakerState):
-                snapshot["lookup_breaker_open"] = int(value is not BreakerState.CLOSED)
+        for name, value in self._tier.lookup_stats.as_dict().items():
+            if name == "breaker_state":
+                snapshot["lookup_breaker_open"] = int(value != BreakerState.CLOSED.value)
             else:
-                snapshot[f"lookup_{item.name}"] = int(value)
-        for name, value in self._backend.stats().items():
+                snapshot[f"lookup_{name}"] = int(value)
+        for name, value in self._tier.backend.stats().items():
             snapshot[f"backend_{name}"] = int(value)
         snapshot["jobs_in_flight"] = len(self._jobs)
         return snapshot
@@ -337,28 +300,28 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         if context is None:
             context = RequestContext(req_context.req_id)
             req_context.set_state(context)
-        verdict = self._lookup.lookup(bytes(key), context)
+        verdict = self._tier.lookup(bytes(key), context)
         if verdict is None:
             return LookupResult.RETRY
         return LookupResult.HIT if verdict else LookupResult.MISS
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self._lifecycle is _Lifecycle.OPEN:
-            self._lookup.flush()
+        if not self._tier.closed:
+            self._tier.flush()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        if self._lifecycle is _Lifecycle.OPEN:
-            self._lookup.cleanup(req_context.req_id)
+        if not self._tier.closed:
+            self._tier.cleanup(req_context.req_id)
 
     # -- transfers --------------------------------------------------------------------------
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self._submit(job_metadata, _JobKind.STORE)
+        self._submit(job_metadata, JobKind.STORE)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._submit(job_metadata, _JobKind.LOAD)
+        self._submit(job_metadata, JobKind.LOAD)
 
-    def _submit(self, job_metadata: TransferJob, kind: _JobKind) -> None:
+    def _submit(self, job_metadata: TransferJob, kind: JobKind) -> None:
         self._require_open(f"submit_{kind.value}")
         job_id = int(job_metadata.job_id)
         keys = [bytes(key) for key in job_metadata.keys]
@@ -375,98 +338,71 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                 f"KvtierTier: job {job_id} names chunk ids {bad[:4]} outside the primary region "
                 f"of {self._num_chunks} chunks"
             )
-        job = _Job(job_id, kind, keys)
-        self._jobs[job_id] = job
-        job.future = self._io_pool.submit(self._run_job, job_id, kind, keys, slots)
+        views = [self._slot_view(slot) for slot in slots]
+        job: TierJob | None
+        if kind is JobKind.LOAD:
+            job = self._tier.submit_load(keys, views)
+        else:
+            job = self._tier.submit_store(keys, views)
+            if job is None:  # unreachable with our limits; if ever, a failed job, never lost
+                job = TierJob(next(self._shed_ids), JobKind.STORE, tuple(keys), (), 0,
+                              results=(False,) * len(keys), error="shed: tier backlogged")
+                self._collected.append(job)
+        self._jobs[job_id] = job.job_id
+        self._vllm_job_ids[job.job_id] = job_id
 
     def _slot_view(self, slot: int) -> memoryview:
         start = slot * self._chunk_bytes
         return self._primary_bytes[start : start + self._chunk_bytes]
 
-    def _run_job(
-        self, job_id: int, kind: _JobKind, keys: list[BlockKey], slots: list[int]
-    ) -> None:
-        """I/O thread: move one job's chunks, then post its outcome (always exactly once)."""
-        started = time.perf_counter()
-        ok = [False] * len(keys)
-        error: str | None = None
-        try:
-            step = self._max_blocks_per_call
-            for start in range(0, len(keys), step):
-                batch_keys = keys[start : start + step]
-                views = [self._slot_view(slot) for slot in slots[start : start + step]]
-                if kind is _JobKind.STORE:
-                    answers = self._backend.put_many(batch_keys, views)
-                else:
-                    answers = self._backend.get_many(batch_keys, views)
-                if len(answers) != len(batch_keys):
-                    error = (
-                        f"backend answered {len(answers)} verdicts for {len(batch_keys)} keys"
-                    )
-                    break
-                ok[start : start + len(batch_keys)] = [answer is True for answer in answers]
-        except Exception as exc:  # the job fails; vLLM recomputes, the engine keeps running
-            error = f"{type(exc).__name__}: {exc}"
-        transferred = sum(ok) * self._chunk_bytes
-        self._outcomes.put(
-            _Outcome(job_id, kind, ok, time.perf_counter() - started, transferred, error)
-        )
-
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        finished, self._collected = self._collected, []
+        finished.extend(self._tier.get_finished_jobs())
         results: list[JobResult] = []
-        while True:
-            try:
-                outcome = self._outcomes.get_nowait()
-            except queue.Empty:
-                break
-            job = self._jobs.pop(outcome.job_id, None)
-            if job is None:
-                self._counters.io_errors += 1
-                _log.error("kvtier tier %s: outcome for unknown job %d dropped",
-                           self._url, outcome.job_id)
-                continue
-            results.append(self._finish(job, outcome))
+        for job in finished:
+            result = self._finish(job)
+            if result is not None:
+                results.append(result)
         return results
 
-    def _finish(self, job: _Job, outcome: _Outcome) -> JobResult:
-        good = [key for key, ok in zip(job.keys, outcome.ok, strict=True) if ok]
-        failed = [key for key, ok in zip(job.keys, outcome.ok, strict=True) if not ok]
-        if outcome.error is not None:
+    def _finish(self, job: TierJob) -> JobResult | None:
+        """Account for one finished job (the SecondaryTier already updated the lookups)."""
+        job_id = self._vllm_job_ids.pop(job.job_id, None)
+        if job_id is None:
             self._counters.io_errors += 1
-            _log.warning("kvtier tier %s: %s job %d failed: %s",
-                         self._url, job.kind.value, job.job_id, outcome.error)
-        if job.kind is _JobKind.LOAD:
+            _log.error("kvtier tier %s: outcome for unknown job %d dropped",
+                       self._url, job.job_id)
+            return None
+        del self._jobs[job_id]
+        good = job.succeeded
+        failed = len(job.keys) - len(good)
+        transferred = len(good) * self._chunk_bytes
+        if job.error is not None:
+            self._counters.io_errors += 1
+        if job.kind is JobKind.LOAD:
             self._counters.load_jobs += 1
             self._counters.blocks_loaded += len(good)
-            self._counters.blocks_load_failed += len(failed)
-            self._counters.bytes_loaded += outcome.transferred_bytes
-            if failed:
-                # Missing or damaged in the backend: never promise these again for a while,
-                # so the scheduler recomputes instead of retrying a doomed promotion.
-                self._lookup.mark_miss(failed)
-                self._unloadable.add(failed)
+            self._counters.blocks_load_failed += failed
+            self._counters.bytes_loaded += transferred
         else:
             self._counters.store_jobs += 1
             self._counters.blocks_stored += len(good)
-            self._counters.blocks_store_failed += len(failed)
-            self._counters.bytes_stored += outcome.transferred_bytes
-            if good:
-                self._lookup.note_stored(self._unloadable.without(good))
-                if self._events is not None:
-                    self._events.append(
-                        OffloadingEvent(
-                            keys=good, medium=Medium.STORAGE, removed=False,
-                            locality=self.locality,
-                        )
+            self._counters.blocks_store_failed += failed
+            self._counters.bytes_stored += transferred
+            if good and self._events is not None:
+                self._events.append(
+                    OffloadingEvent(
+                        keys=good, medium=Medium.STORAGE, removed=False, locality=self.locality,
                     )
+                )
         success = not failed
         successful_keys = None if success or not good else tuple(good)
         return JobResult(
-            job_id=job.job_id,
+            job_id=job_id,
             success=success,
             successful_keys=successful_keys,
-            transfer_time=outcome.seconds,
-            transfer_bytes=outcome.transferred_bytes,
+            transfer_time=job.seconds,
+            transfer_bytes=transferred,
         )
 
     def has_pending_work(self) -> bool:
@@ -475,9 +411,9 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         return bool(self._jobs)
 
     def drain_jobs(self) -> None:
-        futures = [job.future for job in self._jobs.values() if job.future is not None]
-        if futures:
-            wait_futures(futures)
+        # Waits for every running job (never aborts a copy); the next get_finished_jobs()
+        # reports them.
+        self._collected.extend(self._tier.get_finished_jobs(wait=True))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self._events:
@@ -513,7 +449,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         return definitions
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        if self._lifecycle is not _Lifecycle.OPEN:
+        if self._tier.closed:
             return None
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
             OffloadingConnectorStats,
@@ -540,7 +476,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
     # -- lifecycle --------------------------------------------------------------------------
 
     def _require_open(self, operation: str) -> None:
-        if self._lifecycle is not _Lifecycle.OPEN:
+        if self._tier.closed:
             raise KvtierTierClosedError(
                 f"KvtierTier {self._url}: {operation}() called after shutdown()"
             )
@@ -548,26 +484,14 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
     def shutdown(self) -> None:
         """Finish in-flight transfers (never abort a copy), stop every thread, close the backend.
 
-        A probe stuck in the backend is abandoned after ``_PROBE_SHUTDOWN_WAIT_S`` (its daemon
-        thread reads no primary memory). Idempotent.
+        A probe stuck in the backend is abandoned after the SecondaryTier's bounded probe wait
+        (its daemon thread reads no primary memory). Outcomes that arrive meanwhile are
+        accounted for (nobody will ask for them). Idempotent.
         """
-        if self._lifecycle is _Lifecycle.CLOSED:
+        if self._tier.closed:
             return
-        self._lifecycle = _Lifecycle.CLOSED
-        self._io_pool.shutdown(wait=True)
-        self._account_outcomes_after_close()
-        self._lookup.shutdown(_PROBE_SHUTDOWN_WAIT_S)
-        self._backend.close()
+        finished, self._collected = [*self._collected, *self._tier.shutdown()], []
+        for job in finished:
+            self._finish(job)
         # vLLM unmaps the primary region right after this; an exported view would block it.
         self._primary_bytes.release()
-
-    def _account_outcomes_after_close(self) -> None:
-        """Account for outcomes that arrived during shutdown (nobody will ask for them)."""
-        while True:
-            try:
-                outcome = self._outcomes.get_nowait()
-            except queue.Empty:
-                return
-            job = self._jobs.pop(outcome.job_id, None)
-            if job is not None:
-                self._finish(job, outcome)
