@@ -116,44 +116,40 @@ class StorePlan:
 
 
 @dataclass(frozen=True, slots=True)
-class BlockStored:
+class _TierEvent:
+    keys: tuple[BlockKey, ...]
+    tier: str
+
+
+class BlockStored(_TierEvent):
     """``keys`` are now held by ``tier`` ("primary" or a secondary tier's name)."""
 
-    keys: tuple[BlockKey, ...]
-    tier: str
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
+class BlockRemoved(_TierEvent):
     """``keys`` left ``tier`` (primary evictions)."""
 
-    keys: tuple[BlockKey, ...]
-    tier: str
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class BlockPromoted:
+class BlockPromoted(_TierEvent):
     """``keys`` were promoted into the primary pool from secondary tier ``tier`` (each promotion
     also emits ``BlockStored(keys, "primary")``, just before this event)."""
 
-    keys: tuple[BlockKey, ...]
-    tier: str
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class PromotionFailed:
+class PromotionFailed(_TierEvent):
     """Loading ``keys`` from ``tier`` failed (missing, I/O error or corrupt); they recompute."""
 
-    keys: tuple[BlockKey, ...]
-    tier: str
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class StoreShed:
+class StoreShed(_TierEvent):
     """Cascading ``keys`` to ``tier`` was dropped because the tier was backlogged."""
 
-    keys: tuple[BlockKey, ...]
-    tier: str
+    __slots__ = ()
 
 
 ManagerEvent = BlockStored | BlockRemoved | BlockPromoted | PromotionFailed | StoreShed

@@ -34,6 +34,10 @@ def test_reads_records_and_block_tokens(write_trace: TraceWriter) -> None:
     assert [r.line for r in trace.requests] == [1, 3]
     assert trace.requests[0].block_token_counts(512) == [512, 488]
     assert trace.requests[1].block_token_counts(512) == [512]
+    first = trace.requests[0]  # 1000 tokens: a full block, then 488
+    assert [first.tokens_in_blocks(0, 1, 512), first.tokens_in_blocks(1, 2, 512)] == [512, 488]
+    assert first.tokens_in_blocks(0, 2, 512) == 1000
+    assert first.tokens_in_blocks(1, 1, 512) == 0
     assert (trace.total_blocks, trace.total_tokens, trace.skipped_lines) == (3, 1512, 0)
     assert trace.name == path.name
 

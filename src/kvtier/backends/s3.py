@@ -348,7 +348,6 @@ class S3Backend(ExistenceChecks):
         self._warn = RateLimitedLog(_log)
         self._lifecycle = Lifecycle(f"s3 backend {settings.url}")
         timeout = settings.timeout_s
-        self._request_timeout_s = timeout
         # Only a safety net: requests time out on their own and a failing batch stops sending.
         # A head-then-put slot makes two requests.
         self._wave_timeout_s = 2 * timeout + 1.0
@@ -470,7 +469,7 @@ class S3Backend(ExistenceChecks):
     async def _request(self, call: Awaitable[_T]) -> _T:
         """Await one request with the request timeout; counts the round trip."""
         self._stats.add("round_trips")
-        async with asyncio.timeout(self._request_timeout_s):
+        async with asyncio.timeout(self._settings.timeout_s):
             return await call
 
     def _failed(self, batch: _Batch, what: str, name: str, exc: BaseException) -> _Outcome:

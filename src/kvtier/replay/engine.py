@@ -38,6 +38,7 @@ import numpy as np
 
 from kvtier.keys import BlockKey, Namespace, RequestContext
 from kvtier.replay.errors import ReplayError, ReplayIntegrityError, ReplayStuckError
+from kvtier.replay.reference import ideal_hit_runs
 from kvtier.replay.results import ReplayResult, TierKind, TierResult, TimelinePoint
 from kvtier.replay.strategies import Strategy, lookup_factory_for, manager_config_for
 from kvtier.replay.trace import Trace, TraceRequest
@@ -162,13 +163,6 @@ class _Counters:
     requests_waited: int = 0
     verified_blocks: int = 0
     store_plans_refused: int = 0
-
-
-def _tokens_between(record: TraceRequest, start: int, stop: int, block_tokens: int) -> int:
-    """Tokens held by blocks [start, stop) of ``record`` (only the last block is partial)."""
-    if stop <= start:
-        return 0
-    return min(stop * block_tokens, record.input_length) - start * block_tokens
 
 
 def _note_promotions(
@@ -297,7 +291,7 @@ class _Instance:
         block_tokens = self.block_tokens
         hits: dict[str, int] = {"GPU": gpu_run}
         counters.gpu_hits += gpu_run
-        counters.gpu_tokens += _tokens_between(record, 0, gpu_run, block_tokens)
+        counters.gpu_tokens += record.tokens_in_blocks(0, gpu_run, block_tokens)
         if loadable:
             resident = request.resident_at_first_ask
             from_cpu = loadable if resident is None else min(resident, loadable)
@@ -323,8 +317,8 @@ class _Instance:
             manager.complete_load(loaded, request.ctx)
             counters.cpu_hits += from_cpu
             hits["CPU"] = from_cpu
-            counters.cpu_tokens += _tokens_between(
-                record, gpu_run, gpu_run + from_cpu, block_tokens
+            counters.cpu_tokens += record.tokens_in_blocks(
+                gpu_run, gpu_run + from_cpu, block_tokens
             )
             counters.cpu_bytes_loaded += loadable * self.options.block_bytes
             for position in range(from_cpu, loadable):
@@ -332,8 +326,8 @@ class _Instance:
                 counters.secondary_hits[tier] += 1
                 hits[tier] = hits.get(tier, 0) + 1
                 absolute = gpu_run + position
-                counters.secondary_tokens[tier] += _tokens_between(
-                    record, absolute, absolute + 1, block_tokens
+                counters.secondary_tokens[tier] += record.tokens_in_blocks(
+                    absolute, absolute + 1, block_tokens
                 )
         computed = rest[loadable:]
         if computed:
@@ -374,20 +368,6 @@ def _percentile(values: list[float], fraction: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
-def _ideal_hits_per_request(trace: Trace) -> list[tuple[int, int]]:
-    seen: set[int] = set()
-    result: list[tuple[int, int]] = []
-    for record in trace.requests:
-        run = 0
-        for block_id in record.hash_ids:
-            if block_id not in seen:
-                break
-            run += 1
-        result.append((run, _tokens_between(record, 0, run, trace.block_tokens)))
-        seen.update(record.hash_ids)
-    return result
 
 
 def replay(
@@ -512,7 +492,10 @@ class _Loop:
         self.next_index = 0
         self.scheduled = 0
         self.steps = 0
-        self.ideal = _ideal_hits_per_request(trace)
+        self.ideal = [
+            (run, record.tokens_in_blocks(0, run, trace.block_tokens))
+            for record, run in zip(trace.requests, ideal_hit_runs(trace), strict=True)
+        ]
         total = len(trace.requests)
         self.window = max(1, -(-total // options.timeline_windows))
         self.timeline: list[TimelinePoint] = []

@@ -114,17 +114,24 @@ def published_for(trace: Trace) -> PublishedTrace | None:
 
 def ideal(trace: Trace) -> ReferenceResult:
     """Hit ratio of an infinite cache (every block ever seen stays cached)."""
-    return _simulate(trace, None)
+    return _simulate(trace, None)[0]
+
+
+def ideal_hit_runs(trace: Trace) -> list[int]:
+    """Per request, the leading blocks an infinite cache would hold when it arrives."""
+    return _simulate(trace, None)[1]
 
 
 def lru(trace: Trace, capacity_blocks: int) -> ReferenceResult:
     """Hit ratio of an LRU cache holding at most ``capacity_blocks`` block ids."""
     if type(capacity_blocks) is not int or capacity_blocks < 1:
         raise ValueError(f"capacity_blocks must be an integer >= 1, got {capacity_blocks!r}")
-    return _simulate(trace, capacity_blocks)
+    return _simulate(trace, capacity_blocks)[0]
 
 
-def _simulate(trace: Trace, capacity: int | None) -> ReferenceResult:
+def _simulate(trace: Trace, capacity: int | None) -> tuple[ReferenceResult, list[int]]:
+    """The cache's totals, and each request's hit run (leading blocks found cached)."""
+    runs: list[int] = []
     cache: OrderedDict[int, None] = OrderedDict()
     move_to_end = cache.move_to_end
     block_tokens = trace.block_tokens
@@ -136,13 +143,11 @@ def _simulate(trace: Trace, capacity: int | None) -> ReferenceResult:
             if block_id not in cache:
                 break
             hit_run += 1
+        runs.append(hit_run)
         block_hits += hit_run
         block_refs += len(ids)
         total_tokens += request.input_length
-        if hit_run == len(ids):
-            token_hits += request.input_length
-        else:
-            token_hits += hit_run * block_tokens
+        token_hits += request.tokens_in_blocks(0, hit_run, block_tokens)
         for block_id in ids:
             if block_id in cache:
                 move_to_end(block_id)
@@ -152,7 +157,7 @@ def _simulate(trace: Trace, capacity: int | None) -> ReferenceResult:
             if capacity is not None and len(cache) > capacity:
                 cache.popitem(last=False)
                 evictions += 1
-    return ReferenceResult(
+    totals = ReferenceResult(
         policy="ideal" if capacity is None else "lru",
         capacity_blocks=capacity,
         block_hits=block_hits,
@@ -162,6 +167,7 @@ def _simulate(trace: Trace, capacity: int | None) -> ReferenceResult:
         inserts=inserts,
         evictions=evictions,
     )
+    return totals, runs
 
 
 def validate(trace: Trace) -> Validation | None:

@@ -59,6 +59,12 @@ class TraceRequest:
     output_length: int
     hash_ids: tuple[int, ...]
 
+    def tokens_in_blocks(self, start: int, stop: int, block_tokens: int) -> int:
+        """Tokens held by blocks [start, stop) (only the last block may be partial)."""
+        if stop <= start:
+            return 0
+        return min(stop * block_tokens, self.input_length) - start * block_tokens
+
     def block_token_counts(self, block_tokens: int) -> list[int]:
         """Tokens held by each block: ``block_tokens`` each, fewer in a partial last block."""
         blocks = len(self.hash_ids)
