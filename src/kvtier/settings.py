@@ -1,0 +1,337 @@
+"""Settings tables: the one place where a setting's name, type, default, bounds, unit, env name
+and help text are declared.
+
+This module owns no mutable state: tables and settings are frozen, safe to share between threads.
+
+Every component that takes settings (the top-level config, a secondary tier, a lookup manager,
+each backend kind, the vLLM tier) declares one :class:`SettingsTable`. The table is the only
+source of truth: constructors, the config loader, URL query options, ``KVTIER_*`` environment
+variables, the vLLM tier's keyword arguments and the README's settings tables are all derived
+from it, so a setting and its validation exist exactly once.
+
+Values arrive as Python objects (dict / YAML / keyword arguments) or as strings (URL query
+strings, environment variables); :meth:`Setting.parse` accepts both. A bad value raises
+:class:`ConfigError` naming the key path, the value (``'***'`` for secrets) and what was expected.
+
+Sizes follow one rule everywhere: units are binary. ``"64KiB"`` and ``"64K"`` both mean 65,536
+bytes; a decimal spelling (``"64KB"``, ``"1.5GB"``) is ambiguous and rejected with a message that
+says how to write it. A bare number is a byte count.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ConfigError",
+    "Kind",
+    "Secret",
+    "Setting",
+    "SettingsTable",
+    "format_size",
+    "parse_size",
+]
+
+
+class ConfigError(ValueError):
+    """A setting is missing, unknown or invalid; the message names its key path."""
+
+
+class Kind(enum.Enum):
+    """How a setting's value is read; the value is the spelling used in generated docs."""
+
+    INT = "int"
+    FLOAT = "float"
+    SIZE = "size"        # bytes: an int or a binary-unit string ("4GiB", "512M")
+    BOOL = "bool"
+    STR = "str"
+    CHOICE = "choice"    # one of Setting.choices
+    SECRET = "secret"    # a str that is never shown (wrapped in Secret)
+
+
+@dataclass(frozen=True, slots=True)
+class Secret:
+    """A credential. ``str()``/``repr()`` never show it; read ``.reveal()`` where it is used."""
+
+    _value: str = field(repr=False)
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __str__(self) -> str:
+        return "***"
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
+_SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+_INT_RE = re.compile(r"^\s*[+-]?\d+\s*$")
+SIZE_HELP = "a byte count or a binary size such as '64KiB', '512MiB', '4GiB' (K = 1024)"
+
+
+def parse_size(value: object, path: str, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """Bytes from an int or a binary-unit string; :class:`ConfigError` naming ``path`` if bad."""
+    result: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        result = value
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match:
+            number, prefix, binary, byte_suffix = match.groups()
+            if prefix and byte_suffix and not binary:
+                raise ConfigError(
+                    f"{path}: {value!r} is ambiguous (1000 or 1024?); kvtier sizes are binary: "
+                    f"write {number}{prefix.upper()}iB, or a byte count"
+                )
+            scaled = float(number) * 1024 ** _SIZE_POWERS[prefix.lower()]
+            if scaled.is_integer():
+                result = int(scaled)
+    if result is None:
+        raise ConfigError(f"{path}: expected {SIZE_HELP}, got {value!r}")
+    _check_bounds(result, path, minimum, maximum, strict_min=False, shown=repr(value))
+    return result
+
+
+def format_size(num_bytes: int) -> str:
+    """The shortest exact binary spelling of ``num_bytes`` ("64KiB", "1536", "4GiB")."""
+    for power, unit in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if num_bytes and num_bytes % 1024**power == 0:
+            return f"{num_bytes // 1024 ** power}{unit}"
+    return str(num_bytes)
+
+
+def _check_bounds(number: float, path: str, minimum: float | None, maximum: float | None, *,
+                  strict_min: bool, shown: str) -> None:
+    low_ok = minimum is None or (number > minimum if strict_min else number >= minimum)
+    high_ok = maximum is None or number <= maximum
+    if not (low_ok and high_ok):
+        raise ConfigError(f"{path}: expected {_range_text(minimum, maximum, strict_min)}, "
+                          f"got {shown}")
+
+
+def _range_text(minimum: float | None, maximum: float | None, strict_min: bool) -> str:
+    parts = []
+    if minimum is not None:
+        parts.append(f"{'>' if strict_min else '>='} {minimum}")
+    if maximum is not None:
+        parts.append(f"<= {maximum}")
+    return "a value " + " and ".join(parts) if parts else "a value"
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One named setting. ``default`` is the parsed value used when the setting is not given;
+    ``nullable`` allows an explicit ``None`` (meaning "not set")."""
+
+    name: str
+    kind: Kind
+    default: Any
+    help: str
+    minimum: float | None = None
+    maximum: float | None = None
+    strict_min: bool = False
+    unit: str = ""
+    choices: tuple[str, ...] = ()
+    nullable: bool = False
+    env: str | None = None
+
+    def parse(self, value: object, path: str | None = None) -> Any:
+        """The typed value of ``value`` (an object or a string), or :class:`ConfigError`."""
+        where = path or self.name
+        if value is None:
+            if self.nullable:
+                return None
+            raise ConfigError(f"{where}: expected {self.expected()}, got None")
+        parser = _PARSERS[self.kind]
+        return parser(self, value, where)
+
+    def expected(self) -> str:
+        """What a valid value looks like, for error messages and docs."""
+        bounds = (_range_text(self.minimum, self.maximum, self.strict_min)
+                  .removeprefix("a value").strip())
+        if self.kind is Kind.SIZE:
+            return SIZE_HELP + (f", {bounds}" if bounds else "")
+        if self.kind is Kind.CHOICE:
+            return "one of " + ", ".join(repr(choice) for choice in self.choices)
+        if self.kind is Kind.BOOL:
+            return "a boolean (true/false, 1/0, yes/no, on/off)"
+        if self.kind in (Kind.STR, Kind.SECRET):
+            return "a string"
+        noun = "an integer" if self.kind is Kind.INT else "a finite number"
+        return f"{noun} {bounds}".strip() + (f" ({self.unit})" if self.unit else "")
+
+    def shown(self, value: object) -> str:
+        """``value`` as it may appear in a message or a report: never a secret."""
+        if self.kind is Kind.SECRET and value is not None:
+            return "'***'"
+        return repr(value)
+
+    def default_text(self) -> str:
+        if self.default is None:
+            return "unset"
+        if self.kind is Kind.SIZE:
+            return format_size(self.default)
+        if isinstance(self.default, bool):
+            return "true" if self.default else "false"
+        return str(self.default)
+
+
+def _parse_int(setting: Setting, value: object, where: str) -> int:
+    result: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        result = value
+    elif isinstance(value, str) and _INT_RE.match(value):
+        result = int(value)
+    if result is None:
+        raise ConfigError(f"{where}: expected {setting.expected()}, got {setting.shown(value)}")
+    _check_bounds(result, where, setting.minimum, setting.maximum,
+                  strict_min=setting.strict_min, shown=repr(value))
+    return result
+
+
+def _parse_float(setting: Setting, value: object, where: str) -> float:
+    result: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        result = float(value)
+    elif isinstance(value, str):
+        try:
+            result = float(value)
+        except ValueError:
+            result = None
+    if result is None or not math.isfinite(result):
+        raise ConfigError(f"{where}: expected {setting.expected()}, got {value!r}")
+    _check_bounds(result, where, setting.minimum, setting.maximum,
+                  strict_min=setting.strict_min, shown=repr(value))
+    return result
+
+
+def _parse_size(setting: Setting, value: object, where: str) -> int:
+    minimum = 0 if setting.minimum is None else int(setting.minimum)
+    maximum = None if setting.maximum is None else int(setting.maximum)
+    return parse_size(value, where, minimum=minimum, maximum=maximum)
+
+
+def _parse_bool(setting: Setting, value: object, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+    raise ConfigError(f"{where}: expected {setting.expected()}, got {value!r}")
+
+
+def _parse_str(setting: Setting, value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {type(value).__name__} "
+                          f"{setting.shown(value)}")
+    return value
+
+
+def _parse_choice(setting: Setting, value: object, where: str) -> str:
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if not isinstance(value, str) or value.strip().lower() not in setting.choices:
+        raise ConfigError(f"{where}: expected {setting.expected()}, got {value!r}")
+    return value.strip().lower()
+
+
+def _parse_secret(setting: Setting, value: object, where: str) -> Secret:
+    if isinstance(value, Secret):
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {type(value).__name__} '***'")
+    return Secret(value)
+
+
+_PARSERS: dict[Kind, Any] = {
+    Kind.INT: _parse_int,
+    Kind.FLOAT: _parse_float,
+    Kind.SIZE: _parse_size,
+    Kind.BOOL: _parse_bool,
+    Kind.STR: _parse_str,
+    Kind.CHOICE: _parse_choice,
+    Kind.SECRET: _parse_secret,
+}
+
+
+class SettingsTable:
+    """The settings of one component, in declaration order."""
+
+    __slots__ = ("_by_name", "component")
+
+    def __init__(self, component: str, settings: Iterable[Setting]) -> None:
+        self.component = component
+        self._by_name: dict[str, Setting] = {}
+        for setting in settings:
+            if setting.name in self._by_name:
+                raise ValueError(f"{component}: setting {setting.name!r} declared twice")
+            self._by_name[setting.name] = setting
+
+    def __iter__(self) -> Iterator[Setting]:
+        return iter(self._by_name.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __getitem__(self, name: str) -> Setting:
+        return self._by_name[name]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._by_name)
+
+    def defaults(self) -> dict[str, Any]:
+        return {setting.name: setting.default for setting in self}
+
+    def parse(self, values: Mapping[str, Any], path: str = "", *,
+              fill_defaults: bool = True) -> dict[str, Any]:
+        """Typed values for ``values``; unknown names are rejected, missing ones defaulted."""
+        self.reject_unknown(values, path)
+        prefix = f"{path}." if path else ""
+        parsed = self.defaults() if fill_defaults else {}
+        for name, value in values.items():
+            parsed[name] = self._by_name[name].parse(value, prefix + name)
+        return parsed
+
+    def reject_unknown(self, values: Iterable[str], path: str = "") -> None:
+        unknown = sorted(set(values) - set(self._by_name))
+        if unknown:
+            where = f"{path}." if path else ""
+            raise ConfigError(
+                f"unknown {self.component} setting(s) {[where + name for name in unknown]}; "
+                f"expected some of {sorted(self._by_name)}"
+            )
+
+    def from_env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """The raw values of this table's settings that ``environ`` sets (by ``Setting.env``)."""
+        return {setting.name: environ[setting.env] for setting in self
+                if setting.env is not None and setting.env in environ}
+
+    def env_names(self) -> frozenset[str]:
+        return frozenset(setting.env for setting in self if setting.env is not None)
+
+    def markdown(self, names: Sequence[str] | None = None) -> str:
+        """A Markdown table of the settings (the README's tables are generated from this)."""
+        rows = ["| setting | type | default | env | meaning |", "|---|---|---|---|---|"]
+        for setting in self:
+            if names is not None and setting.name not in names:
+                continue
+            env = f"`{setting.env}`" if setting.env else ""
+            rows.append(f"| `{setting.name}` | {setting.expected()} | {setting.default_text()} "
+                        f"| {env} | {setting.help} |")
+        return "\n".join(rows)
