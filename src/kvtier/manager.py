@@ -23,19 +23,31 @@ tier quarantines the key (``mark_miss``) and the next lookup moves on to the nex
 so each tier gets at most one failed attempt per quarantine period: no livelock. All False ->
 MISS (recompute).
 
-Stores: ``prepare_store`` reserves slots (all or nothing) for the keys the pool does not hold;
-the engine writes ``primary_view(slot)``; ``complete_store`` makes them resident and cascades.
+Liveness: ``lookup_prefix`` gives a request one promotion round. Once promotions it waited on
+have landed (or failed), a key of its prefix that is neither resident nor being promoted ends the
+prefix (counted as ``promotions_lost``) instead of starting a new promotion, so a request bigger
+than what the pool can hold for it, or one whose promoted blocks other requests evicted, is
+answered with what is loadable within a bounded number of steps (probe round, promotion round,
+answer), never waiting on slots it can never get.
+
+Stores: ``prepare_store`` reserves slots for the keys the pool does not hold: all or nothing
+(``StoreMode.ALL``), or the longest leading run that fits now (``StoreMode.PREFIX``: the rest is
+``StorePlan.deferred``, for the engine to store in later steps, chunk by chunk, as cascades
+release slots); the engine writes ``primary_view(slot)``; ``complete_store`` makes them resident
+and cascades.
 write_through queues every stored block for every secondary tier (the slot stays pinned until
 the tier's write finishes); write_back copies a block out when the primary evicts it and writes
 it then, and flushes the rest at ``shutdown()``. Promoted blocks are never cascaded (so never
-written back to the tier they came from). A tier that is backlogged sheds the cascade
-(``StoreShed`` event, ``kvtier_shed_stores_total``) instead of stalling the engine; the backend's
-put-if-absent skips blocks a tier already holds.
+written back to the tier they came from). A cascade a backlogged tier cannot take yet waits in
+the pool (pinned) for the next step, so stores stream through the pool instead of vanishing;
+only when a tier's waiting cascades exceed half the pool is the oldest excess shed (``StoreShed``
+event, ``kvtier_shed_stores_total``), so a slow or dead tier never stalls the engine; the
+backend's put-if-absent skips blocks a tier already holds.
 
 Public API::
 
     LookupResult: HIT, HIT_PENDING, RETRY, MISS
-    LoadPlan(keys, slots); StorePlan(keys, slots, evicted)
+    LoadPlan(keys, slots); StorePlan(keys, slots, evicted, deferred); StoreMode: ALL, PREFIX
     events: BlockStored, BlockRemoved, BlockPromoted, PromotionFailed, StoreShed (keys, tier)
     TieringManager(pool, tiers, *, namespace, write_policy, metrics, clock, max_events)
     open_manager(config=None, **overrides) -> TieringManager
@@ -76,6 +88,7 @@ __all__ = [
     "ManagerClosedError",
     "ManagerEvent",
     "PromotionFailed",
+    "StoreMode",
     "StorePlan",
     "StoreShed",
     "TieringManager",
@@ -89,6 +102,7 @@ _TRANSFER_CHUNK_KEYS = 64      # keys per load/store job: one backend batch call
 _METRICS_INTERVAL_S = 1.0      # scheduler-side counters are published at most this often
 _HOLD_STEPS = 8                # a request's hold on its prefix blocks lasts this many steps
 _MAX_HELD_FRACTION = 0.5       # holds never pin more than this share of the pool
+_MAX_WAITING_CASCADE_FRACTION = 0.5  # cascades waiting for a backlogged tier, share of the pool
 
 
 class LookupResult(enum.Enum):
@@ -106,13 +120,22 @@ class LoadPlan:
     slots: tuple[int, ...]
 
 
+class StoreMode(enum.Enum):
+    """What ``prepare_store`` does when the pool cannot take every new key now."""
+
+    ALL = "all"        # reserve every new key or none (returns None)
+    PREFIX = "prefix"  # reserve the leading new keys that fit; the rest is ``deferred``
+
+
 @dataclass(frozen=True, slots=True)
 class StorePlan:
-    """Write ``keys[i]`` into ``slots[i]``; ``evicted`` lists every key this call evicted."""
+    """Write ``keys[i]`` into ``slots[i]``; ``evicted`` lists every key this call evicted;
+    ``deferred`` the new keys that did not fit now (``StoreMode.PREFIX``), in order."""
 
     keys: tuple[BlockKey, ...]
     slots: tuple[int, ...]
     evicted: tuple[BlockKey, ...]
+    deferred: tuple[BlockKey, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,8 +217,11 @@ class _Counters:
     promotions_succeeded: int = 0
     promotions_failed: int = 0
     promotions_no_slot: int = 0
+    promotions_lost: int = 0
     stores_prepared: int = 0
     stores_rejected: int = 0
+    stores_deferred: int = 0
+    cascades_waited: int = 0
     stores_completed: int = 0
     stores_aborted: int = 0
     cascades_queued: int = 0
@@ -262,6 +288,9 @@ class TieringManager:
         self._held = 0
         self._max_held = int(pool.num_slots * _MAX_HELD_FRACTION)
         self._request_waits: dict[str, set[BlockKey]] = {}  # req_id -> promotions it waits on
+        # Requests that have waited on a promotion: their one promotion round has started.
+        self._promoted_for: set[str] = set()
+        self._max_waiting_cascades = max(1, int(pool.num_slots * _MAX_WAITING_CASCADE_FRACTION))
         self._step = 0
         self._events: deque[ManagerEvent] = deque(maxlen=max(0, max_events))
         self._counters = _Counters()
@@ -342,11 +371,21 @@ class TieringManager:
         hits: set[BlockKey] = set(keys[:resident])
         count = resident
         pending = False
+        req_id = ctx.req_id
+        # The request's promotion round is over (everything it waited on landed or failed): what
+        # is not resident or in flight now ends the prefix; no second round (liveness).
+        round_over = req_id in self._promoted_for and req_id not in self._request_waits
+        promotions = self._promotions
         for index in range(resident, len(keys)):
             key = keys[index]
             if not isinstance(key, bytes):
                 raise TypeError(
                     f"keys[{index}] must be a BlockKey (bytes), got {type(key).__name__}")
+            if round_over and key not in promotions and not self._pool.is_resident(key):
+                counters.lookups += 1
+                counters.misses += 1
+                counters.promotions_lost += 1
+                break
             result = self._lookup(key, ctx, hits)
             if result is LookupResult.HIT:
                 hits.add(key)  # promotions later in this prefix must not evict it
@@ -411,6 +450,7 @@ class TieringManager:
         if req_id in promotion.waiters:
             return
         promotion.waiters.add(req_id)
+        self._promoted_for.add(req_id)
         waits = self._request_waits.get(req_id)
         if waits is None:
             self._request_waits[req_id] = {key}
@@ -504,11 +544,14 @@ class TieringManager:
             del self._request_pins[ctx.req_id]
 
     # ---- stores -----------------------------------------------------------------------------
-    def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext) -> StorePlan | None:
-        """Reserve slots for the keys the pool does not hold yet; None if they do not all fit.
+    def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext,
+                      mode: StoreMode = StoreMode.ALL) -> StorePlan | None:
+        """Reserve slots for the keys the pool does not hold yet.
 
-        Keys already held (resident, being promoted or being stored) are left out of ``.keys``
-        and are never evicted by this call.
+        ``StoreMode.ALL``: None if they do not all fit. ``StoreMode.PREFIX``: the leading new
+        keys that fit now, the rest in ``.deferred`` (never None). Keys already held (resident,
+        being promoted or being stored) are left out of ``.keys`` and are never evicted by this
+        call.
         """
         self._require_running("prepare_store")
         checked = validate_keys(keys)
@@ -522,9 +565,19 @@ class TieringManager:
             new_keys.append(key)
         if not new_keys:
             return StorePlan((), (), ())
-        reservations = pool.reserve_many(new_keys, protect=set(checked))
+        protect = set(checked)
+        deferred: list[BlockKey] = []
+        if mode is StoreMode.PREFIX:
+            fits = min(len(new_keys), pool.evictable_count(protect))
+            new_keys, deferred = new_keys[:fits], new_keys[fits:]
+            self._counters.stores_deferred += len(deferred)
+            if not new_keys:
+                return StorePlan((), (), (), tuple(deferred))
+        reservations = pool.reserve_many(new_keys, protect=protect)
         if reservations is None:
             self._counters.stores_rejected += 1
+            if mode is StoreMode.PREFIX:  # cannot happen after the count; stay consistent
+                return StorePlan((), (), (), tuple(new_keys + deferred))
             return None
         evicted: list[BlockKey] = []
         for reservation in reservations:
@@ -533,7 +586,8 @@ class TieringManager:
                 self._on_evicted(reservation.evicted, reservation.slot)
             self._store_filling.add(reservation.key)
         self._counters.stores_prepared += len(new_keys)
-        return StorePlan(tuple(new_keys), tuple(r.slot for r in reservations), tuple(evicted))
+        return StorePlan(tuple(new_keys), tuple(r.slot for r in reservations), tuple(evicted),
+                         tuple(deferred))
 
     def complete_store(self, keys: Sequence[BlockKey], ctx: RequestContext,
                        success: bool = True) -> None:
@@ -606,6 +660,7 @@ class TieringManager:
         for tier in self._tiers:
             tier.cleanup(ctx.req_id)
         self._release_holds(ctx.req_id)
+        self._promoted_for.discard(ctx.req_id)
         waits = self._request_waits.pop(ctx.req_id, None)
         if waits:
             for key in waits:
@@ -691,6 +746,10 @@ class TieringManager:
                 chunk_stores = stores[start : start + _TRANSFER_CHUNK_KEYS]
                 keys = [item.key for item in chunk_stores]
                 payloads = [item.payload for item in chunk_stores]
+                if not force and not tier.can_accept_store(
+                        sum(memoryview(p).nbytes for p in payloads)):
+                    self._wait_or_shed(index, stores[start:])
+                    break
                 if force:
                     nbytes = sum(memoryview(p).nbytes for p in payloads)
                     while not tier.can_accept_store(nbytes):
@@ -709,6 +768,25 @@ class TieringManager:
                 elif any(item.pinned for item in chunk_stores):
                     self._store_pins[(index, job.job_id)] = tuple(
                         item.pinned for item in chunk_stores)
+
+    def _wait_or_shed(self, tier_index: int, waiting: list[_QueuedStore]) -> None:
+        """Cascades a backlogged tier cannot take yet wait in the pool for the next step; the
+        oldest beyond the bound are shed (counted), so a dead tier never pins the whole pool."""
+        excess = len(waiting) - self._max_waiting_cascades
+        if excess > 0:
+            shed, waiting = waiting[:excess], waiting[excess:]
+            self._shed(tier_index, shed)
+        self._queued_stores[tier_index] = waiting
+        self._counters.cascades_waited += len(waiting)
+
+    def _shed(self, tier_index: int, shed: list[_QueuedStore]) -> None:
+        tier = self._tiers[tier_index]
+        for item in shed:
+            if item.pinned:
+                self._pool.unpin(item.key)
+        self._counters.cascades_shed += len(shed)
+        tier.count_shed(len(shed))
+        self._emit(StoreShed(tuple(item.key for item in shed), tier.name))
 
     # ---- events, stats, metrics -------------------------------------------------------------
     def _emit(self, event: ManagerEvent) -> None:
@@ -805,14 +883,18 @@ class TieringManager:
         for tier in self._tiers:
             remaining = max(0.0, deadline - time.monotonic())
             idle = tier.lookup_manager._wait_for_results(remaining) and idle
-        self._submit_queued()
-        for index, tier in enumerate(self._tiers):
-            remaining = max(0.0, deadline - time.monotonic())
-            for job in tier.get_finished_jobs(wait=True, timeout=remaining):
-                self._apply_job(index, job)
+        while True:  # cascades waiting for a backlogged tier go as its jobs land
+            self._submit_queued()
+            for index, tier in enumerate(self._tiers):
+                remaining = max(0.0, deadline - time.monotonic())
+                for job in tier.get_finished_jobs(wait=True, timeout=remaining):
+                    self._apply_job(index, job)
+            if not any(self._queued_stores) or time.monotonic() >= deadline:
+                break
+        for tier in self._tiers:
             idle = idle and tier.outstanding_jobs == 0
             tier.lookup_manager.drain_results()
-        return idle
+        return idle and not any(self._queued_stores)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _require_running(self, operation: str) -> None:
@@ -853,6 +935,7 @@ class TieringManager:
             self._holds.clear()
             self._hold_expiries.clear()
             self._request_waits.clear()
+            self._promoted_for.clear()
             self._held = 0
             self.publish_metrics()
             if self._metrics is not None and self._owns_global_metrics:

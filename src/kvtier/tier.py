@@ -96,6 +96,8 @@ class TransferJob:
     results: tuple[bool, ...] = ()
     error: str | None = None
     seconds: float = 0.0
+    suspects: tuple[int, ...] = ()  # store: positions whose load failed recently (read back)
+    verified: tuple[int, ...] = ()  # store: suspects whose read-back succeeded
 
     @property
     def succeeded(self) -> list[BlockKey]:
@@ -116,6 +118,8 @@ class TierCounters:
     store_keys_failed: int = 0
     stores_shed: int = 0
     store_keys_shed: int = 0
+    store_keys_read_back: int = 0
+    quarantines_lifted: int = 0
     job_errors: int = 0
     invariant_violations: int = 0
 
@@ -149,10 +153,13 @@ class RecentLoadFailures:
     """Keys whose load from one tier failed recently; owned by the scheduler thread.
 
     ``put_many`` answers True both for "written" and for "already present", so a store of a key
-    whose load just failed proves nothing: the backend may be keeping the very object that could
-    not be loaded (a valid frame of another size, a file that stats but cannot be read). Lifting
-    the key's quarantine with ``note_stored`` then would restart the same doomed promotion for
-    every later request, the livelock class; such keys stay quarantined until it ends.
+    whose load just failed proves nothing by itself: the backend may be keeping the very object
+    that could not be loaded (a valid frame of another size, a file that stats but cannot be
+    read). Lifting the key's quarantine with ``note_stored`` then would restart the same doomed
+    promotion for every later request, the livelock class. So a store job of such a key reads
+    the object back on its I/O thread (a full, verified ``get``): when the read-back succeeds
+    the tier really holds a good block again and the quarantine is lifted (:meth:`discard`);
+    when it fails (the damaged object is still there) the key stays quarantined until it ends.
     """
 
     __slots__ = ("_clock", "_hold_s", "_max_keys", "_until")
@@ -188,6 +195,13 @@ class RecentLoadFailures:
                 break
             del self._until[oldest]
         return [key for key in keys if key not in self._until]
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._until
+
+    def discard(self, keys: Iterable[BlockKey]) -> None:
+        for key in keys:
+            self._until.pop(key, None)
 
 
 class SecondaryTier:
@@ -317,12 +331,22 @@ class SecondaryTier:
             return None
         job = TransferJob(next(self._job_ids), JobKind.STORE, tuple(keys), tuple(payloads),
                           nbytes)
+        if len(self._load_failures):
+            failures = self._load_failures
+            job.suspects = tuple(i for i, key in enumerate(job.keys) if failures.contains(key))
         self._store_bytes += nbytes
         self._store_jobs += 1
         self._counters.stores_submitted += 1
         self._counters.store_keys += len(keys)
         self._start(job)
         return job
+
+    def count_shed(self, keys: int) -> None:
+        """``keys`` cascades to this tier were shed by the manager before submission."""
+        self._counters.stores_shed += 1
+        self._counters.store_keys_shed += keys
+        if self._metrics is not None:
+            self._metrics.shed_stores.labels(tier=self._name).inc(keys)
 
     def _start(self, job: TransferJob) -> None:
         self._outstanding[job.job_id] = job
@@ -392,6 +416,13 @@ class SecondaryTier:
             self._store_bytes -= job.nbytes
             self._store_jobs -= 1
             stored = job.succeeded
+            if job.suspects:
+                self._counters.store_keys_read_back += sum(1 for p in job.suspects
+                                                           if job.results[p])
+            if job.verified:
+                good = [job.keys[position] for position in job.verified]
+                self._load_failures.discard(good)  # a verified new object: quarantine ends
+                self._counters.quarantines_lifted += len(good)
             if stored and self._state is _TierState.RUNNING:
                 self._lookup.note_stored(self._load_failures.without(stored))
             self._counters.store_keys_failed += len(job.keys) - len(stored)
@@ -436,6 +467,8 @@ class SecondaryTier:
                                  job.kind.value, len(job.keys), exc)
         # Keys after a failed call are failed; keys moved by earlier calls stay moved.
         job.results = tuple(results) + (False,) * (len(job.keys) - len(results))
+        if job.suspects:
+            self._read_back(job)
         job.seconds = time.perf_counter() - started
         metrics = self._metrics
         if metrics is not None:
@@ -450,6 +483,21 @@ class SecondaryTier:
                 metrics.bytes_written.labels(tier=self._name).inc(moved)
                 metrics.write_seconds.labels(tier=self._name).inc(job.seconds)
         self._finished.put(job)
+
+    def _read_back(self, job: TransferJob) -> None:
+        """Store job, I/O thread: read back the stored keys whose load failed recently; the
+        ones that load (frame verified by the backend) are ``job.verified``."""
+        positions = [p for p in job.suspects if job.results[p]]
+        if not positions:
+            return
+        outs = [memoryview(bytearray(memoryview(job.buffers[p]).nbytes)) for p in positions]
+        try:
+            loaded = self._backend.get_many([job.keys[p] for p in positions], outs)
+        except Exception as exc:  # the quarantine simply stays
+            self._io_log.warning("tier %s: read-back of %d re-stored keys failed: %r",
+                                 self._name, len(positions), exc)
+            return
+        job.verified = tuple(p for p, ok in zip(positions, loaded, strict=False) if ok is True)
 
     # ---- introspection ------------------------------------------------------------------------
     @property

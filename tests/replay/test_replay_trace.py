@@ -160,10 +160,11 @@ def test_compressed_traces(tmp_path: Path, write_trace: TraceWriter) -> None:
 def test_bad_sources_and_arguments(tmp_path: Path, write_trace: TraceWriter) -> None:
     with pytest.raises(TraceFormatError, match="no such file"):
         read_trace(tmp_path / "missing.jsonl")
-    with pytest.raises(TraceFormatError, match="not a regular file"):
+    with pytest.raises(TraceFormatError, match="is a directory without session files"):
         read_trace(tmp_path)
     with pytest.raises(TraceFormatError, match="unknown built-in trace 'nope'; expected one of "
-                                               "builtin:conversation, builtin:synthetic"):
+                                               "builtin:agentic, builtin:conversation, "
+                                               "builtin:synthetic"):
         read_trace("builtin:nope")
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"timestamp": 0}\n\xff\xfe\n')

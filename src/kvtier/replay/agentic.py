@@ -4,16 +4,16 @@ Pure functions; this module owns no state beyond the locals of one call.
 
 The shape follows the published statistics of agentic-coding trace sets (the issue's targets):
 64-token blocks hashed the vLLM way (only full blocks, ``floor``); input tokens per request
-p10 ≈ 43k, median ≈ 110k, p90 ≈ 300k, max ≈ 900k; 45–80 requests per session; each request
+p10 ~ 43k, median ~ 110k, p90 ~ 300k, max ~ 900k; 45-80 requests per session; each request
 extends the previous one's context (the previous prompt, its answer, tool output), except that
 now and then (3 % of turns) the agent rewrites part of its context, so the ideal prefix hit
-inside a session is ≈ 96 %; think time between turns has a median of ≈ 10 s and a long
+inside a session is ~ 96 %; think time between turns has a median of ~ 10 s and a long
 (log-normal) tail; sessions share no block.
 
 Model, per session: a start context ~ lognormal(median 30k tokens), a final context
 ~ lognormal(median 210k; stratified, one draw per equal-probability stratum, and the largest
-session reaches 900k so that even a small trace has the published tail), spread over the turns in lognormal increments. Sessions start
-:data:`~kvtier.replay.sessions.SESSION_STAGGER_S` apart.
+session reaches 900k so that even a small trace has the published tail), spread over the
+turns in lognormal increments. Sessions start :data:`~kvtier.replay.sessions.SESSION_STAGGER_S` apart.
 """
 
 from __future__ import annotations
@@ -92,11 +92,11 @@ def generate_trace(seed: int = 0, sessions: int = DEFAULT_SESSIONS,
     turns.sort(key=lambda item: (item[0], item[1], item[2]))
     position = {(session, turn): place for place, (_, session, turn, _, _) in enumerate(turns)}
     requests: list[TraceRequest] = []
-    for place, (t_ms, session, turn, output, ids) in enumerate(turns):
+    for place, (t_ms, session, turn, output, block_ids) in enumerate(turns):
         after = position[(session, turn - 1)] if turn else None
         gap = 0.0 if after is None else t_ms - requests[after].timestamp_ms
-        requests.append(TraceRequest(place + 1, t_ms, lengths[(session, turn)], output, ids,
-                                     session, after, gap))
+        requests.append(TraceRequest(place + 1, t_ms, lengths[(session, turn)], output,
+                                     block_ids, session, after, gap))
     digest = hashlib.sha256(f"kvtier.agentic.v1:{seed}:{sessions}:{shape}".encode()).hexdigest()
     return Trace("builtin:agentic", digest, BLOCK_TOKENS, tuple(requests), 0, (), True,
                  HashConvention.FLOOR.value, sessions)

@@ -189,11 +189,11 @@ def sessions_to_trace(documents: Sequence[tuple[str, dict[str, object]]],
     position: dict[tuple[int, int], int] = {(s, i): p for p, (_, s, i, _, _) in
                                             enumerate(merged)}
     requests: list[TraceRequest] = []
-    for place, (start, session, _index, turn, ids) in enumerate(merged):
+    for place, (start, session, _index, turn, block_ids) in enumerate(merged):
         after = None if turn.after is None else position[(session, turn.after)]
         gap = 0.0 if after is None else start - requests[after].timestamp_ms
         requests.append(TraceRequest(place + 1, start, turn.input_length, turn.output_length,
-                                     ids, session, after, gap))
+                                     block_ids, session, after, gap))
     return Trace(source, digest, block_size, tuple(requests), 0, (), True,
                  convention_label(found), len(order))
 

@@ -23,11 +23,11 @@ Per-session JSON documents and directories of them are read by :mod:`kvtier.repl
 
 from __future__ import annotations
 
+import enum
 import gzip
 import hashlib
 import json
 import lzma
-import enum
 import math
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
