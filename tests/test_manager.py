@@ -463,7 +463,11 @@ class HeldBackend:
         return self.inner.put_many(keys, payloads)
 
 
-def test_a_backlogged_tier_sheds_cascades_without_blocking(make: Factory) -> None:
+def test_a_backlogged_tier_streams_cascades_through_the_pool_then_sheds(
+        make: Factory) -> None:
+    """Cascades a backlogged tier cannot take wait (pinned) in the pool instead of vanishing;
+    beyond half the pool the oldest are shed and counted. The held backend is an injected
+    fault: a real backend cannot be made to hang on demand."""
     m = make(tiers=[{"url": "memory://", "max_pending_store_jobs": 1, "io_threads": 1}],
              slots=8)
     tier = m.tiers[0]
@@ -475,18 +479,26 @@ def test_a_backlogged_tier_sheds_cascades_without_blocking(make: Factory) -> Non
         m.on_schedule_end()
         assert held.entered.wait(10)
         store(m, [k(2)], ctx)
-        m.on_schedule_end()  # returns at once: the cascade of k(2) is shed
+        m.on_schedule_end()  # returns at once: the cascade of k(2) waits in the pool
+        assert not [e for e in m.take_events() if isinstance(e, StoreShed)]
+        assert m.pool.pin_count(k(2)) == 1
+        assert m.get_stats()["manager"]["cascades_shed"] == 0
+        store(m, [k(3), k(4), k(5), k(6)], ctx)
+        m.on_schedule_end()  # 5 waiting > 4 (half the pool): the oldest one is shed
         assert StoreShed((k(2),), "memory") in m.take_events()
         assert m.pool.pin_count(k(2)) == 0
-        assert m.pool.pin_count(k(1)) == 1
+        assert [m.pool.pin_count(k(i)) for i in (1, 3, 4, 5, 6)] == [1, 1, 1, 1, 1]
         assert m.get_stats()["manager"]["cascades_shed"] == 1
+        assert m.get_stats()["tiers"]["memory"]["store_keys_shed"] == 1
         metrics = m.metrics
         assert metrics is not None
         assert metrics.value("kvtier_shed_stores_total", tier="memory") == 1
     finally:
         held.release.set()
-    step(m)
+    step(m)  # the waiting cascades go once the tier has room
     assert m.get_stats()["pins"] == 0
+    assert tier.backend.exists([k(i) for i in range(1, 7)]) == [True, False, True, True, True,
+                                                                True]
 
 
 # ---- lifecycle, events, config --------------------------------------------------------------

@@ -23,12 +23,13 @@ tier quarantines the key (``mark_miss``) and the next lookup moves on to the nex
 so each tier gets at most one failed attempt per quarantine period: no livelock. All False ->
 MISS (recompute).
 
-Liveness: ``lookup_prefix`` gives a request one promotion round. Once promotions it waited on
-have landed (or failed), a key of its prefix that is neither resident nor being promoted ends the
-prefix (counted as ``promotions_lost``) instead of starting a new promotion, so a request bigger
-than what the pool can hold for it, or one whose promoted blocks other requests evicted, is
-answered with what is loadable within a bounded number of steps (probe round, promotion round,
-answer), never waiting on slots it can never get.
+Liveness: ``lookup_prefix`` gives a request at most ``_MAX_PROMOTION_ROUNDS`` calls that start
+promotions (a round per tier to fall through a failed load, and a retry). After that a key of
+its prefix that is neither resident nor being promoted ends the prefix (``promotions_lost``)
+instead of starting yet another promotion, so a request bigger than what the pool can hold for
+it, or one whose promoted blocks other requests keep evicting, is answered with what is loadable
+within a bounded number of steps (probe answers, the rounds' loads, the answer), never waiting
+on slots it can never get.
 
 Stores: ``prepare_store`` reserves slots for the keys the pool does not hold: all or nothing
 (``StoreMode.ALL``), or the longest leading run that fits now (``StoreMode.PREFIX``: the rest is
@@ -102,6 +103,7 @@ _TRANSFER_CHUNK_KEYS = 64      # keys per load/store job: one backend batch call
 _METRICS_INTERVAL_S = 1.0      # scheduler-side counters are published at most this often
 _HOLD_STEPS = 8                # a request's hold on its prefix blocks lasts this many steps
 _MAX_HELD_FRACTION = 0.5       # holds never pin more than this share of the pool
+_MAX_PROMOTION_ROUNDS = 3      # lookup_prefix calls per request that may start promotions
 _MAX_WAITING_CASCADE_FRACTION = 0.5  # cascades waiting for a backlogged tier, share of the pool
 
 
@@ -199,6 +201,12 @@ class _Promotion:
 
 
 @dataclass(slots=True)
+class _Hold:
+    keys: set[BlockKey]
+    expiry: int
+
+
+@dataclass(slots=True)
 class _QueuedStore:
     key: BlockKey
     payload: memoryview | bytes
@@ -283,13 +291,14 @@ class TieringManager:
         # Holds: a pending request's resident prefix blocks (and promotions that landed for
         # it) stay pinned until it looks up again, loads, finishes, or the hold expires, so
         # other requests' promotions cannot evict them in between (no promotion ping-pong).
-        self._holds: dict[str, dict[BlockKey, int]] = {}  # req_id -> key -> expiry step
-        self._hold_expiries: deque[tuple[int, str, BlockKey]] = deque()
+        # One hold per request: its pinned keys and one expiry step (refreshed by every hold),
+        # so holding and releasing a 10k-block prefix is one pin / unpin per key, nothing more.
+        self._holds: dict[str, _Hold] = {}
+        self._hold_expiries: deque[tuple[int, str]] = deque()
         self._held = 0
         self._max_held = int(pool.num_slots * _MAX_HELD_FRACTION)
         self._request_waits: dict[str, set[BlockKey]] = {}  # req_id -> promotions it waits on
-        # Requests that have waited on a promotion: their one promotion round has started.
-        self._promoted_for: set[str] = set()
+        self._promotion_rounds: dict[str, int] = {}  # req_id -> calls that started promotions
         self._max_waiting_cascades = max(1, int(pool.num_slots * _MAX_WAITING_CASCADE_FRACTION))
         self._step = 0
         self._events: deque[ManagerEvent] = deque(maxlen=max(0, max_events))
@@ -356,8 +365,9 @@ class TieringManager:
         up, so a whole prefix is probed and promoted in the same step.
         """
         self._require_running("lookup_prefix")
-        if self._holds:
-            self._release_holds(ctx.req_id)
+        # The request's hold (from its last answer None) stays pinned through this call and is
+        # settled at the end: kept for what it found again, released for the rest.
+        previous = self._holds.pop(ctx.req_id, None) if self._holds else None
         try:
             resident = self._pool.resident_prefix_length(keys)
         except TypeError:  # an unhashable key: say which one
@@ -367,14 +377,17 @@ class TieringManager:
         counters.lookups += resident
         counters.hits += resident
         if resident == len(keys):  # the steady-state fast path: everything is in the pool
+            if previous is not None:
+                self._unpin_hold(previous.keys)
             return resident
         hits: set[BlockKey] = set(keys[:resident])
         count = resident
         pending = False
         req_id = ctx.req_id
-        # The request's promotion round is over (everything it waited on landed or failed): what
-        # is not resident or in flight now ends the prefix; no second round (liveness).
-        round_over = req_id in self._promoted_for and req_id not in self._request_waits
+        # Past its last promotion round, what is not resident or in flight ends the prefix.
+        rounds = self._promotion_rounds.get(req_id, 0) if self._promotion_rounds else 0
+        round_over = rounds >= _MAX_PROMOTION_ROUNDS
+        started = counters.promotions_started
         promotions = self._promotions
         for index in range(resident, len(keys)):
             key = keys[index]
@@ -395,10 +408,13 @@ class TieringManager:
                 break
             else:
                 pending = True
+        if counters.promotions_started != started:
+            self._promotion_rounds[req_id] = rounds + 1
         if not pending:
+            if previous is not None:
+                self._unpin_hold(previous.keys)
             return count
-        for key in hits:  # the request comes back next step: keep what it found
-            self._hold(ctx.req_id, key)
+        self._hold_many(req_id, hits, previous)  # it comes back next step: keep what it found
         return None
 
     def _lookup(self, key: BlockKey, ctx: RequestContext,
@@ -450,7 +466,6 @@ class TieringManager:
         if req_id in promotion.waiters:
             return
         promotion.waiters.add(req_id)
-        self._promoted_for.add(req_id)
         waits = self._request_waits.get(req_id)
         if waits is None:
             self._request_waits[req_id] = {key}
@@ -459,43 +474,79 @@ class TieringManager:
 
     # ---- holds ------------------------------------------------------------------------------
     def _hold(self, req_id: str, key: BlockKey) -> None:
-        holds = self._holds.get(req_id)
+        """Pin ``key`` for ``req_id`` until it looks up again, loads, finishes or the hold
+        expires (``_HOLD_STEPS`` after its latest refresh); refused beyond the cap."""
+        hold = self._renew_hold(req_id)
+        if key in hold.keys:
+            return
+        if self._held >= self._max_held or not self._pool.is_resident(key):
+            self._counters.holds_refused += 1
+            return
+        self._pool.pin(key)
+        hold.keys.add(key)
+        self._held += 1
+        self._counters.holds_placed += 1
+
+    def _renew_hold(self, req_id: str) -> _Hold:
         expiry = self._step + _HOLD_STEPS
-        if holds is not None and key in holds:
-            holds[key] = expiry
-        else:
-            if self._held >= self._max_held or not self._pool.is_resident(key):
+        hold = self._holds.get(req_id)
+        if hold is None:
+            hold = self._holds[req_id] = _Hold(set(), expiry)
+        elif hold.expiry == expiry:
+            return hold
+        hold.expiry = expiry
+        self._hold_expiries.append((expiry, req_id))
+        return hold
+
+    def _hold_many(self, req_id: str, keys: set[BlockKey], previous: _Hold | None) -> None:
+        """Hold ``keys`` (all resident) for ``req_id``; of ``previous`` (its old hold, still
+        pinned) the keys not in ``keys`` are released."""
+        if previous is not None:
+            self._holds[req_id] = previous
+            stale = previous.keys - keys
+            if stale:
+                self._unpin_hold(stale)
+                previous.keys -= stale
+        hold = self._renew_hold(req_id)
+        held = hold.keys
+        room = self._max_held - self._held
+        pin = self._pool.pin
+        placed = 0
+        for key in keys:
+            if key in held:
+                continue
+            if placed >= room:
                 self._counters.holds_refused += 1
-                return
-            self._pool.pin(key)
-            self._held += 1
-            self._counters.holds_placed += 1
-            if holds is None:
-                holds = self._holds[req_id] = {}
-            holds[key] = expiry
-        self._hold_expiries.append((expiry, req_id, key))
+                continue
+            pin(key)
+            held.add(key)
+            placed += 1
+        self._held += placed
+        self._counters.holds_placed += placed
+
+    def _unpin_hold(self, keys: set[BlockKey]) -> None:
+        unpin = self._pool.unpin
+        for key in keys:
+            unpin(key)
+        self._held -= len(keys)
 
     def _release_holds(self, req_id: str) -> None:
-        holds = self._holds.pop(req_id, None)
-        if holds:
-            for key in holds:
-                self._pool.unpin(key)
-            self._held -= len(holds)
+        hold = self._holds.pop(req_id, None)
+        if hold is not None and hold.keys:
+            self._unpin_hold(hold.keys)
 
     def _expire_holds(self) -> None:
         expiries = self._hold_expiries
         step = self._step
         while expiries and expiries[0][0] <= step:
-            expiry, req_id, key = expiries.popleft()
-            holds = self._holds.get(req_id)
-            if holds is None or holds.get(key) != expiry:
+            expiry, req_id = expiries.popleft()
+            hold = self._holds.get(req_id)
+            if hold is None or hold.expiry != expiry:
                 continue  # released or refreshed since
-            del holds[key]
-            if not holds:
-                del self._holds[req_id]
-            self._pool.unpin(key)
-            self._held -= 1
-            self._counters.holds_expired += 1
+            del self._holds[req_id]
+            if hold.keys:
+                self._unpin_hold(hold.keys)
+                self._counters.holds_expired += len(hold.keys)
 
     # ---- loads ------------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[BlockKey], ctx: RequestContext) -> LoadPlan:
@@ -660,7 +711,7 @@ class TieringManager:
         for tier in self._tiers:
             tier.cleanup(ctx.req_id)
         self._release_holds(ctx.req_id)
-        self._promoted_for.discard(ctx.req_id)
+        self._promotion_rounds.pop(ctx.req_id, None)
         waits = self._request_waits.pop(ctx.req_id, None)
         if waits:
             for key in waits:
@@ -935,7 +986,7 @@ class TieringManager:
             self._holds.clear()
             self._hold_expiries.clear()
             self._request_waits.clear()
-            self._promoted_for.clear()
+            self._promotion_rounds.clear()
             self._held = 0
             self.publish_metrics()
             if self._metrics is not None and self._owns_global_metrics:

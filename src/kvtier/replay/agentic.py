@@ -13,7 +13,8 @@ inside a session is ~ 96 %; think time between turns has a median of ~ 10 s and 
 Model, per session: a start context ~ lognormal(median 30k tokens), a final context
 ~ lognormal(median 210k; stratified, one draw per equal-probability stratum, and the largest
 session reaches 900k so that even a small trace has the published tail), spread over the
-turns in lognormal increments. Sessions start :data:`~kvtier.replay.sessions.SESSION_STAGGER_S` apart.
+turns in lognormal increments. Sessions start
+:data:`~kvtier.replay.sessions.SESSION_STAGGER_S` apart.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ class AgenticShape:
     output_median_tokens: float = 400.0
     output_sigma: float = 1.0
     output_max_tokens: int = 32_768
-    decode_tokens_per_s: float = 50.0
 
 
 def generate_trace(seed: int = 0, sessions: int = DEFAULT_SESSIONS,
@@ -88,7 +88,7 @@ def generate_trace(seed: int = 0, sessions: int = DEFAULT_SESSIONS,
             lengths[(session, turn)] = tokens
             think = min(shape.think_max_s, float(np.exp(
                 rng.normal(math.log(shape.think_median_s), shape.think_sigma))))
-            t_ms += (output / shape.decode_tokens_per_s + think) * 1000.0
+            t_ms += think * 1000.0  # the recorded gap between two turns' arrivals
     turns.sort(key=lambda item: (item[0], item[1], item[2]))
     position = {(session, turn): place for place, (_, session, turn, _, _) in enumerate(turns)}
     requests: list[TraceRequest] = []
