@@ -22,6 +22,7 @@ from kvtier.manager import (
     LookupResult,
     ManagerClosedError,
     PromotionFailed,
+    StoreMode,
     StoreShed,
     TieringManager,
     open_manager,
@@ -631,3 +632,107 @@ def test_randomized_soak_serves_only_exact_bytes_and_ends_empty(
     assert stats["manager"]["invariant_violations"] == 0
     assert stats["manager"]["promotions_succeeded"] > 0
     assert stats["primary"]["filling_slots"] == 0
+
+
+# ---- liveness: long requests, small pools ---------------------------------------------------
+
+
+def answer_within(m: TieringManager, requests: Sequence[tuple[RequestContext, list[bytes]]],
+                  max_steps: int) -> tuple[list[int], int]:
+    """Ask every request each step until all answered; (answers, steps taken). Steps, not time:
+    ``step`` waits for the probes and transfers of the step to land."""
+    answers: dict[str, int] = {}
+    for steps in range(1, max_steps + 1):
+        for ctx, keys in requests:
+            if ctx.req_id not in answers:
+                answer = m.lookup_prefix(keys, ctx)
+                if answer is not None:  # the engine loads at once, as it would
+                    answers[ctx.req_id] = answer
+                    assert read(m, keys[:answer], ctx) == [data(key) for key in keys[:answer]]
+        if len(answers) == len(requests):
+            return [answers[ctx.req_id] for ctx, _ in requests], steps
+        step(m)
+    raise AssertionError(f"no answer within {max_steps} steps: {answers}")
+
+
+def put_in_tier(m: TieringManager, keys: Sequence[bytes]) -> None:
+    assert m.tiers[0].backend.put_many(keys, [data(key) for key in keys]) == [True] * len(keys)
+
+
+def test_a_request_bigger_than_the_pool_answers_what_is_loadable(make: Factory,
+                                                                  tmp_path: Path) -> None:
+    m = make(tiers=[f"file://{tmp_path / 'f'}"], slots=8)
+    keys = [k(i) for i in range(40)]
+    put_in_tier(m, keys)
+    reader = RequestContext("long")
+    [answer], steps = answer_within(m, [(reader, keys)], max_steps=6)
+    assert steps <= 3  # probe, promote, answer
+    assert 1 <= answer <= 8
+    m.on_request_finished(reader)
+    step(m)
+    assert_no_state(m)
+
+
+def test_a_pool_pinned_full_by_running_requests_answers_at_once(make: Factory,
+                                                                 tmp_path: Path) -> None:
+    m = make(tiers=[f"file://{tmp_path / 'f'}"], slots=8)
+    running = RequestContext("running")
+    resident = [k(100 + i) for i in range(8)]
+    store(m, resident, running)
+    step(m)
+    m.prepare_load(resident, running)  # the engine reads them: every slot is pinned
+    assert m.pool.evictable_count() == 0
+    wanted = [k(i) for i in range(5)]
+    put_in_tier(m, wanted)
+    other = RequestContext("other")
+    [answer], steps = answer_within(m, [(other, wanted)], max_steps=6)
+    assert (answer, steps) == (0, 2)  # one probe step, then MISS: no slot can be had
+    plan = m.prepare_store(wanted, other, StoreMode.PREFIX)  # never None: all deferred
+    assert plan is not None and plan.keys == () and plan.deferred == tuple(wanted)
+    assert m.prepare_store(wanted, other) is None  # StoreMode.ALL: all or nothing
+    m.complete_load(resident, running)
+    for ctx in (running, other):
+        m.on_request_finished(ctx)
+    step(m)
+    assert_no_state(m)
+
+
+def test_concurrent_requests_each_over_half_the_pool_all_answer(make: Factory,
+                                                                tmp_path: Path) -> None:
+    """Three requests of 12 blocks on a 16-slot pool: their promotions evict each other's
+    (the ping-pong that once never answered); each answers within a bounded number of steps."""
+    m = make(tiers=[f"file://{tmp_path / 'f'}"], slots=16)
+    requests = [(RequestContext(f"r{r}"), [k(100 * r + i) for i in range(12)])
+                for r in range(3)]
+    for _, keys in requests:
+        put_in_tier(m, keys)
+    answers, steps = answer_within(m, requests, max_steps=12)
+    assert steps <= 2 + 2 * 3  # the probe step, three promotion rounds, the answers
+    for ctx, _ in requests:
+        m.on_request_finished(ctx)
+    assert sum(answers) >= 12
+    step(m)
+    assert_no_state(m)
+
+
+def test_a_store_bigger_than_the_pool_streams_to_the_tier(make: Factory,
+                                                          tmp_path: Path) -> None:
+    m = make(tiers=[f"file://{tmp_path / 'f'}"], slots=8)
+    ctx = RequestContext("prefill")
+    backlog = [k(i) for i in range(50)]
+    steps = 0
+    while backlog:
+        steps += 1
+        plan = m.prepare_store(backlog, ctx, StoreMode.PREFIX)
+        assert plan is not None and len(plan.keys) + len(plan.deferred) == len(backlog)
+        for key, slot in zip(plan.keys, plan.slots, strict=True):
+            m.primary_view(slot)[:] = data(key)
+        m.complete_store(plan.keys, ctx)
+        backlog = list(plan.deferred)
+        step(m)  # the cascades land and release their slots
+    assert steps == 7  # ceil(50 / 8): the pool is the only limit
+    assert m.tiers[0].backend.exists([k(i) for i in range(50)]) == [True] * 50
+    stats = m.get_stats()
+    assert stats["manager"]["cascades_shed"] == 0 and stats["manager"]["stores_deferred"] > 0
+    m.on_request_finished(ctx)
+    assert_no_state(m)

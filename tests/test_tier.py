@@ -384,11 +384,46 @@ def test_a_store_of_a_key_whose_load_failed_does_not_lift_its_quarantine(
         ctx = RequestContext("r")
         assert tier.lookup(k(1), ctx) is False  # still quarantined: no doomed promotion
         assert tier.lookup_stats.quarantine_hits == 1
+        assert tier.stats()["store_keys_read_back"] == 1  # the read-back failed too
+        assert tier.stats()["quarantines_lifted"] == 0
         tier.cleanup("r")
         other = k(2)  # a key whose load never failed is noted at once, as before
         assert tier.submit_store([other], [payload(2)]) is not None
         tier.get_finished_jobs(wait=True, timeout=10)
         assert tier.lookup(other, ctx) is True
         assert tier.lookup_stats.backend_calls == 0
+    finally:
+        tier.shutdown(10)
+
+
+def test_a_verified_re_store_lifts_the_quarantine(tmp_path: Any, namespace: Namespace) -> None:
+    """A block that failed to load (a corrupt frame, which the file tier drops when it reads it)
+    is recomputed and stored again: the new object is written, read back and verified, so the
+    key is loadable again at once rather than after the quarantine."""
+    backend = open_backend(f"file://{tmp_path}", namespace)
+    assert backend.put_many([k(1)], [payload(1)]) == [True]
+    [path] = list(tmp_path.rglob(f"{k(1).hex()}.kvb"))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # a flipped bit: the frame's checksum fails
+    path.write_bytes(bytes(raw))
+    tier = SecondaryTier("file", backend, lookup={"quarantine_s": 60.0})
+    try:
+        job = tier.submit_load([k(1)], [memoryview(bytearray(BLOCK))])
+        tier.get_finished_jobs(wait=True, timeout=10)
+        assert job.failed == [k(1)]
+        ctx = RequestContext("r")
+        assert tier.lookup(k(1), ctx) is False  # quarantined
+        tier.cleanup("r")
+        store = tier.submit_store([k(1)], [payload(1)])  # the recompute, written through
+        assert store is not None
+        tier.get_finished_jobs(wait=True, timeout=10)
+        assert store.results == (True,) and store.verified == (0,)
+        stats = tier.stats()
+        assert (stats["store_keys_read_back"], stats["quarantines_lifted"]) == (1, 1)
+        assert tier.lookup(k(1), ctx) is True  # good again: no probe needed, no quarantine
+        out = memoryview(bytearray(BLOCK))
+        load = tier.submit_load([k(1)], [out])
+        tier.get_finished_jobs(wait=True, timeout=10)
+        assert load.results == (True,) and bytes(out) == payload(1)
     finally:
         tier.shutdown(10)

@@ -102,7 +102,7 @@ PRIMARY = "primary"
 _TRANSFER_CHUNK_KEYS = 64      # keys per load/store job: one backend batch call each
 _METRICS_INTERVAL_S = 1.0      # scheduler-side counters are published at most this often
 _HOLD_STEPS = 8                # a request's hold on its prefix blocks lasts this many steps
-_MAX_HELD_FRACTION = 0.5       # holds never pin more than this share of the pool
+_MAX_HELD_FRACTION = 0.75      # holds never pin more than this share of the pool
 _MAX_PROMOTION_ROUNDS = 3      # lookup_prefix calls per request that may start promotions
 _MAX_WAITING_CASCADE_FRACTION = 0.5  # cascades waiting for a backlogged tier, share of the pool
 

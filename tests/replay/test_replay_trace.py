@@ -213,8 +213,8 @@ def test_a_chosen_convention_rejects_the_other_with_a_hint(write_trace: TraceWri
 
 def test_a_wrong_block_size_hint_points_at_the_right_size(write_trace: TraceWriter) -> None:
     path = write_trace([record(0, 64 * 1700 + 10, list(range(1700)))])  # 64-token blocks
-    with pytest.raises(TraceFormatError, match="is --trace-block-tokens 512 right.* fit about "
-                                               "64 tokens per block"):
+    with pytest.raises(TraceFormatError, match=r"is --trace-block-tokens 512 right.* fit about "
+                                               r"64 tokens per block"):
         read_trace(path)
     assert read_trace(path, block_tokens=64).total_blocks == 1700
 
@@ -315,7 +315,7 @@ def test_session_documents_reject_impossible_values(tmp_path: Path) -> None:
             read_trace(path)
     deep = tmp_path / "deep.json"
     deep.write_text('{"block_size": 64, "requests": ' + "[" * 200_000 + "]" * 200_000 + "}")
-    with pytest.raises(TraceFormatError, match="deep.json: JSON nested too deeply"):
+    with pytest.raises(TraceFormatError, match=r"deep\.json: JSON nested too deeply"):
         read_trace(deep)
 
 

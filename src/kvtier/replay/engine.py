@@ -810,4 +810,5 @@ class _Loop:
                                 for stats in manager_stats),
             cascades_shed=sum(int(stats["manager"].get("cascades_shed", 0))
                               for stats in manager_stats),
+            scheduler_s=sum(step_times),
         )

@@ -102,6 +102,7 @@ class ReplayResult:
     store_blocks_shed: int = 0      # computed blocks never stored (counted, never silent)
     promotions_lost: int = 0        # promoted blocks evicted before their request came back
     cascades_shed: int = 0          # cascades dropped for a backlogged tier
+    scheduler_s: float = 0.0        # scheduler-thread time of every step, summed
 
     @property
     def block_hits(self) -> int:
