@@ -349,7 +349,7 @@ def _replay_all(trace: Any, options: Any, strategies: Sequence[Any], show_progre
             task = progress.add_task(f"replay ({strategy.value})", total=len(trace.requests))
 
             def advance(done: int, _total: int, task_id: Any = task) -> None:
-                progress.update(task_id, completed=done)
+                progress.update(task_id, completed=done, total=_total)
 
             results.append(replay(trace, options, strategy, progress=advance))
     return results

@@ -6,7 +6,8 @@ Thread ownership:
   the primary pool's metadata, the promotion table (``_promotions``), the per-tier queues of
   transfers to submit at the end of the step (``_queued_loads``, ``_queued_stores``), the
   engine-store table (``_store_filling``), the write-back table (``_unwritten``), the per-request
-  pins (``_request_pins``), the event buffer (``_events``), the counters (``_counters``) and the
+  pins (``_request_pins``), holds (``_holds``) and promotion rounds (``_promotion_rounds``), the
+  event buffer (``_events``), the counters (``_counters``) and the
   lifecycle (``_state``). No public method is thread-safe; call them from one thread.
 - **Background threads** belong to the secondary tiers (a probe worker per tier, I/O threads per
   tier) and talk to this thread only through the tiers' queues, drained in
