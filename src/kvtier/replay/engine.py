@@ -237,6 +237,9 @@ class _Instance:
         self.manager = manager
         self.options = options
         self.gpu_blocks = gpu_blocks
+        from kvtier.manager import StoreMode
+
+        self._store_mode = StoreMode.PREFIX
         self.block_tokens = block_tokens
         self.payloads = payloads
         self.tier_names = list(tier_names) or ["(none)"]
@@ -376,6 +379,7 @@ class _Instance:
         if computed:
             request.store_backlog = computed
             engine_time += self._store(request)
+            counters.store_blocks_deferred += len(request.store_backlog)  # wait for slots
         capacity = self.gpu_blocks
         if capacity:
             for key in keys:
@@ -391,11 +395,9 @@ class _Instance:
     def _store(self, request: _Request) -> float:
         """Store what the pool can take of the request's computed blocks now (the rest stays in
         its backlog for later steps); returns the engine-side time spent writing bytes."""
-        from kvtier.manager import StoreMode
-
         manager = self.manager
         counters = self.counters
-        plan = manager.prepare_store(request.store_backlog, request.ctx, StoreMode.PREFIX)
+        plan = manager.prepare_store(request.store_backlog, request.ctx, self._store_mode)
         engine_time = 0.0
         if plan is not None and plan.keys:
             write_started = time.perf_counter()
@@ -409,8 +411,6 @@ class _Instance:
             counters.store_plans_refused += 1
             request.store_stalled_steps += 1
         deferred = list(plan.deferred) if plan is not None else []
-        if deferred and len(deferred) != len(request.store_backlog):
-            counters.store_blocks_deferred += len(deferred)
         request.store_backlog = deferred
         if deferred and request.store_stalled_steps >= self.options.store_patience_steps:
             counters.store_blocks_shed += len(deferred)  # really shed: counted and shown
