@@ -417,6 +417,10 @@ def _tier_from(value: object, path: str, defaults: Mapping[str, Any],
 
 
 _SECTIONS = frozenset({"namespace", "secondary_tiers"})
+_DEFAULT_EVICTION_POLICY = PolicyName(CONFIG_SETTINGS.default("eviction_policy"))
+_DEFAULT_WRITE_POLICY = WritePolicy(CONFIG_SETTINGS.default("write_policy"))
+_DEFAULT_PRIMARY_BACKING = PrimaryBacking(CONFIG_SETTINGS.default("primary_backing"))
+_DEFAULT_METRICS_REGISTRY = MetricsRegistry(CONFIG_SETTINGS.default("metrics_registry"))
 _TOP_KEYS = frozenset(CONFIG_SETTINGS.names) | _SECTIONS
 
 
@@ -428,13 +432,12 @@ class KvtierConfig:
     block_bytes: int
     primary_bytes: int
     namespace: Namespace
-    eviction_policy: PolicyName = PolicyName(CONFIG_SETTINGS.default("eviction_policy"))
-    write_policy: WritePolicy = WritePolicy(CONFIG_SETTINGS.default("write_policy"))
+    eviction_policy: PolicyName = _DEFAULT_EVICTION_POLICY
+    write_policy: WritePolicy = _DEFAULT_WRITE_POLICY
     secondary_tiers: tuple[TierConfig, ...] = ()
-    primary_backing: PrimaryBacking = PrimaryBacking(CONFIG_SETTINGS.default("primary_backing"))
+    primary_backing: PrimaryBacking = _DEFAULT_PRIMARY_BACKING
     primary_path: str | None = CONFIG_SETTINGS.default("primary_path")
-    metrics_registry: MetricsRegistry = MetricsRegistry(
-        CONFIG_SETTINGS.default("metrics_registry"))
+    metrics_registry: MetricsRegistry = _DEFAULT_METRICS_REGISTRY
     max_events: int = CONFIG_SETTINGS.default("max_events")
 
     @property
