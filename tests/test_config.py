@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -10,15 +12,25 @@ from typing import Any
 import pytest
 
 from kvtier.config import (
+    CONFIG_SETTINGS,
+    LOOKUP_SETTINGS,
+    OTHER_ENV_VARIABLES,
+    TIER_SETTINGS,
+    VLLM_TIER_SETTINGS,
     ConfigError,
     KvtierConfig,
     MetricsRegistry,
+    TierConfig,
     WritePolicy,
+    all_tables,
+    known_env_names,
     load_config,
     parse_size,
+    settings_markdown,
 )
 from kvtier.policies import PolicyName
 from kvtier.primary import PrimaryBacking
+from kvtier.settings import Kind, Setting, SettingsTable
 
 BASE: dict[str, Any] = {"block_bytes": "64KiB", "primary_bytes": "1MiB",
                         "namespace": {"model": "m"}}
@@ -258,3 +270,104 @@ def test_load_config_sources(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_config() == cfg
     with pytest.raises(ConfigError, match="expected a KvtierConfig, a mapping"):
         load_config(42)  # type: ignore[arg-type]
+
+
+# -- the settings tables: one declaration per setting ---------------------------------------
+
+
+def _generated_block(name: str) -> tuple[str, str]:
+    """(README block, its path) for the generated block ``name``."""
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    begin, end = f"<!-- {name}:begin (generated) -->\n", f"<!-- {name}:end -->"
+    assert begin in text and end in text, f"README.md lacks the {name} block"
+    return text.split(begin, 1)[1].split(end, 1)[0], str(readme)
+
+
+def test_readme_settings_tables_are_the_generated_ones() -> None:
+    block, _ = _generated_block("settings")
+    assert block == settings_markdown(), (
+        "README settings tables are stale: run .venv/bin/python scripts/update-readme-tables.py")
+
+
+def test_every_setting_and_env_variable_is_declared_once() -> None:
+    """Two tables may share a setting only by sharing its one declaration (the same object)."""
+    by_name: dict[tuple[str, str], Setting] = {}
+    by_env: dict[str, Setting] = {}
+    for table in all_tables():
+        for setting in table:
+            if setting.env is not None:
+                assert setting.env.startswith("KVTIER_"), setting.env
+                other = by_env.setdefault(setting.env, setting)
+                assert other is setting, f"{setting.env} is declared twice"
+                assert setting.env not in OTHER_ENV_VARIABLES
+            by_name[(table.component, setting.name)] = setting
+    shared = [setting for setting in by_name.values()
+              if sum(candidate is setting for candidate in by_name.values()) > 1]
+    assert {setting.name for setting in shared} == {"url", "io_threads", "model", "revision",
+                                                    "tenant"}
+    assert known_env_names() >= {"KVTIER_DEBUG", "KVTIER_SKIP_VLLM", "KVTIER_CONFIG",
+                                 "KVTIER_SECONDARY_TIERS", "KVTIER_IO_THREADS"}
+
+
+def _signature_defaults(function: Any) -> dict[str, Any]:
+    return {name: parameter.default
+            for name, parameter in inspect.signature(function).parameters.items()
+            if parameter.default is not inspect.Parameter.empty}
+
+
+def test_constructor_defaults_come_from_the_tables() -> None:
+    from kvtier.lookup import AsyncLookupManager
+    from kvtier.tier import SecondaryTier
+
+    tier_defaults = _signature_defaults(SecondaryTier.__init__)
+    tier_fields = {item.name: item.default for item in dataclasses.fields(TierConfig)}
+    for setting in TIER_SETTINGS:
+        if setting.name in tier_defaults:
+            assert tier_defaults[setting.name] == setting.default, setting.name
+        if setting.name in tier_fields and setting.name not in ("url", "name"):
+            assert tier_fields[setting.name] == setting.default, setting.name
+    assert {"io_threads", "max_pending_store_bytes", "max_pending_store_jobs"} <= set(
+        tier_defaults)
+    config_fields = {item.name: item.default for item in dataclasses.fields(KvtierConfig)}
+    for setting in CONFIG_SETTINGS:
+        if setting.required:
+            continue
+        default = config_fields[setting.name]
+        assert getattr(default, "value", default) == setting.default, setting.name
+    lookup_defaults = _signature_defaults(AsyncLookupManager.__init__)
+    for setting in LOOKUP_SETTINGS:
+        assert setting.name in lookup_defaults, setting.name
+        if setting.default is not None:  # unset: the lookup manager's own default
+            assert lookup_defaults[setting.name] == setting.default, setting.name
+
+
+def test_vllm_tier_options_default_to_the_table() -> None:
+    """KvtierTier's keyword defaults are None: the KVTIER_* variable, else the table default."""
+    pytest.importorskip("vllm")
+    from kvtier.integrations.vllm import KvtierTier
+
+    defaults = _signature_defaults(KvtierTier.__init__)
+    for setting in VLLM_TIER_SETTINGS:
+        assert defaults[setting.name] is None, setting.name
+
+
+def test_config_error_is_the_settings_error() -> None:
+    from kvtier import settings
+
+    assert ConfigError is settings.ConfigError
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_a_table_parses_strings_and_objects_alike() -> None:
+    table = SettingsTable("demo", [
+        Setting("size", Kind.SIZE, 1024, "a size", minimum=1, env="KVTIER_DEMO_SIZE"),
+        Setting("flag", Kind.BOOL, False, "a flag"),
+    ])
+    assert table.parse({"size": "4KiB", "flag": "yes"}) == {"size": 4096, "flag": True}
+    assert table.parse({"size": 8}) == {"size": 8, "flag": False}
+    assert table.parse_env({"KVTIER_DEMO_SIZE": "2K"}) == {"size": 2048}
+    with pytest.raises(ConfigError, match=r"unknown demo setting\(s\) \['x.sise'\]"):
+        table.parse({"sise": 1}, "x")
+    with pytest.raises(ConfigError, match=r"KVTIER_DEMO_SIZE \(size\): '2KB' is ambiguous"):
+        table.parse_env({"KVTIER_DEMO_SIZE": "2KB"})

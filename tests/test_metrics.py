@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from importlib import resources
+from pathlib import Path
 
 import prometheus_client
 import pytest
@@ -23,6 +24,7 @@ from kvtier.metrics import (
     ProbeDurations,
     exposed_names,
     manager_samples,
+    metrics_markdown,
 )
 
 CONFIG = {"block_bytes": 64, "primary_bytes": 256, "namespace": {"model": "m"},
@@ -229,3 +231,12 @@ def test_every_dashboard_expression_names_an_existing_metric() -> None:
                 assert not missing, (panel["title"], missing)
     assert {"lookup_hit_tokens_total", "read_bytes_total", "resident_bytes",
             "probe_duration_seconds_bucket"} <= used
+
+
+def test_readme_metric_table_is_the_generated_one() -> None:
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    block = text.split("<!-- metrics:begin (generated) -->\n", 1)[1].split(
+        "<!-- metrics:end -->", 1)[0]
+    assert block == metrics_markdown(), (
+        "README metric table is stale: run .venv/bin/python scripts/update-readme-tables.py")

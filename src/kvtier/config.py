@@ -182,7 +182,8 @@ _MAX_S = 3600.0  # the lookup manager's ceiling for every time setting
 # own LOOKUP_SETTINGS (then that table is used, and this one is deleted). Defaults are unset:
 # an unset setting takes the lookup manager's default.
 _TRANSITIONAL_LOOKUP_SETTINGS = SettingsTable("lookup", [
-    Setting("probe_timeout_s", Kind.FLOAT, None, "a probe older than this resolves False",
+    Setting("probe_timeout_s", Kind.FLOAT, None, "a probe older than this resolves False "
+            "(unset here: the lookup manager's default)",
             minimum=0.0, strict_min=True, maximum=_MAX_S, unit="s", nullable=True,
             env="KVTIER_LOOKUP_PROBE_TIMEOUT_S"),
     Setting("verdict_ttl_s", Kind.FLOAT, None, "how long a verdict is cached after its request",
@@ -270,12 +271,13 @@ def warn_unknown_env(environ: Mapping[str, str]) -> list[str]:
     return unknown
 
 
-def env_layer(table: SettingsTable, explicit: Mapping[str, Any],
+def env_layer(table: SettingsTable, explicit: Mapping[str, Any], path: str = "",
               environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``explicit`` over the values ``environ`` sets for ``table`` (raw; parse them after):
-    the ``KVTIER_*`` variables are defaults, an explicit value always wins."""
+    """``explicit`` (raw; parse the result) over the values ``environ`` sets for ``table``
+    (parsed here, so an error names the variable): the ``KVTIER_*`` variables are defaults, an
+    explicit value always wins."""
     env = os.environ if environ is None else environ
-    layered: dict[str, Any] = table.from_env(env)
+    layered: dict[str, Any] = table.parse_env(env, path)
     layered.update(explicit)
     return layered
 

@@ -53,6 +53,7 @@ __all__ = [
     "Samples",
     "exposed_names",
     "manager_samples",
+    "metrics_markdown",
     "tier_label",
     "tier_samples",
     "vllm_metric_definitions",
@@ -193,6 +194,17 @@ def exposed_names(prefix: str = STANDALONE_PREFIX, *, vllm: bool = False) -> lis
         else:
             names.append(base)
     return names
+
+
+def metrics_markdown() -> str:
+    """The README's metric table, generated from :data:`VOCABULARY`."""
+    rows = ["| metric (standalone; under vLLM: `vllm:` + the same) | type | labels | meaning |",
+            "|---|---|---|---|"]
+    for spec in VOCABULARY:
+        where = " (standalone only)" if spec.standalone_only else ""
+        rows.append(f"| `{spec.exposed()}` | {spec.kind.value} | "
+                    f"{', '.join(spec.labels)} | {spec.help}{where} |")
+    return "\n".join(rows) + "\n"
 
 
 def tier_label(position: int, name: str) -> str:

@@ -169,6 +169,17 @@ class Setting:
         noun = "an integer" if self.kind is Kind.INT else "a finite number"
         return f"{noun} {bounds}".strip() + (f" ({self.unit})" if self.unit else "")
 
+    def type_text(self) -> str:
+        """A short type for generated docs (``"int >= 1"``, ``"size"``, ``"`lru` | `arc`"``)."""
+        if self.kind is Kind.CHOICE:
+            return " \\| ".join(f"`{choice}`" for choice in self.choices)
+        noun = {Kind.INT: "int", Kind.FLOAT: "number", Kind.SIZE: "size", Kind.BOOL: "bool",
+                Kind.STR: "string", Kind.SECRET: "secret string"}[self.kind]
+        bounds = (_range_text(self.minimum, self.maximum, self.strict_min)
+                  .removeprefix("a value").strip())
+        unit = f" ({self.unit})" if self.unit else ""
+        return f"{noun} {bounds}".strip() + unit
+
     def shown(self, value: object) -> str:
         """``value`` as it may appear in a message or a report: never a secret."""
         if self.kind is Kind.SECRET and value is not None:
@@ -184,6 +195,8 @@ class Setting:
             return format_size(self.default)
         if isinstance(self.default, bool):
             return "true" if self.default else "false"
+        if self.default == "":
+            return '""'
         return str(self.default)
 
 
@@ -352,6 +365,6 @@ class SettingsTable:
             if names is not None and setting.name not in names:
                 continue
             env = f"`{setting.env}`" if setting.env else ""
-            rows.append(f"| `{setting.name}` | {setting.expected()} | {setting.default_text()} "
+            rows.append(f"| `{setting.name}` | {setting.type_text()} | {setting.default_text()} "
                         f"| {env} | {setting.help} |".replace("  ", " "))
         return "\n".join(rows)

@@ -334,6 +334,26 @@ def test_bad_tier_config_raises_a_clear_error(options: dict[str, object], messag
         spec.get_manager()
 
 
+def test_kvtier_environment_variables_are_defaults_under_explicit_options(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The standalone KVTIER_* variables work under vLLM; an explicit option wins."""
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT", "from-env")
+    monkeypatch.setenv("KVTIER_LOOKUP_QUARANTINE_S", "7")
+    monkeypatch.setenv("KVTIER_MAX_BLOCKS_PER_CALL", "3")
+    with engine("memory://") as stack:
+        assert stack.tier.namespace.tenant == "from-env"
+        assert stack.tier._tier.lookup_manager.quarantine_s == 7.0
+        assert stack.tier._tier._max_keys_per_call == 3
+    with engine("memory://", tenant="explicit", lookup={"quarantine_s": 1},
+                max_blocks_per_call=5) as stack:
+        assert stack.tier.namespace.tenant == "explicit"
+        assert stack.tier._tier.lookup_manager.quarantine_s == 1.0
+        assert stack.tier._tier._max_keys_per_call == 5
+    monkeypatch.setenv("KVTIER_IO_THREADS", "none")
+    with pytest.raises(ValueError, match=r"KVTIER_IO_THREADS \(KvtierTier.io_threads\)"):
+        Engine("memory://")
+
+
 def test_kvtier_counters_reach_vllm_metrics(tmp_path: Path) -> None:
     with engine(_file_url(tmp_path)) as stack:
         stack.store(random_keys(3), random_payloads(3))

@@ -101,7 +101,8 @@ def _parse_lookup_settings(raw: object) -> LookupConfig:
             f"KvtierTier.lookup: expected a mapping of {list(LOOKUP_SETTINGS.names)}, got "
             f"{type(raw).__name__} {raw!r}"
         )
-    return LookupConfig.from_dict(env_layer(LOOKUP_SETTINGS, raw or {}), "KvtierTier.lookup")
+    return LookupConfig.from_dict(env_layer(LOOKUP_SETTINGS, raw or {}, "KvtierTier.lookup."),
+                                  "KvtierTier.lookup")
 
 
 def _metrics_label(offloading_spec: Any, tier_type: str, url: str) -> str:
@@ -198,7 +199,8 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                  "revision": revision, "tenant": tenant}
         options = VLLM_TIER_SETTINGS.parse(
             env_layer(VLLM_TIER_SETTINGS,
-                      {name: value for name, value in given.items() if value is not None}),
+                      {name: value for name, value in given.items() if value is not None},
+                      "KvtierTier."),
             "KvtierTier")
         url = options["url"]
         lookup_settings = _parse_lookup_settings(lookup)
