@@ -112,12 +112,12 @@ def _metrics_label(offloading_spec: Any, tier_type: str, url: str) -> str:
         claimed = _CLAIMED_POSITIONS.setdefault(offloading_spec, set())
     except TypeError:  # a spec that cannot be weakly referenced: no de-duplication
         claimed = set()
-    for index, entry in enumerate(entries):
-        if (index not in claimed and isinstance(entry, Mapping)
-                and entry.get("type") == tier_type and entry.get("url") == url):
-            claimed.add(index)
-            return tier_label(index + 1, tier_type)
-    return tier_label(1, tier_type)
+    matches = [index for index, entry in enumerate(entries) if isinstance(entry, Mapping)
+               and entry.get("type") == tier_type and entry.get("url") == url]
+    unclaimed = [index for index in matches if index not in claimed]
+    position = (unclaimed or matches or [0])[0]
+    claimed.add(position)
+    return tier_label(position + 1, tier_type)
 
 
 def namespace_for(
