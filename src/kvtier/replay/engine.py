@@ -448,27 +448,11 @@ def _replay(
         wall_s = time.perf_counter() - wall_started
         for manager in managers:
             manager.shutdown()
-        stats = [_stats_with_io_time(manager) for manager in managers]
+        stats = [manager.get_stats() for manager in managers]  # with each tier's I/O seconds
         return loop.result(tier_names, tier_urls, stats, wall_s)
     finally:
         for manager in managers:
             manager.shutdown()
-
-
-def _stats_with_io_time(manager: TieringManager) -> dict[str, Any]:
-    """``get_stats()`` plus each tier's load/store seconds from the manager's own metrics."""
-    stats = manager.get_stats()
-    metrics = manager.metrics
-    if metrics is None:
-        return stats
-    for name, tier_stats in stats.get("tiers", {}).items():
-        labels = {"tier": name}
-        read_s = metrics.registry.get_sample_value("kvtier_read_seconds_total", labels)
-        write_s = metrics.registry.get_sample_value("kvtier_write_seconds_total", labels)
-        if read_s is not None and write_s is not None:
-            tier_stats["read_seconds"] = read_s
-            tier_stats["write_seconds"] = write_s
-    return stats
 
 
 class _Loop:
