@@ -56,7 +56,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
@@ -299,8 +299,6 @@ def settings_markdown() -> str:
 _RESERVED_TIER_NAMES = frozenset({"primary"})
 _TIER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SIZE_OPTIONS = frozenset({"max_bytes"})  # backend options that are sizes (no backend table)
-
-_E = TypeVar("_E", bound=enum.Enum)
 
 
 def _mapping(value: object, path: str) -> Mapping[str, Any]:
