@@ -90,7 +90,7 @@ def test_bad_sizes_name_path_and_value(bad: object) -> None:
     ({"secondary_tiers": ["/just/a/path"]}, r"secondary_tiers\[0\].url: expected a URL"),
     ({"secondary_tiers": ["memory://", {"url": "memory://", "lookup": {"quarantine_s": -1}}]},
      r"secondary_tiers\[1\].lookup.quarantine_s: expected a finite number >= 0.0 and "
-     r"<= 3600.0 \(s\), got -1"),
+     r"<= 3600.0 \(seconds\), got -1"),
     ({"secondary_tiers": [{"url": "memory://", "lookup": {"quarantine": 1}}]},
      r"\['secondary_tiers\[0\].lookup.quarantine'\]"),
     ({"secondary_tiers": [{"url": "memory://", "io_threads": 0}]},

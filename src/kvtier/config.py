@@ -184,22 +184,22 @@ _MAX_S = 3600.0  # the lookup manager's ceiling for every time setting
 _TRANSITIONAL_LOOKUP_SETTINGS = SettingsTable("lookup", [
     Setting("probe_timeout_s", Kind.FLOAT, None, "a probe older than this resolves False "
             "(unset here: the lookup manager's default)",
-            minimum=0.0, strict_min=True, maximum=_MAX_S, unit="s", nullable=True,
+            minimum=0.0, strict_min=True, maximum=_MAX_S, unit="seconds", nullable=True,
             env="KVTIER_LOOKUP_PROBE_TIMEOUT_S"),
     Setting("verdict_ttl_s", Kind.FLOAT, None, "how long a verdict is cached after its request",
-            minimum=0.0, maximum=_MAX_S, unit="s", nullable=True,
+            minimum=0.0, maximum=_MAX_S, unit="seconds", nullable=True,
             env="KVTIER_LOOKUP_VERDICT_TTL_S"),
     Setting("max_cached_verdicts", Kind.INT, None, "bound of the verdict cache and quarantine",
             minimum=1, nullable=True, env="KVTIER_LOOKUP_MAX_CACHED_VERDICTS"),
     Setting("quarantine_s", Kind.FLOAT, None, "a key whose load failed answers False this long",
-            minimum=0.0, maximum=_MAX_S, unit="s", nullable=True,
+            minimum=0.0, maximum=_MAX_S, unit="seconds", nullable=True,
             env="KVTIER_LOOKUP_QUARANTINE_S"),
     Setting("max_batch_keys", Kind.INT, None, "keys per backend probe call", minimum=1,
             nullable=True, env="KVTIER_LOOKUP_MAX_BATCH_KEYS"),
     Setting("breaker_threshold", Kind.INT, None, "failed probe calls in a row that open the "
             "circuit breaker", minimum=1, nullable=True, env="KVTIER_LOOKUP_BREAKER_THRESHOLD"),
     Setting("breaker_cooldown_s", Kind.FLOAT, None, "an open breaker retries after this long",
-            minimum=0.0, strict_min=True, maximum=_MAX_S, unit="s", nullable=True,
+            minimum=0.0, strict_min=True, maximum=_MAX_S, unit="seconds", nullable=True,
             env="KVTIER_LOOKUP_BREAKER_COOLDOWN_S"),
 ])
 LOOKUP_SETTINGS: SettingsTable = getattr(_lookup, "LOOKUP_SETTINGS",
