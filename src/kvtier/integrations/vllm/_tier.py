@@ -29,6 +29,8 @@ Threads and state ownership:
   records each call's duration in ``_probe_durations`` (thread-safe); it touches no primary
   memory, so ``shutdown()`` waits for it only briefly (the SecondaryTier's bounded probe wait)
   and then abandons a call stuck in the backend.
+- Module state: ``_CLAIMED_POSITIONS`` (tier positions already labelled, per spec) is written
+  only while vLLM builds its tiers, on the thread that calls the spec's ``get_manager``.
 """
 
 from __future__ import annotations
