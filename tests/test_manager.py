@@ -493,7 +493,8 @@ def test_a_backlogged_tier_streams_cascades_through_the_pool_then_sheds(
         assert m.get_stats()["tiers"]["memory"]["store_keys_shed"] == 1
         metrics = m.metrics
         assert metrics is not None
-        assert metrics.value("kvtier_shed_stores_total", tier="memory") == 1
+        m.publish_metrics()
+        assert metrics.value("kvtier_store_shed_blocks_total", tier="1:memory") == 1
     finally:
         held.release.set()
     step(m)  # the waiting cascades go once the tier has room
@@ -565,13 +566,13 @@ def test_metrics_count_lookups_hits_and_transfers(make: Factory) -> None:
     m.publish_metrics()
     metrics = m.metrics
     assert metrics is not None
-    assert metrics.value("kvtier_lookups_total", tier="primary") == 3
-    assert metrics.value("kvtier_hits_total", tier="primary") == 1
-    assert metrics.value("kvtier_hits_total", tier="memory") == 1
-    assert metrics.value("kvtier_bytes_written_total", tier="memory") == BLOCK
-    assert metrics.value("kvtier_bytes_read_total", tier="memory") == BLOCK
-    assert metrics.value("kvtier_backend_calls_total", tier="memory", op="exists") == 1
-    assert metrics.value("kvtier_probe_latency_seconds_count", tier="memory") == 1
+    assert metrics.value("kvtier_lookups_total", tier="0:primary") == 3
+    assert metrics.value("kvtier_lookup_hits_total", tier="0:primary") == 1
+    assert metrics.value("kvtier_lookup_hits_total", tier="1:memory") == 1
+    assert metrics.value("kvtier_write_bytes_total", tier="1:memory") == BLOCK
+    assert metrics.value("kvtier_read_bytes_total", tier="1:memory") == BLOCK
+    assert metrics.value("kvtier_probe_calls_total", tier="1:memory") == 1
+    assert metrics.value("kvtier_probe_duration_seconds_count", tier="1:memory") == 1
     assert metrics.value("kvtier_primary_slots", state="resident") == 2
     assert b"kvtier_breaker_state" in metrics.render()
 

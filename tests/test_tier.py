@@ -135,7 +135,6 @@ def test_backpressure_sheds_stores_while_the_backend_is_held(namespace: Namespac
         shed = tier.submit_store([k(3)], [payload(3)])
         assert shed is None
         assert tier.stats()["store_keys_shed"] == 1
-        assert metrics.value("kvtier_shed_stores_total", tier="held") == 1
         # loads are never shed
         load = tier.submit_load([k(1)], [memoryview(bytearray(BLOCK))])
         gate.release.set()
@@ -258,7 +257,7 @@ def test_max_keys_per_call_splits_jobs_and_keeps_keys_moved_before_a_failed_call
         assert tier.lookup(k(2), RequestContext("r")) is False  # failed keys are quarantined
     finally:
         tier.shutdown(10)
-    with pytest.raises(ValueError, match="max_keys_per_call must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_keys_per_call: expected an integer >= 1, got 0"):
         SecondaryTier("bad", open_backend("memory://", namespace), max_keys_per_call=0)
 
 
@@ -272,7 +271,7 @@ def test_remove_deletes_and_updates_the_verdict(tier: SecondaryTier) -> None:
 
 def test_bad_arguments(namespace: Namespace) -> None:
     backend = open_backend("memory://", namespace)
-    with pytest.raises(ValueError, match="io_threads must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="io_threads: expected an integer >= 1, got 0"):
         SecondaryTier("x", backend, io_threads=0)
     with pytest.raises(ValueError, match="tier name"):
         SecondaryTier("", backend)

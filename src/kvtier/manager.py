@@ -43,7 +43,7 @@ it then, and flushes the rest at ``shutdown()``. Promoted blocks are never casca
 written back to the tier they came from). A cascade a backlogged tier cannot take yet waits in
 the pool (pinned) for the next step, so stores stream through the pool instead of vanishing;
 only when a tier's waiting cascades exceed half the pool is the oldest excess shed (``StoreShed``
-event, ``kvtier_shed_stores_total``), so a slow or dead tier never stalls the engine; the
+event, ``kvtier_store_shed_blocks_total``), so a slow or dead tier never stalls the engine; the
 backend's put-if-absent skips blocks a tier already holds.
 
 Public API::
@@ -76,7 +76,7 @@ from kvtier.config import (
     load_config,
 )
 from kvtier.keys import BlockKey, Namespace, RequestContext, validate_keys
-from kvtier.metrics import KvtierMetrics
+from kvtier.metrics import KvtierMetrics, manager_samples
 from kvtier.primary import PrimaryPool
 from kvtier.tier import JobKind, LookupFactory, SecondaryTier, TransferJob
 
@@ -304,7 +304,8 @@ class TieringManager:
         self._step = 0
         self._events: deque[ManagerEvent] = deque(maxlen=max(0, max_events))
         self._counters = _Counters()
-        self._published = _Counters()
+        if metrics is not None:
+            metrics.bind_tiers(names)
         self._next_publish = 0.0
         self._state = _ManagerState.RUNNING
 
@@ -459,8 +460,6 @@ class TieringManager:
         self._queued_loads[tier_index].append(key)
         self._counters.promotions_started += 1
         self._counters.hit_pending += 1
-        if self._metrics is not None:
-            self._metrics.hits.labels(tier=self._tiers[tier_index].name).inc()
         return LookupResult.HIT_PENDING
 
     def _add_waiter(self, promotion: _Promotion, key: BlockKey, req_id: str) -> None:
@@ -903,26 +902,8 @@ class TieringManager:
     def publish_metrics(self) -> None:
         """Push scheduler-side counters into the Prometheus metrics (on_schedule_end does this
         at most once a second, and shutdown once more)."""
-        metrics = self._metrics
-        if metrics is None:
-            return
-        counters, published = self._counters, self._published
-        for field_name, counter in (
-            ("lookups", metrics.lookups),
-            ("hits", metrics.hits),
-            ("evictions", metrics.evictions),
-            ("stores_completed", metrics.stores),
-        ):
-            delta = getattr(counters, field_name) - getattr(published, field_name)
-            if delta > 0:
-                counter.labels(tier=PRIMARY).inc(delta)
-            setattr(published, field_name, getattr(counters, field_name))
-        for tier in self._tiers:
-            metrics.publish_lookup_stats(tier.name, tier.lookup_stats)
-        if self._state is _ManagerState.RUNNING:
-            pool = self._pool
-            metrics.publish_primary(free=pool.free_slots, filling=pool.filling_slots,
-                                    resident=pool.resident_blocks, pinned=pool.pinned_slots)
+        if self._metrics is not None:
+            self._metrics.publish(manager_samples(self.get_stats(), self._namespace.block_size))
 
     # ---- waiting (tests, replay, benchmarks; never the engine's hot path) -------------------
     def wait_idle(self, timeout: float = 30.0) -> bool:

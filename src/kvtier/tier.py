@@ -14,7 +14,9 @@ Thread ownership:
   ``error`` and ``seconds`` and post the job to ``_finished`` (a ``queue.SimpleQueue``). After
   posting they never touch the job again; before posting the scheduler never reads those fields.
 - **Probe worker** (inside the lookup manager) calls ``backend.probe``.
-- The backend is thread-safe by contract; the metrics are thread-safe (prometheus-client).
+- The backend is thread-safe by contract. The counters are the scheduler thread's and are
+  published by the manager (:mod:`kvtier.metrics`); only probe durations are observed on the
+  probe worker (thread-safe).
 
 A load job writes straight into caller-provided ``memoryview``s (primary slots that the manager
 keeps out of reach of eviction while the job runs); the backend verifies the frame (namespace,
@@ -47,10 +49,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtier.backends.base import Backend, Buffer, RateLimitedLog
-from kvtier.config import LookupConfig
+from kvtier.config import TIER_SETTINGS, LookupConfig
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.lookup import AsyncLookupManager, LookupStats
-from kvtier.metrics import KvtierMetrics
+from kvtier.metrics import ProbeMetrics
+from kvtier.settings import Kind, Setting
+
+_MAX_KEYS_PER_CALL = Setting("max_keys_per_call", Kind.INT, None,
+                             "keys per backend get/put call (None: no limit)", minimum=1)
 
 _log = logging.getLogger("kvtier.tier")
 _PROBE_SHUTDOWN_WAIT_S = 2.0
@@ -62,13 +68,6 @@ LookupFactory = Callable[[str, Backend, Mapping[str, Any]], AsyncLookupManager]
 class JobKind(enum.Enum):
     LOAD = "load"
     STORE = "store"
-
-
-def require_int(what: str, value: object, minimum: int) -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum``, else a ValueError naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 class TierClosedError(RuntimeError):
@@ -110,16 +109,26 @@ class TransferJob:
 
 @dataclass(slots=True)
 class TierCounters:
+    """The tier's counters (scheduler thread); :mod:`kvtier.metrics` publishes them."""
+
+    lookup_answers: int = 0  # lookups answered present or absent (not "ask again")
+    lookup_hits: int = 0
     loads_submitted: int = 0
     load_keys: int = 0
+    loaded_keys: int = 0
     load_keys_failed: int = 0
     stores_submitted: int = 0
     store_keys: int = 0
+    stored_keys: int = 0
     store_keys_failed: int = 0
     stores_shed: int = 0
     store_keys_shed: int = 0
     store_keys_read_back: int = 0
     quarantines_lifted: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
     job_errors: int = 0
     invariant_violations: int = 0
 
@@ -131,13 +140,11 @@ class BackendLookupManager(AsyncLookupManager):
     manager counts the failure as a probe error, never caches it, and feeds its circuit breaker.
     """
 
-    def __init__(self, tier_name: str, backend: Backend, metrics: KvtierMetrics | None = None,
+    def __init__(self, tier_name: str, backend: Backend, metrics: ProbeMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  options: Mapping[str, Any] | None = None) -> None:
         self._backend = backend
-        self._probe_latency = (
-            None if metrics is None else metrics.probe_latency.labels(tier=tier_name)
-        )
+        self._observe_probe = None if metrics is None else metrics.probe_observer(tier_name)
         super().__init__(tier_name, clock=clock, **(options or {}))
 
     def batch_lookup(self, keys: list[BlockKey], req_context: RequestContext) -> Sequence[bool]:
@@ -145,8 +152,8 @@ class BackendLookupManager(AsyncLookupManager):
         try:
             return self._backend.probe(keys)
         finally:
-            if self._probe_latency is not None:
-                self._probe_latency.observe(time.perf_counter() - started)
+            if self._observe_probe is not None:
+                self._observe_probe(time.perf_counter() - started)
 
 
 class RecentLoadFailures:
@@ -213,25 +220,26 @@ class SecondaryTier:
         backend: Backend,
         *,
         lookup: LookupConfig | Mapping[str, Any] | None = None,
-        io_threads: int = 4,
-        max_pending_store_bytes: int = 256 * 1024**2,
-        max_pending_store_jobs: int = 1024,
-        metrics: KvtierMetrics | None = None,
+        io_threads: int = TIER_SETTINGS.default("io_threads"),
+        max_pending_store_bytes: int = TIER_SETTINGS.default("max_pending_store_bytes"),
+        max_pending_store_jobs: int = TIER_SETTINGS.default("max_pending_store_jobs"),
+        metrics: ProbeMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         lookup_factory: LookupFactory | None = None,
         max_keys_per_call: int | None = None,
     ) -> None:
         """``lookup_factory(name, backend, options)`` replaces the default lookup manager (one
         ``backend.probe`` call per probe batch); ``options`` are the configured lookup settings
-        plus ``clock``. ``max_keys_per_call`` (None: no limit) splits each job's backend calls."""
+        plus ``clock``. ``max_keys_per_call`` (None: no limit) splits each job's backend calls.
+        Bad settings raise :class:`~kvtier.settings.ConfigError` (a ValueError) naming them."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"tier name must be a non-empty str, got {name!r}")
-        for label, value, minimum in (("io_threads", io_threads, 1),
-                                      ("max_pending_store_bytes", max_pending_store_bytes, 0),
-                                      ("max_pending_store_jobs", max_pending_store_jobs, 1)):
-            require_int(f"tier {name!r}: {label}", value, minimum)
+        for setting, value in (("io_threads", io_threads),
+                               ("max_pending_store_bytes", max_pending_store_bytes),
+                               ("max_pending_store_jobs", max_pending_store_jobs)):
+            TIER_SETTINGS[setting].parse(value, f"tier {name!r}: {setting}")
         if max_keys_per_call is not None:
-            require_int(f"tier {name!r}: max_keys_per_call", max_keys_per_call, 1)
+            _MAX_KEYS_PER_CALL.parse(max_keys_per_call, f"tier {name!r}: max_keys_per_call")
         if isinstance(lookup, LookupConfig):
             lookup_options: Mapping[str, Any] = lookup.as_kwargs()
         elif lookup is None:
@@ -240,7 +248,6 @@ class SecondaryTier:
             lookup_options = LookupConfig.from_dict(lookup, f"tier {name}: lookup").as_kwargs()
         self._name = name
         self._backend = backend
-        self._metrics = metrics
         self._lookup: AsyncLookupManager = (
             BackendLookupManager(name, backend, metrics, clock, lookup_options)
             if lookup_factory is None
@@ -283,7 +290,11 @@ class SecondaryTier:
 
     # ---- lookups (scheduler thread) -----------------------------------------------------------
     def lookup(self, key: BlockKey, req_context: RequestContext) -> bool | None:
-        return self._lookup.lookup(key, req_context)
+        verdict = self._lookup.lookup(key, req_context)
+        if verdict is not None:
+            self._counters.lookup_answers += 1
+            self._counters.lookup_hits += verdict
+        return verdict
 
     def flush(self) -> None:
         self._lookup.flush()
@@ -326,8 +337,6 @@ class SecondaryTier:
         if not self.can_accept_store(nbytes):
             self._counters.stores_shed += 1
             self._counters.store_keys_shed += len(keys)
-            if self._metrics is not None:
-                self._metrics.shed_stores.labels(tier=self._name).inc(len(keys))
             return None
         job = TransferJob(next(self._job_ids), JobKind.STORE, tuple(keys), tuple(payloads),
                           nbytes)
@@ -345,8 +354,6 @@ class SecondaryTier:
         """``keys`` cascades to this tier were shed by the manager before submission."""
         self._counters.stores_shed += 1
         self._counters.store_keys_shed += keys
-        if self._metrics is not None:
-            self._metrics.shed_stores.labels(tier=self._name).inc(keys)
 
     def _start(self, job: TransferJob) -> None:
         self._outstanding[job.job_id] = job
@@ -403,15 +410,18 @@ class SecondaryTier:
             job.results = (False,) * len(job.keys)
         if job.error is not None:
             self._counters.job_errors += 1
+        moved = sum(memoryview(buffer).nbytes
+                    for buffer, ok in zip(job.buffers, job.results, strict=True) if ok)
         if job.kind is JobKind.LOAD:
             failed = job.failed
+            self._counters.loaded_keys += len(job.keys) - len(failed)
+            self._counters.read_bytes += moved
+            self._counters.read_seconds += job.seconds
             if failed:
                 self._counters.load_keys_failed += len(failed)
                 if self._state is _TierState.RUNNING:
                     self._lookup.mark_miss(failed)
                     self._load_failures.add(failed)
-                if self._metrics is not None:
-                    self._metrics.failed_loads.labels(tier=self._name).inc(len(failed))
         else:
             self._store_bytes -= job.nbytes
             self._store_jobs -= 1
@@ -425,9 +435,10 @@ class SecondaryTier:
                 self._counters.quarantines_lifted += len(good)
             if stored and self._state is _TierState.RUNNING:
                 self._lookup.note_stored(self._load_failures.without(stored))
+            self._counters.stored_keys += len(stored)
             self._counters.store_keys_failed += len(job.keys) - len(stored)
-            if self._metrics is not None and stored:
-                self._metrics.stores.labels(tier=self._name).inc(len(stored))
+            self._counters.write_bytes += moved
+            self._counters.write_seconds += job.seconds
 
     # ---- I/O thread ---------------------------------------------------------------------------
     def _run_next(self) -> None:
@@ -445,12 +456,10 @@ class SecondaryTier:
         results: list[bool] = []
         step = self._max_keys_per_call
         starts: Iterable[int] = [0] if step is None else range(0, len(job.keys), step)
-        calls = 0
         try:
             for start in starts:
                 end = len(job.keys) if step is None else start + step
                 keys = job.keys[start:end]
-                calls += 1
                 if job.kind is JobKind.LOAD:
                     outs = [memoryview(out) for out in job.buffers[start:end]]
                     raw = self._backend.get_many(keys, outs)
@@ -470,18 +479,6 @@ class SecondaryTier:
         if job.suspects:
             self._read_back(job)
         job.seconds = time.perf_counter() - started
-        metrics = self._metrics
-        if metrics is not None:
-            moved = sum(memoryview(buffer).nbytes
-                        for buffer, ok in zip(job.buffers, job.results, strict=True) if ok)
-            if job.kind is JobKind.LOAD:
-                metrics.backend_calls.labels(tier=self._name, op="get").inc(calls)
-                metrics.bytes_read.labels(tier=self._name).inc(moved)
-                metrics.read_seconds.labels(tier=self._name).inc(job.seconds)
-            else:
-                metrics.backend_calls.labels(tier=self._name, op="put").inc(calls)
-                metrics.bytes_written.labels(tier=self._name).inc(moved)
-                metrics.write_seconds.labels(tier=self._name).inc(job.seconds)
         self._finished.put(job)
 
     def _read_back(self, job: TransferJob) -> None:

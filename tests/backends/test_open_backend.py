@@ -91,8 +91,9 @@ def test_option_parsers() -> None:
     assert parse_size_option("s", "4096") == 4096
     assert parse_size_option("s", "512MiB") == 512 << 20
     assert parse_size_option("s", "4G") == 4 << 30
-    assert parse_size_option("s", "1.5GB") == 1_500_000_000
-    assert parse_size_option("s", "2kb") == 2000
+    assert parse_size_option("s", "1.5GiB") == 1536 << 20
+    with pytest.raises(ValueError, match=r"option s=.2kb.: .2kb. is ambiguous .* write 2KiB"):
+        parse_size_option("s", "2kb")
     assert parse_int_option("n", "-3") == -3
     assert parse_float_option("f", "0.25") == 0.25
     for bad_call in (

@@ -293,8 +293,6 @@ def check_get_args(
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
-_SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
 
 def parse_bool_option(name: str, value: object) -> bool:
@@ -311,30 +309,11 @@ def parse_bool_option(name: str, value: object) -> bool:
 
 
 def parse_size_option(name: str, value: object, *, minimum: int = 0) -> int:
-    """Bytes from an int or a string like ``"512MiB"``, ``"4G"``, ``"1.5GB"``, ``"4096"``.
+    """Bytes from an int or a binary size (``"512MiB"``, ``"4G"``, ``"4096"``): the one size rule
+    of kvtier (:func:`kvtier.settings.parse_size`; ``"1.5GB"`` is ambiguous and rejected)."""
+    from kvtier.settings import parse_size  # a ConfigError is a ValueError
 
-    Binary (KiB, MiB, ...) and decimal (KB, MB, ...) units are honoured; a bare K/M/G/T is
-    binary, as in most storage tools. The result must be a whole number of bytes. This is the
-    one size syntax of kvtier: backend options, the config file and the command line.
-    """
-    result: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        result = value
-    elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if match:
-            number, prefix, binary, byte_suffix = match.groups()
-            base = 1000 if (prefix and byte_suffix and not binary) else 1024
-            scaled = float(number) * base ** _SIZE_POWERS[prefix.lower()]
-            if scaled.is_integer():  # a whole number of bytes (never inf)
-                result = int(scaled)
-    if result is None:
-        raise ValueError(
-            f"option {name}={value!r}: expected a size in bytes (e.g. 1073741824, '512MiB', '4G')"
-        )
-    if result < minimum:
-        raise ValueError(f"option {name}={value!r}: must be >= {minimum} bytes")
-    return result
+    return parse_size(value, f"option {name}={value!r}", minimum=minimum)
 
 
 def parse_int_option(

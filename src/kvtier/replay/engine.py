@@ -514,7 +514,7 @@ def _replay(
         wall_s = time.perf_counter() - wall_started
         for manager in managers:
             manager.shutdown()
-        stats = [_stats_with_io_time(manager) for manager in managers]
+        stats = [manager.get_stats() for manager in managers]  # with each tier's I/O seconds
         return loop.result(tier_names, tier_urls, stats, wall_s)
     finally:
         for manager in managers:
@@ -536,22 +536,6 @@ def rejected_requests(trace: Trace, gpu_blocks: int) -> list[int]:
         return []
     return [index for index, request in enumerate(trace.requests)
             if len(request.hash_ids) > gpu_blocks]
-
-
-def _stats_with_io_time(manager: TieringManager) -> dict[str, Any]:
-    """``get_stats()`` plus each tier's load/store seconds from the manager's own metrics."""
-    stats = manager.get_stats()
-    metrics = manager.metrics
-    if metrics is None:
-        return stats
-    for name, tier_stats in stats.get("tiers", {}).items():
-        labels = {"tier": name}
-        read_s = metrics.registry.get_sample_value("kvtier_read_seconds_total", labels)
-        write_s = metrics.registry.get_sample_value("kvtier_write_seconds_total", labels)
-        if read_s is not None and write_s is not None:
-            tier_stats["read_seconds"] = read_s
-            tier_stats["write_seconds"] = write_s
-    return stats
 
 
 class _Loop:
