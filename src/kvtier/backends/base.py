@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier import codec
 from kvtier.codec import Buffer, as_byte_view, check_key
@@ -102,8 +102,7 @@ class Verdict(enum.Enum):
     WRONG_SIZE = "wrong_size"    # a valid frame, but not the caller's size: kept
 
 
-@dataclass(frozen=True, slots=True)
-class Fetched:
+class Fetched(NamedTuple):
     """What a medium read for one key.
 
     With ``outcome`` OK, exactly one of:
@@ -118,12 +117,13 @@ class Fetched:
     conditional delete removes that object and never a good block stored since. ``trusted``
     means the medium guarantees these bytes are a frame this very instance encoded and nobody
     else can have written (the private memory store): the checksum pass is skipped, the header
-    is still checked.
+    is still checked. (A named tuple: one is built per key on the load path, and a tuple is the
+    cheapest immutable record to build.)
     """
 
     outcome: Outcome
     frame: memoryview | None = None
-    header: memoryview | None = None
+    header: bytes | bytearray | memoryview | None = None
     payload_bytes: int = 0
     token: object = None
     trusted: bool = False

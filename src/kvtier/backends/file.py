@@ -534,15 +534,15 @@ class FileBackend(Backend):
     def _read_in_place(self, fd: int, info: os.stat_result, out: memoryview) -> Fetched:
         """Header into a small buffer, payload straight into ``out``: no scratch, no copy."""
         expected = codec.HEADER_BYTES + out.nbytes
-        if info.st_size not in (expected, _round_up(expected)):
+        size = info.st_size
+        if size != expected and size != _round_up(expected):
             return self._read_whole(fd, info)
         header = bytearray(codec.HEADER_BYTES)
-        size = os.preadv(fd, [header, out], 0)
-        if size != expected or _claimed_length(header) != out.nbytes:
-            # A file shrinking under us, or a frame of another size padded to the same pages.
+        if os.preadv(fd, [header, out], 0) != expected:  # the file shrank under us
             return self._read_whole(fd, os.fstat(fd))
-        return Fetched(Outcome.OK, header=memoryview(header), payload_bytes=out.nbytes,
-                       token=info.st_ino)
+        if size != expected and _claimed_length(header) != out.nbytes:
+            return self._read_whole(fd, info)  # a padded frame of another size, same pages
+        return Fetched(Outcome.OK, header=header, payload_bytes=out.nbytes, token=info.st_ino)
 
     def _read_direct(self, fd: int, info: os.stat_result, out: memoryview) -> Fetched:
         """O_DIRECT: the whole padded frame into the page-aligned per-thread buffer."""
