@@ -78,7 +78,8 @@ def test_a_forged_tag_or_any_flipped_byte_fails_authentication(harness: BackendH
     payloads = [payload_for(key, SIZE) for key in keys]
     assert owner.put_many(keys, payloads) == [True] * 4
     raw = harness.raw(owner)
-    offsets = [8, 290, codec.HEADER_BYTES + 100, codec.HEADER_BYTES + SIZE - 1]  # length, tag, payload
+    # The length field, the tag, and two payload bytes.
+    offsets = [8, 290, codec.HEADER_BYTES + 100, codec.HEADER_BYTES + SIZE - 1]
     for key, offset in zip(keys, offsets, strict=True):
         frame = bytearray(raw.read(key) or b"")
         assert frame[287] == 1, "a keyed tier writes mode-1 (MAC) frames"
@@ -146,7 +147,7 @@ def test_bad_auth_options_are_clear_and_never_show_the_key(
 
 def test_a_key_file_readable_by_others_is_refused(tmp_path: Path) -> None:
     path = _key_file(tmp_path, OWNER_KEY.encode(), mode=0o644)
-    with pytest.raises(ConfigError, match="mode 644.*chmod 600") as caught:
+    with pytest.raises(ConfigError, match=r"mode 644.*chmod 600") as caught:
         open_backend("memory://", Namespace(model="m"), auth_key_file=str(path))
     assert OWNER_KEY not in str(caught.value)
     link = tmp_path / "link.key"

@@ -75,7 +75,7 @@ def test_world_writable_namespace_directory_is_refused(tmp_path: Path) -> None:
     planted = tmp_path / namespace.digest_hex
     planted.mkdir()
     os.chmod(planted, 0o777)
-    with pytest.raises(ConfigError, match="namespace directory .* world-writable"):
+    with pytest.raises(ConfigError, match=r"namespace directory .* world-writable"):
         open_backend(f"file://{tmp_path}", namespace)
 
 
