@@ -97,8 +97,10 @@ def test_bad_sizes_name_path_and_value(bad: object) -> None:
      r"secondary_tiers\[0\].io_threads: expected an integer >= 1, got 0"),
     ({"secondary_tiers": [{"url": "memory://", "max_bytes": "lots"}]},
      r"secondary_tiers\[0\].max_bytes: expected a byte count or a binary size"),
-    ({"secondary_tiers": [{"url": "memory://", "ttl_s": [1]}]},
-     r"secondary_tiers\[0\].ttl_s: backend options must be scalars"),
+    ({"secondary_tiers": [{"url": "redis://127.0.0.1:1/0", "ttl_s": [1]}]},
+     r"secondary_tiers\[0\].ttl_s: expected a finite number"),
+    ({"secondary_tiers": [{"url": "memory://", "ttl_s": 5}]},
+     r"unknown memory backend setting\(s\) \['secondary_tiers\[0\].ttl_s'\]"),
     ({"secondary_tiers": [{"url": "memory://", "name": "primary"}]},
      r"secondary_tiers\[0\].name: .*got 'primary'"),
     ({"secondary_tiers": [{"url": "memory://", "name": "a"}, {"url": "memory://", "name": "a"}]},
@@ -305,7 +307,7 @@ def test_every_setting_and_env_variable_is_declared_once() -> None:
     shared = [setting for setting in by_name.values()
               if sum(candidate is setting for candidate in by_name.values()) > 1]
     assert {setting.name for setting in shared} == {"url", "io_threads", "model", "revision",
-                                                    "tenant"}
+                                                    "tenant", "auth_key", "auth_key_file"}
     assert known_env_names() >= {"KVTIER_DEBUG", "KVTIER_SKIP_VLLM", "KVTIER_CONFIG",
                                  "KVTIER_SECONDARY_TIERS", "KVTIER_IO_THREADS"}
 

@@ -163,7 +163,8 @@ def test_partially_failed_load_reports_successful_keys(tmp_path: Path) -> None:
         assert set(result.successful_keys) == {keys[0], keys[2]}
         assert reader.primary[0].tobytes() == payloads[0]
         assert reader.primary[2].tobytes() == payloads[2]
-        assert set(reader.primary[1].tobytes()) == {0x5A}  # no damaged byte reached the slot
+        # The damaged block's slot holds unspecified bytes (loads read in place) but it is not
+        # among the successful keys, so vLLM never publishes it.
 
 
 def test_tiers_of_different_models_never_share_blocks(tmp_path: Path) -> None:
