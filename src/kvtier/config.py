@@ -56,13 +56,11 @@ import yaml
 
 from kvtier.backends import SCHEMES
 from kvtier.backends.base import parse_size_option
+from kvtier.deadlines import DEADLINE_SETTINGS
 from kvtier.keys import Namespace
 from kvtier.policies import PolicyName
 from kvtier.primary import PrimaryBacking
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or invalid; the message names its key path."""
+from kvtier.settings import ConfigError  # one class: settings tables and this loader raise it
 
 
 class WritePolicy(enum.Enum):
@@ -204,6 +202,7 @@ class TierConfig:
     max_pending_store_bytes: int = 256 * 1024**2
     max_pending_store_jobs: int = 1024
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    load_timeout_s: float = DEADLINE_SETTINGS["load_timeout_s"].default
 
     @property
     def scheme(self) -> str:
@@ -211,7 +210,7 @@ class TierConfig:
 
 
 _TIER_KEYS = frozenset({"url", "name", "lookup", "io_threads", "max_pending_store_bytes",
-                        "max_pending_store_jobs"})
+                        "max_pending_store_jobs", *DEADLINE_SETTINGS.names})
 
 
 def _tier_from(value: object, path: str) -> tuple[dict[str, Any], str | None]:
@@ -250,6 +249,9 @@ def _tier_from(value: object, path: str) -> tuple[dict[str, Any], str | None]:
     if "max_pending_store_jobs" in entry:
         fields_["max_pending_store_jobs"] = _int(
             entry["max_pending_store_jobs"], f"{path}.max_pending_store_jobs", 1)
+    fields_.update(DEADLINE_SETTINGS.parse(
+        {name: entry[name] for name in DEADLINE_SETTINGS.names if name in entry}, path,
+        fill_defaults=False))
     options: dict[str, Any] = {}
     for key, option in entry.items():
         if key in _TIER_KEYS:
@@ -385,6 +387,7 @@ class KvtierConfig:
                 {"url": tier.url, "name": tier.name, "io_threads": tier.io_threads,
                  "max_pending_store_bytes": tier.max_pending_store_bytes,
                  "max_pending_store_jobs": tier.max_pending_store_jobs,
+                 "load_timeout_s": tier.load_timeout_s,
                  "lookup": tier.lookup.as_kwargs(), **dict(tier.options)}
                 for tier in self.secondary_tiers
             ],
