@@ -60,7 +60,7 @@ from kvtier.deadlines import DEADLINE_SETTINGS
 from kvtier.keys import Namespace
 from kvtier.policies import PolicyName
 from kvtier.primary import PrimaryBacking
-from kvtier.settings import ConfigError  # one class: settings tables and this loader raise it
+from kvtier.settings import ConfigError as ConfigError  # one class for tables and loader
 
 
 class WritePolicy(enum.Enum):
