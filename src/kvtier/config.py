@@ -47,7 +47,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -208,6 +208,16 @@ class TierConfig:
     def scheme(self) -> str:
         return self.url.split("://", 1)[0].lower()
 
+    def __repr__(self) -> str:  # credentials in the URL or the options are never shown
+        from kvtier.backends import redact_url, redacted_options
+
+        return (f"TierConfig(url={redact_url(self.url)!r}, name={self.name!r}, "
+                f"lookup={self.lookup!r}, io_threads={self.io_threads}, "
+                f"max_pending_store_bytes={self.max_pending_store_bytes}, "
+                f"max_pending_store_jobs={self.max_pending_store_jobs}, "
+                f"load_timeout_s={self.load_timeout_s}, "
+                f"options={redacted_options(self.options)!r})")
+
 
 _TIER_KEYS = frozenset({"url", "name", "lookup", "io_threads", "max_pending_store_bytes",
                         "max_pending_store_jobs", *DEADLINE_SETTINGS.names})
@@ -350,11 +360,14 @@ class KvtierConfig:
     def from_yaml(cls, path: str | os.PathLike[str]) -> KvtierConfig:
         try:
             with open(path, encoding="utf-8") as handle:
-                values = yaml.safe_load(handle)
+                values = _yaml_load(handle)
         except OSError as exc:
             raise ConfigError(f"config file {os.fspath(path)!r}: cannot read it: {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {os.fspath(path)!r}: not valid YAML: {exc}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {os.fspath(path)!r}: nested too deeply to be a "
+                              f"kvtier config") from None
         if not isinstance(values, Mapping):
             raise ConfigError(
                 f"config file {os.fspath(path)!r}: expected a YAML mapping at the top, got "
@@ -392,6 +405,38 @@ class KvtierConfig:
                 for tier in self.secondary_tiers
             ],
         }
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML with two traps closed: a duplicate key is an error (not "last one wins"), and only
+    ``true``/``false`` are booleans, so ``model: no`` or ``tenant: on`` stay strings."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # the base class rejects it with its own message
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+    list("tTfF"))
+
+
+def _yaml_load(stream: Any) -> Any:
+    """Parse one YAML document with :class:`_StrictLoader`."""
+    return yaml.load(stream, Loader=_StrictLoader)  # a SafeLoader subclass: no objects
 
 
 _NAMESPACE_FIELDS = ("model", "revision", "dtype", "kv_layout", "block_size", "world_size",
@@ -504,7 +549,10 @@ def _tiers_from_env(raw: str) -> list[Any]:
     if not text:
         return []
     if text.startswith("["):
-        parsed = json.loads(text)
+        try:
+            parsed = json.loads(text)
+        except RecursionError:
+            raise ValueError("nested too deeply to be a list of tiers") from None
         if not isinstance(parsed, list):
             raise ValueError("expected a JSON list")
         return parsed

@@ -57,6 +57,7 @@ __all__ = [
     "parse_int_option",
     "parse_size_option",
     "redact_url",
+    "redacted_options",
     "reject_unknown_options",
     "split_url_options",
 ]
@@ -151,3 +152,9 @@ def redact_url(url: str) -> str:
 def _is_secret(name: str) -> bool:
     lowered = name.lower()
     return any(word in lowered for word in ("password", "secret", "token", "key_id", "auth"))
+
+
+def redacted_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with the value of every credential-like name replaced by ``'***'``."""
+    return {name: "***" if _is_secret(name) and value is not None else value
+            for name, value in options.items()}

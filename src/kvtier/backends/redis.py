@@ -71,6 +71,7 @@ from kvtier.backends.base import (
     reject_unknown_options,
 )
 from kvtier.keys import BlockKey, Namespace
+from kvtier.settings import Secret
 
 __all__ = ["RedisBackend", "RedisConfig", "RedisTopology", "from_url"]
 
@@ -131,7 +132,7 @@ class RedisConfig:
     port: int
     db: int
     username: str | None
-    password: str | None
+    password: Secret | None  # a Secret: repr() and str() never show it
     ssl_ca_certs: str | None
     ssl_certfile: str | None
     ssl_keyfile: str | None
@@ -250,7 +251,7 @@ def parse_redis_url(url: str, options: dict[str, Any]) -> RedisConfig:
         port=port,
         db=db,
         username=username,
-        password=password,
+        password=None if password is None else Secret(password),
         ssl_ca_certs=ssl_files["ssl_ca_certs"],
         ssl_certfile=ssl_files["ssl_certfile"],
         ssl_keyfile=ssl_files["ssl_keyfile"],
@@ -420,7 +421,7 @@ class RedisBackend(ExistenceChecks):
         config = self._config
         kwargs: dict[str, Any] = {
             "username": config.username,
-            "password": config.password,
+            "password": None if config.password is None else config.password.reveal(),
             "socket_timeout": config.socket_timeout_s,
             "socket_connect_timeout": config.connect_timeout_s,
             "max_connections": config.max_connections,
