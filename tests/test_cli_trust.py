@@ -247,7 +247,7 @@ def test_yaml_strings_stay_strings(tmp_path: Path) -> None:
 def test_deep_yaml_and_deep_json_env_are_config_errors(tmp_path: Path) -> None:
     path = _yaml(tmp_path, "block_bytes: 64\nprimary_bytes: 64\nnamespace: "
                  + "[" * 50_000 + "]" * 50_000 + "\n")
-    with pytest.raises(ConfigError, match="nested too deeply|not valid YAML"):
+    with pytest.raises(ConfigError, match=r"nested too deeply|not valid YAML"):
         KvtierConfig.from_yaml(path)
     env = {"KVTIER_BLOCK_BYTES": "64", "KVTIER_PRIMARY_BYTES": "64",
            "KVTIER_NAMESPACE_MODEL": "m",
