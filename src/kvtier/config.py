@@ -223,6 +223,13 @@ _TIER_KEYS = frozenset({"url", "name", "lookup", "io_threads", "max_pending_stor
                         "max_pending_store_jobs", *DEADLINE_SETTINGS.names})
 
 
+def _shown_url(url: object) -> object:
+    """``url`` as a message may show it: credentials redacted."""
+    from kvtier.backends import redact_url
+
+    return redact_url(url) if isinstance(url, str) else url
+
+
 def _tier_from(value: object, path: str) -> tuple[dict[str, Any], str | None]:
     """Validate one tier entry; returns its fields (name not yet made unique) and given name."""
     entry: Mapping[str, Any]
@@ -233,12 +240,12 @@ def _tier_from(value: object, path: str) -> tuple[dict[str, Any], str | None]:
     if not isinstance(url, str) or "://" not in url:
         raise ConfigError(
             f"{path}.url: expected a URL like 'file:///abs/dir', 'redis://host:port/0' or "
-            f"'s3://bucket/prefix', got {url!r}"
+            f"'s3://bucket/prefix', got {_shown_url(url)!r}"
         )
     scheme = url.split("://", 1)[0].lower()
     if scheme not in KNOWN_SCHEMES:
         raise ConfigError(
-            f"{path}.url: unknown scheme {scheme!r} in {url!r}; expected one of "
+            f"{path}.url: unknown scheme {scheme!r} in {_shown_url(url)!r}; expected one of "
             f"{list(KNOWN_SCHEMES)}"
         )
     fields_: dict[str, Any] = {"url": url}

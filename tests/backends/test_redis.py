@@ -113,11 +113,14 @@ def test_url_defaults_and_parts() -> None:
 
 def test_url_credentials_are_decoded_and_redacted() -> None:
     config = parse_redis_url("redis://al%40ice:p%3Ass@h:1/2", {})
-    assert (config.username, config.password) == ("al@ice", "p:ss")
+    assert config.username == "al@ice"
+    assert config.password is not None and config.password.reveal() == "p:ss"
     assert config.url == "redis://al%40ice:***@h:1/2"
     assert "p:ss" not in config.url and "p%3Ass" not in config.url
     by_option = parse_redis_url("redis://h:1", {"username": "bob", "password": "hunter2"})
-    assert (by_option.username, by_option.password) == ("bob", "hunter2")
+    assert by_option.username == "bob"
+    assert by_option.password is not None and by_option.password.reveal() == "hunter2"
+    assert "hunter2" not in repr(by_option) and "p:ss" not in repr(config)
     assert by_option.url == "redis://bob:***@h:1/0"
 
 

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import codec
-from kvtier.backends import split_url_options
+from kvtier.backends import redact_url, split_url_options
 from kvtier.backends.base import (
     BackendStats,
     Buffer,
@@ -749,21 +749,22 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBac
     """
     parts, merged = split_url_options(url, options)
     if parts.scheme != "file":
-        raise ValueError(f"file backend URL must start with file://, got {url!r}")
+        raise ValueError(f"file backend URL must start with file://, got {redact_url(url)!r}")
     if parts.netloc:
         raise ValueError(
-            f"file backend URL {url!r} has a host part {parts.netloc!r}; expected "
+            f"file backend URL {redact_url(url)!r} has a host part "
+            f"{urllib.parse.urlsplit(redact_url(url)).netloc!r}; expected "
             f"file:///absolute/path (three slashes)"
         )
     path = urllib.parse.unquote(parts.path)
     if not path.startswith("/"):
         raise ValueError(
-            f"file backend URL {url!r} needs an absolute path; expected file:///absolute/path"
+            f"file backend URL {redact_url(url)!r} needs an absolute path; expected file:///absolute/path"
         )
     if parts.fragment:
-        raise ValueError(f"file backend URL {url!r} has a fragment; expected none")
+        raise ValueError(f"file backend URL {redact_url(url)!r} has a fragment; expected none")
     if "\x00" in path:
-        raise ValueError(f"file backend URL {url!r} contains a NUL byte in its path")
+        raise ValueError(f"file backend URL {redact_url(url)!r} contains a NUL byte in its path")
     reject_unknown_options("file", merged, _OPTIONS)
     return FileBackend(  # the constructor parses the options
         path,
