@@ -264,3 +264,18 @@ def test_json_report_is_private_even_when_the_file_existed(tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
     assert stat.S_IMODE(report.stat().st_mode) == 0o600
     assert json.loads(report.read_text())
+
+
+def test_the_command_runs_from_a_non_main_thread(tmp_path: Path) -> None:
+    """An embedder calling ``cli.main`` from a worker thread keeps its own signal handling."""
+    import threading
+
+    from kvtier import cli
+
+    codes: list[int] = []
+    worker = threading.Thread(target=lambda: codes.append(cli.main(
+        ["replay", "--scratch-dir", str(tmp_path), *FAST])))
+    worker.start()
+    worker.join(WALL_S)
+    assert codes == [0]
+    assert _scratch_dirs(tmp_path) == []

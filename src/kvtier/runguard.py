@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import tempfile
+import threading
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -77,6 +78,8 @@ class SignalGuard:
         raise Terminated(signum)
 
     def __enter__(self) -> SignalGuard:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may set handlers; the embedder owns signals
         for signum in _HANDLED:
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
