@@ -9,7 +9,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from uuid import uuid4
 
-from kvtier.backends import Backend, open_backend
+import pytest
+from redis.crc import key_slot
+
+from kvtier.backends import Backend, BackendUnavailableError, open_backend
 from kvtier.keys import Namespace
 
 BLOCK = 1024
@@ -76,8 +79,26 @@ def test_killing_a_primary_costs_at_most_the_failover_time(
         backend.close()
 
 
+def _slots_of(node: Any) -> set[int]:
+    client = node.client()
+    try:
+        ranges = client.execute_command("CLUSTER", "SLOTS")
+    finally:
+        client.close()
+    port = node.port
+    return {slot for first, last, owner, *_rest in ranges if int(owner[1]) == port
+            for slot in range(int(first), int(last) + 1)}
+
+
+def _on_slots(backend: Backend, keys: Sequence[bytes], slots: set[int]) -> set[bytes]:
+    prefix = b"kvtier:" + backend.namespace.digest_hex.encode() + b":"
+    return {key for key in keys if key_slot(prefix + key.hex().encode()) in slots}
+
+
+@pytest.mark.timeout(120)
 def test_a_dead_node_without_replica_costs_only_its_keys(
         redis_cluster_factory: Callable[..., Any]) -> None:
+    """Batches spanning every node, one node dead (no replica): only its keys fail."""
     cluster = redis_cluster_factory(masters=3, node_timeout_ms=1000, full_coverage=False)
     backend = open_backend(cluster.url, Namespace(model=f"partial-{uuid4().hex}"), **FAST)
     try:
@@ -85,19 +106,29 @@ def test_a_dead_node_without_replica_costs_only_its_keys(
         assert backend.put_many(keys, [_payload(key) for key in keys]) == [True] * KEYS
         victim = cluster.masters[1]
         lost = _held_by(victim, keys)
+        dead_slots = _slots_of(victim)
+        assert lost == _on_slots(backend, keys, dead_slots)
         assert 0 < len(lost) < KEYS
         victim.kill()
+        errors_before = backend.stats()["errors"]
         started = time.monotonic()
-        # One key per call: a pipeline batch that touches the dead node fails as a whole
-        # (redis-py raises for the batch), so per-key loads show which keys the node cost.
-        loaded = [_loaded(backend, [key])[0] for key in keys]
-        assert time.monotonic() - started < 60  # a dead node never hangs a call
+        loaded = _loaded(backend, keys)  # one batch over all three nodes
         assert {key for key, ok in zip(keys, loaded, strict=True) if not ok} == lost
-        # once the cluster marks the node failed, the survivors still take writes
-        deadline = time.monotonic() + 30
+        present = backend.exists(keys)
+        assert {key for key, ok in zip(keys, present, strict=True) if not ok} == lost
+        with pytest.raises(BackendUnavailableError, match=f"{len(lost)} of {KEYS}"):
+            backend.probe(keys)  # unknown answers stay unknown: probe raises, never "absent"
+        live = [key for key in keys if key not in lost]
+        assert backend.probe(live) == [True] * len(live)  # a batch on live nodes is answered
         fresh = _keys()
-        stored = [backend.put_many([key], [_payload(key)])[0] for key in fresh]
-        assert sum(ok is True for ok in stored) >= KEYS // 2
-        assert time.monotonic() < deadline
+        stored = backend.put_many(fresh, [_payload(key) for key in fresh])
+        doomed = _on_slots(backend, fresh, dead_slots)
+        assert {key for key, ok in zip(fresh, stored, strict=True) if not ok} == doomed
+        assert _loaded(backend, [key for key in fresh if key not in doomed]) == [True] * (
+            KEYS - len(doomed))
+        assert time.monotonic() - started < 60  # a dead node never hangs a call
+        stats = backend.stats()
+        assert stats["node_fallbacks"] >= 4
+        assert stats["errors"] > errors_before  # the dead node's failures are counted
     finally:
         backend.close()

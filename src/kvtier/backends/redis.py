@@ -29,9 +29,14 @@ Failures: a lost connection, a dead server or a per-key error reply answers Fals
 affected keys, counts ``errors`` and logs (rate-limited); it never raises. Connections use short
 timeouts and one immediate retry on a connection error (so the first call after a server restart
 reconnects and succeeds); a broken connection is dropped by redis-py, never returned to the pool
-half-read. A wrong password or unknown ACL user is a configuration error and raises
-``ValueError`` when the backend is opened (if the server is reachable then; otherwise later calls
-answer False and count errors).
+half-read. On a Cluster a batch whose pipeline failed is run again one pipeline per node, so a
+dead node (``cluster-require-full-coverage no``) costs only the keys it holds; ``probe`` still
+raises for a batch holding such a key (its answer is unknown), ``exists`` / ``put_many`` /
+``get_many`` answer the live nodes' keys normally.
+
+A wrong password or unknown ACL user is a configuration error and raises ``ValueError`` when the
+backend is opened (if the server is reachable then; otherwise later calls answer False and count
+errors).
 
 ``ttl_s`` gives every stored block an expiry; reads of a live block (``GETEX``) push the expiry
 forward, so the TTL bounds idle time, not age.
@@ -100,6 +105,22 @@ return 0
 # The I/O errors a batch call turns into False answers. RedisClusterException is not a
 # RedisError subclass (e.g. "no node reachable for slot"), hence listed on its own.
 _IO_ERRORS: Final = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
+
+
+class _BatchFailed:
+    """The reply of a command whose pipeline failed (the failure is already counted)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<pipeline failed>"
+
+
+_FAILED: Final = _BatchFailed()
+
+
+def _identity(key: BlockKey) -> BlockKey:
+    return key
 
 
 class RedisTopology(enum.Enum):
@@ -370,6 +391,8 @@ _ZERO_COPY_SUPPORTED: Final = _frame_packer_works()
 class RedisBackend(Backend):
     """Blocks of one namespace in Redis / Valkey (see module docstring)."""
 
+    EXTRA_COUNTERS = ("node_fallbacks",)
+
     def __init__(self, namespace: Namespace, config: RedisConfig) -> None:
         if not isinstance(config, RedisConfig):
             raise TypeError(f"config must be a RedisConfig, got {type(config).__name__}")
@@ -507,9 +530,26 @@ class RedisBackend(Backend):
             return None
         return replies
 
-    def _run(self, operation: str, items: Sequence[_T],
-             add: Callable[[Any, _T], object]) -> list[Any] | None:
-        """One pipeline with one command per item; the replies, or None if it failed."""
+    def _run(self, operation: str, items: Sequence[_T], add: Callable[[Any, _T], object],
+             key_of: Callable[[Any], BlockKey] = _identity) -> list[Any]:
+        """One pipeline with one command per item: one reply per item, :data:`_FAILED` for
+        the items whose pipeline failed (already counted and logged).
+
+        On a Cluster, redis-py fails the whole pipeline when one node is dead, so a failed
+        batch is run again one pipeline per node (keys grouped by the client's slot map): the
+        keys on live nodes are answered, only the dead node's keys answer ``_FAILED``. The
+        retry costs a second connect attempt to the dead node (one ``connect_timeout_s`` at
+        most; a refused connection returns at once).
+        """
+        replies = self._run_one(operation, items, add)
+        if replies is not None:
+            return replies
+        if self._cluster_client is None or len(items) < 2:
+            return [_FAILED] * len(items)
+        return self._run_per_node(operation, items, add, key_of)
+
+    def _run_one(self, operation: str, items: Sequence[_T],
+                 add: Callable[[Any, _T], object]) -> list[Any] | None:
         try:
             pipe = self._pipeline()
         except _IO_ERRORS as exc:
@@ -518,6 +558,26 @@ class RedisBackend(Backend):
         for item in items:
             add(pipe, item)
         return self._execute(pipe, operation, len(items))
+
+    def _run_per_node(self, operation: str, items: Sequence[_T],
+                      add: Callable[[Any, _T], object],
+                      key_of: Callable[[_T], BlockKey]) -> list[Any]:
+        groups: dict[str, list[int]] = {}
+        replies: list[Any] = [_FAILED] * len(items)
+        client = self._connect_cluster()
+        for index, item in enumerate(items):
+            try:
+                node = client.nodes_manager.get_node_from_slot(
+                    client.keyslot(self._name(key_of(item))))  # type: ignore[no-untyped-call]
+            except _IO_ERRORS:  # a slot no node serves: that key stays _FAILED
+                continue
+            groups.setdefault(node.name, []).append(index)
+        self._stats.add("node_fallbacks")
+        for indexes in groups.values():
+            group = self._run_one(operation, [items[index] for index in indexes], add)
+            for index, reply in zip(indexes, group or (), strict=False):
+                replies[index] = reply
+        return replies
 
     # -- identity -----------------------------------------------------------------------------
 
@@ -533,11 +593,11 @@ class RedisBackend(Backend):
 
     def _m_exists(self, keys: list[BlockKey]) -> list[Outcome]:
         replies = self._run("exists", keys, lambda pipe, key: pipe.exists(self._name(key)))
-        if replies is None:
-            return [Outcome.FAILED] * len(keys)
         outcomes: list[Outcome] = []
         for reply in replies:
-            if isinstance(reply, Exception):
+            if reply is _FAILED:
+                outcomes.append(Outcome.FAILED)
+            elif isinstance(reply, Exception):
                 outcomes.append(self._fail("exists", "1 key", reply))
             else:
                 outcomes.append(Outcome.OK if reply == 1 else Outcome.MISSING)
@@ -551,12 +611,12 @@ class RedisBackend(Backend):
                      else frame.joined())
             pipe.set(self._name(frame.key), value, nx=True, px=ttl_ms)
 
-        replies = self._run("put", frames, add)
-        if replies is None:
-            return [Outcome.FAILED] * len(frames)
+        replies = self._run("put", frames, add, lambda frame: frame.key)
         outcomes: list[Outcome] = []
         for reply in replies:
-            if isinstance(reply, Exception):
+            if reply is _FAILED:
+                outcomes.append(Outcome.FAILED)
+            elif isinstance(reply, Exception):
                 outcomes.append(self._fail("put", "1 key", reply))
             else:  # SET NX answers nil when the block is already stored: never overwritten
                 outcomes.append(Outcome.OK if reply else Outcome.PRESENT)
@@ -572,11 +632,11 @@ class RedisBackend(Backend):
                 pipe.getex(self._name(key), px=ttl_ms)
 
         replies = self._run("get", keys, add)
-        if replies is None:
-            return [FAILED_FETCH] * len(keys)
         fetched: list[Fetched] = []
         for reply in replies:
-            if reply is None:
+            if reply is _FAILED:
+                fetched.append(FAILED_FETCH)
+            elif reply is None:
                 fetched.append(MISSING_FETCH)
             elif isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
                 # Something that is not a string sits under our block's name: not our block.
@@ -610,9 +670,10 @@ class RedisBackend(Backend):
             # execute_command: redis-py's ClusterPipeline refuses .eval(), not EVAL itself.
             lambda pipe, target: pipe.execute_command(
                 "EVAL", _DELETE_IF_UNCHANGED, 1, self._name(target[0]), target[1]),
+            lambda target: target[0],
         )
         refused: list[BlockKey] = []
-        for key, reply in zip(keys, replies or (), strict=False):
+        for key, reply in zip(keys, replies, strict=True):
             if isinstance(reply, redis.ResponseError):
                 # Scripting disabled or denied by an ACL (NOPERM): a plain UNLINK still gets rid
                 # of the bad object, with the small race described above.
@@ -629,7 +690,7 @@ class RedisBackend(Backend):
     def _unlink(self, key_list: list[BlockKey], operation: str) -> None:
         # One UNLINK per key: a multi-key command would be CROSSSLOT on a Cluster.
         replies = self._run(operation, key_list, lambda pipe, key: pipe.unlink(self._name(key)))
-        for reply in replies or ():
+        for reply in replies:
             if isinstance(reply, Exception):
                 self._count_error(operation, 1, reply)
 
