@@ -16,9 +16,12 @@ Options come from keyword arguments or from the URL's query string (not both for
 
 from __future__ import annotations
 
+import enum
 import importlib
+import logging
 import urllib.parse
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any, cast
 
 from kvtier.backends.base import (
@@ -47,7 +50,9 @@ __all__ = [
     "BackendStats",
     "BackendUnavailableError",
     "Buffer",
+    "OpenMode",
     "RateLimitedLog",
+    "backend_module",
     "check_get_args",
     "check_keys",
     "check_put_args",
@@ -86,8 +91,22 @@ def _scheme_of(url: str) -> str:
     return scheme.lower()
 
 
-def open_backend(url: str, namespace: Namespace, **options: Any) -> Backend:
+class OpenMode(enum.Enum):
+    """What an opened backend is for."""
+
+    READ_WRITE = "read-write"
+    """Storing blocks: the namespace manifest is written next to them (see kvtier.usage)."""
+    INSPECT = "inspect"
+    """Looking only (``kvtier inspect``): nothing is written to the medium at open."""
+
+
+def open_backend(
+    url: str, namespace: Namespace, *, mode: OpenMode = OpenMode.READ_WRITE, **options: Any
+) -> Backend:
     """Open the backend named by ``url`` for blocks of ``namespace``.
+
+    With ``mode=OpenMode.READ_WRITE`` (the default) the namespace manifest is written to the
+    medium, so that ``kvtier usage`` can name the model of every stored digest.
 
     Raises ``ValueError`` naming the bad part of the URL or the unknown option, and
     ``TypeError`` for arguments of the wrong type.
@@ -96,15 +115,11 @@ def open_backend(url: str, namespace: Namespace, **options: Any) -> Backend:
         raise TypeError(f"url must be a str, got {type(url).__name__}")
     if not isinstance(namespace, Namespace):
         raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
-    scheme = _scheme_of(url)
-    module_name = _SCHEME_MODULES.get(scheme)
-    if module_name is None:
-        raise ValueError(
-            f"unknown backend URL scheme {scheme + '://'!r} in {redact_url(url)!r}; expected one "
-            f"of {[s + '://' for s in _SCHEME_MODULES]}"
-        )
-    module = importlib.import_module(module_name)
-    return cast(Backend, module.from_url(url, namespace, dict(options)))
+    module = backend_module(url)
+    backend = cast(Backend, module.from_url(url, namespace, dict(options)))
+    if mode is OpenMode.READ_WRITE:
+        _write_manifest(module, backend)
+    return backend
 
 
 def split_url_options(
@@ -151,3 +166,38 @@ def redact_url(url: str) -> str:
 def _is_secret(name: str) -> bool:
     lowered = name.lower()
     return any(word in lowered for word in ("password", "secret", "token", "key_id", "auth"))
+
+
+# --------------------------------------------------------------------------- usage (kvtier.usage)
+
+_log = logging.getLogger(__name__)
+
+
+def backend_module(url: str) -> ModuleType:
+    """The module implementing ``url``'s scheme: ``from_url`` and, for ``kvtier.usage``,
+    ``list_namespaces`` / ``delete_namespaces`` (and ``write_manifest`` where the medium is
+    shared). Raises ``ValueError`` for a URL without a known scheme."""
+    scheme = _scheme_of(url)
+    module_name = _SCHEME_MODULES.get(scheme)
+    if module_name is None:
+        raise ValueError(
+            f"unknown backend URL scheme {scheme + '://'!r} in {redact_url(url)!r}; expected one "
+            f"of {[s + '://' for s in _SCHEME_MODULES]}"
+        )
+    return importlib.import_module(module_name)
+
+
+def _write_manifest(module: ModuleType, backend: Backend) -> None:
+    """Store the namespace manifest next to the blocks. Best effort: a medium that is down at
+    open is not an error for a backend, so a failed write is logged, never raised."""
+    write = getattr(module, "write_manifest", None)
+    if write is None:
+        return
+    from kvtier.usage import manifest_document
+
+    try:
+        write(backend, manifest_document(backend.namespace))
+    except Exception as exc:
+        _log.warning("%s: could not write the namespace manifest of %s: %s: %s",
+                     backend.url, backend.namespace.digest_hex, type(exc).__name__,
+                     str(exc).strip().splitlines()[0] if str(exc).strip() else "")

@@ -189,3 +189,17 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> MemoryB
         )
     reject_unknown_options("memory", merged, _OPTIONS)
     return MemoryBackend(namespace, max_bytes=merged.get("max_bytes", 0))  # parsed there
+
+
+# --------------------------------------------------------------------------- usage (kvtier.usage)
+
+
+def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:
+    """Nothing: a ``memory://`` store is private to its instance, so a new one is empty."""
+    from_url(url, Namespace(model="kvtier-usage"), options).close()  # validates the URL
+    return []
+
+
+def delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
+    """Nothing to delete (see :func:`list_namespaces`)."""
+    return 0

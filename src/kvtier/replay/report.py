@@ -23,7 +23,8 @@ class ReportError(RuntimeError):
     """The report could not be written (missing optional package, unwritable path)."""
 
 
-def _bytes(count: int) -> str:
+def format_bytes(count: int) -> str:
+    """``count`` bytes in binary units: 512 B, 1.5 KiB, 863.9 MiB, 2.8 GiB."""
     value = float(count)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if value < 1024 or unit == "GiB":
@@ -63,8 +64,8 @@ def tier_table(result: ReplayResult) -> Table:
             f"{tier.block_hits:,}",
             _ratio(tier.block_hits / result.block_refs if result.block_refs else 0.0),
             _ratio(tier.token_hits / result.total_tokens if result.total_tokens else 0.0),
-            _bytes(tier.bytes_read) if moved else "-",
-            _bytes(tier.bytes_written) if moved else "-",
+            format_bytes(tier.bytes_read) if moved else "-",
+            format_bytes(tier.bytes_written) if moved else "-",
             f"{tier.gb_per_s(result.wall_s):.3g}" if moved else "-",
         )
     table.add_section()
