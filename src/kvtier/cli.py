@@ -406,7 +406,7 @@ def _with_ttl(url: str, ttl_s: float) -> str:
 
 
 def _replay_namespaces(url: str, tag: str) -> list[Any]:
-    from kvtier.usage import usage
+    from kvtier.inventory import usage
 
     return [
         item for item in usage(url)
@@ -417,8 +417,8 @@ def _replay_namespaces(url: str, tag: str) -> list[Any]:
 
 def _after_replay(options: Any, console: Any, keep: bool) -> None:
     """Remove (or, with ``keep``, list) what the run stored in the given tiers."""
+    from kvtier.inventory import MediumError, UsageError, delete
     from kvtier.replay.report import format_bytes
-    from kvtier.usage import MediumError, UsageError, delete
 
     for url in options.tier_urls:
         shown = _redact(url)
@@ -549,8 +549,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
     console = _console()
     try:
         present = backend.exists(keys) if keys else []
-        table = Table(title=f"{backend.url} (namespace {namespace.digest_hex})",
-                      title_justify="left")
+        console.print(f"{backend.url} (namespace {namespace.digest_hex})", soft_wrap=True)
+        table = Table()
         table.add_column("counter")
         table.add_column("value", justify="right")
         for name, value in sorted(backend.stats().items()):
@@ -582,9 +582,12 @@ def _namespace_from_args(pairs: Sequence[tuple[str, str]]) -> Any:
 
 def _stored_namespace(url: str, digest: str) -> Any:
     """The namespace stored at ``url`` under ``digest`` (a unique prefix will do)."""
-    from kvtier.usage import resolve_digest
+    from kvtier.inventory import UsageError, resolve_digest
 
-    stored = resolve_digest(_list_usage(url), digest)
+    try:
+        stored = resolve_digest(_list_usage(url), digest)
+    except UsageError as exc:
+        raise _UsageError(str(exc)) from None
     if stored.fields is None:
         raise _UsageError(
             f"namespace {stored.digest} has no valid manifest at {_redact(url)} (written by an "
@@ -658,7 +661,7 @@ def _add_usage_commands(commands: Any) -> None:
 
 
 def _list_usage(url: str) -> list[Any]:
-    from kvtier.usage import MediumError, UsageError, usage
+    from kvtier.inventory import MediumError, UsageError, usage
 
     try:
         return usage(url)
@@ -733,8 +736,8 @@ def _run_usage(args: argparse.Namespace) -> int:
 
 
 def _run_purge(args: argparse.Namespace) -> int:
+    from kvtier.inventory import MediumError, UsageError, delete, select
     from kvtier.replay.report import format_bytes
-    from kvtier.usage import MediumError, UsageError, delete, select
 
     fields = {name: value for name, value in args.namespace_fields}
     try:

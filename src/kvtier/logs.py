@@ -29,7 +29,7 @@ def configure_cli_logging(level: str = "warning") -> None:
     """Configure the root logger for the ``kvtier`` command (stderr, time and level)."""
     if level not in LOG_LEVELS:
         raise ValueError(f"log level {level!r}: expected one of {', '.join(LOG_LEVELS)}")
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True)
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)  # no-op if the host configured it
 
 
 def follow_host_logger(host: str) -> bool:

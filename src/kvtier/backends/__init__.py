@@ -95,7 +95,7 @@ class OpenMode(enum.Enum):
     """What an opened backend is for."""
 
     READ_WRITE = "read-write"
-    """Storing blocks: the namespace manifest is written next to them (see kvtier.usage)."""
+    """Storing blocks: the namespace manifest is written next to them (see kvtier.inventory)."""
     INSPECT = "inspect"
     """Looking only (``kvtier inspect``): nothing is written to the medium at open."""
 
@@ -168,13 +168,13 @@ def _is_secret(name: str) -> bool:
     return any(word in lowered for word in ("password", "secret", "token", "key_id", "auth"))
 
 
-# --------------------------------------------------------------------------- usage (kvtier.usage)
+# --------------------------------------------------------------------------- usage (kvtier.inventory)
 
 _log = logging.getLogger(__name__)
 
 
 def backend_module(url: str) -> ModuleType:
-    """The module implementing ``url``'s scheme: ``from_url`` and, for ``kvtier.usage``,
+    """The module implementing ``url``'s scheme: ``from_url`` and, for ``kvtier.inventory``,
     ``list_namespaces`` / ``delete_namespaces`` (and ``write_manifest`` where the medium is
     shared). Raises ``ValueError`` for a URL without a known scheme."""
     scheme = _scheme_of(url)
@@ -193,7 +193,7 @@ def _write_manifest(module: ModuleType, backend: Backend) -> None:
     write = getattr(module, "write_manifest", None)
     if write is None:
         return
-    from kvtier.usage import manifest_document
+    from kvtier.inventory import manifest_document
 
     try:
         write(backend, manifest_document(backend.namespace))

@@ -775,7 +775,7 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBac
     )
 
 
-# --------------------------------------------------------------------------- usage (kvtier.usage)
+# --------------------------------------------------------------------------- usage (kvtier.inventory)
 
 MANIFEST_NAME = "namespace.json"
 """The namespace manifest's file name in ``<root>/<digest>/``; never a block's name (those end
@@ -808,7 +808,7 @@ def _usage_root(url: str, options: dict[str, Any]) -> Path:
 
 
 def _namespace_dirs(root: Path) -> list[Path]:
-    from kvtier.usage import is_digest
+    from kvtier.inventory import is_digest
 
     if not root.is_dir():
         raise ValueError(f"file tier root {str(root)!r} is not a directory")
@@ -817,8 +817,8 @@ def _namespace_dirs(root: Path) -> list[Path]:
 
 
 def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:
-    """One :class:`kvtier.usage.NamespaceUsage` per namespace directory under the root."""
-    from kvtier.usage import NamespaceUsage, parse_manifest
+    """One :class:`kvtier.inventory.NamespaceUsage` per namespace directory under the root."""
+    from kvtier.inventory import NamespaceUsage, parse_manifest
 
     found = []
     for directory in _namespace_dirs(_usage_root(url, options)):

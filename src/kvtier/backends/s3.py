@@ -750,7 +750,7 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> S3Backe
     return S3Backend(namespace, settings)
 
 
-# --------------------------------------------------------------------------- usage (kvtier.usage)
+# --------------------------------------------------------------------------- usage (kvtier.inventory)
 
 MANIFEST_NAME = "namespace.json"
 """``<prefix>/<digest>/namespace.json`` holds the namespace manifest; a block's name is hex."""
@@ -760,8 +760,10 @@ _DELETE_CHUNK = 1000  # the most keys one S3 DeleteObjects request takes
 def write_manifest(backend: S3Backend, document: bytes) -> None:
     """PUT ``<prefix>/<digest>/namespace.json`` on the backend's own loop thread (S3 has no
     TTL: the manifest stays until purged)."""
-    put = obstore.put_async(backend._store, backend._object_prefix + MANIFEST_NAME, document)
-    backend._loop.submit(put).result(timeout=backend._wave_timeout_s)
+    async def put() -> None:
+        await obstore.put_async(backend._store, backend._object_prefix + MANIFEST_NAME, document)
+
+    backend._loop.submit(put()).result(timeout=backend._wave_timeout_s)
 
 
 def _usage_store(url: str, options: dict[str, Any]) -> tuple[S3Store, str]:
@@ -774,7 +776,7 @@ def _usage_store(url: str, options: dict[str, Any]) -> tuple[S3Store, str]:
 
 def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:
     """LIST the prefix; one entry per ``<digest>/`` with its blocks' sizes and LastModified."""
-    from kvtier.usage import NamespaceUsage, is_digest, parse_manifest
+    from kvtier.inventory import NamespaceUsage, is_digest, parse_manifest
 
     store, base = _usage_store(url, options)
     found: dict[str, NamespaceUsage] = {}
