@@ -1,6 +1,6 @@
-"""``kvtier.inventory`` / ``kvtier.purge`` and the ``kvtier usage`` / ``purge`` / ``inspect --digest``
-commands, against real media: files, a real Valkey, a real 3-node Valkey Cluster and a real
-SeaweedFS S3 server."""
+"""``kvtier.usage`` / ``kvtier.purge`` (kvtier.inventory) and the ``usage`` / ``purge`` /
+``inspect --digest`` commands, against real media: files, a real Valkey, a real 3-node Valkey
+Cluster and a real SeaweedFS S3 server."""
 
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def test_bad_selectors_and_urls_are_named(tmp_path: Path) -> None:
 
 
 def test_an_unreachable_server_is_a_medium_error() -> None:
-    with pytest.raises(MediumError, match="could not list redis://127.0.0.1:1/0"):
+    with pytest.raises(MediumError, match=r"could not list redis://127\.0\.0\.1:1/0"):
         kvtier.usage("redis://127.0.0.1:1/0?connect_timeout_s=0.5")
 
 
@@ -193,7 +193,7 @@ def test_an_ambiguous_digest_prefix_lists_the_candidates(tmp_path: Path) -> None
     url = f"file://{tmp_path}"
     for digest in ("abcdef" + "0" * 26, "abcdef" + "1" * 26):
         (tmp_path / digest).mkdir()
-    with pytest.raises(UsageError, match="ambiguous: abcdef0+, abcdef1+"):
+    with pytest.raises(UsageError, match=r"ambiguous: abcdef0+, abcdef1+"):
         kvtier.purge(url, digest="abcdef")
 
 

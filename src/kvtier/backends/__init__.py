@@ -168,7 +168,7 @@ def _is_secret(name: str) -> bool:
     return any(word in lowered for word in ("password", "secret", "token", "key_id", "auth"))
 
 
-# --------------------------------------------------------------------------- usage (kvtier.inventory)
+# ------------------------------------------------------------------ usage (kvtier.inventory)
 
 _log = logging.getLogger(__name__)
 

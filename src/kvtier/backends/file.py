@@ -775,7 +775,7 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBac
     )
 
 
-# --------------------------------------------------------------------------- usage (kvtier.inventory)
+# ------------------------------------------------------------------ usage (kvtier.inventory)
 
 MANIFEST_NAME = "namespace.json"
 """The namespace manifest's file name in ``<root>/<digest>/``; never a block's name (those end

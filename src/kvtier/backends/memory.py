@@ -191,7 +191,7 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> MemoryB
     return MemoryBackend(namespace, max_bytes=merged.get("max_bytes", 0))  # parsed there
 
 
-# --------------------------------------------------------------------------- usage (kvtier.inventory)
+# ------------------------------------------------------------------ usage (kvtier.inventory)
 
 
 def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:

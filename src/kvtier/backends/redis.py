@@ -781,7 +781,7 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> RedisBa
     return RedisBackend(namespace, parse_redis_url(url, options))
 
 
-# --------------------------------------------------------------------------- usage (kvtier.inventory)
+# ------------------------------------------------------------------ usage (kvtier.inventory)
 
 _MANIFEST_SUFFIX: Final = b"namespace"
 """``kvtier:<digest>:namespace`` holds the namespace manifest; a block's suffix is hex."""

@@ -750,7 +750,7 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> S3Backe
     return S3Backend(namespace, settings)
 
 
-# --------------------------------------------------------------------------- usage (kvtier.inventory)
+# ------------------------------------------------------------------ usage (kvtier.inventory)
 
 MANIFEST_NAME = "namespace.json"
 """``<prefix>/<digest>/namespace.json`` holds the namespace manifest; a block's name is hex."""
