@@ -9,12 +9,15 @@ This module owns no long-lived state; each command runs on the calling thread.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+_log = logging.getLogger("kvtier.cli")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -728,6 +731,7 @@ def _run_usage(args: argparse.Namespace) -> int:
     except _MediumFailed as exc:
         print(f"kvtier usage: failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    _log.info("listed %d namespace(s) at %s", len(found), _redact(args.url))
     if args.json:
         print(json.dumps([item.to_json() for item in found], indent=2))
         return EXIT_OK

@@ -6,8 +6,8 @@ get help:
 
 - the ``kvtier`` command configures the root logger itself (:func:`configure_cli_logging`):
   time, level, logger name and message on stderr;
-- under vLLM, :func:`follow_host_logger` hands kvtier's records to the handlers of vLLM's own
-  ``vllm`` logger (its format, its level, its ``VLLM_LOGGING_*`` settings). Without this, vLLM
+- under vLLM, :func:`follow_host_logger` hands kvtier's records to vLLM's own ``vllm`` logger
+  (its handlers, format and level, its ``VLLM_LOGGING_*`` settings). Without this, vLLM
   configures only ``vllm``, so kvtier's INFO lines were dropped and its warnings reached stderr
   without time or level through Python's last-resort handler.
 
@@ -32,18 +32,32 @@ def configure_cli_logging(level: str = "warning") -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)  # no-op if the host configured it
 
 
-def follow_host_logger(host: str) -> bool:
-    """Send kvtier's records to the handlers of the ``host`` logger, at its level.
+class _ToHostLogger(logging.Handler):
+    """Hands each record to the host logger as if it had been logged there: the host's
+    filters, handlers, formatters and level apply, whenever the host (re)configures them."""
 
-    Does nothing (and answers False) when ``host`` has no handlers of its own (the host left
-    logging to the application) or when kvtier's logger was configured already.
+    def __init__(self, host: str) -> None:
+        super().__init__()
+        self.host = host
+
+    def emit(self, record: logging.LogRecord) -> None:
+        host = logging.getLogger(self.host)
+        if host.isEnabledFor(record.levelno):
+            host.handle(record)
+
+
+def follow_host_logger(host: str) -> bool:
+    """Send kvtier's records through the ``host`` logger (vLLM: ``"vllm"``).
+
+    The host may configure its logging before or after this call (vLLM does it when an engine
+    starts). kvtier's own level becomes INFO (or the host's, if lower at this moment), so DEBUG
+    records cost nothing unless asked for. Answers False, changing nothing, when kvtier's logger
+    has handlers already (the application configured it, or this ran before).
     """
-    host_logger = logging.getLogger(host)
     ours = logging.getLogger(LOGGER_NAME)
-    if not host_logger.handlers or ours.handlers:
+    if ours.handlers:
         return False
-    for handler in host_logger.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(host_logger.getEffectiveLevel())
+    ours.addHandler(_ToHostLogger(host))
+    ours.setLevel(min(logging.INFO, logging.getLogger(host).getEffectiveLevel()))
     ours.propagate = False
     return True
