@@ -29,8 +29,8 @@ _NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 
 def _secondary(name: str, scale: int) -> TierResult:
     return TierResult(
-        name=name, kind=TierKind.SECONDARY, block_hits=30_525 * scale, token_hits=9_000_000,
-        bytes_read=483_393_536 * scale, bytes_written=3_006_477_107, io_seconds=12.5,
+        name=name, kind=TierKind.SECONDARY, block_hits=1_030_525 * scale, token_hits=9_000_000,
+        bytes_read=483_393_536 * scale, bytes_written=905_969_664, io_seconds=12.5,
         lookups=1_108_976 * scale, backend_calls=844, probes=210_413 * scale,
         inflight_reuses=34, verdict_cache_hits=1_882, failed_loads=0, failed_stores=12,
         shed_stores=0, probe_errors=0, backend_errors=3, corrupt_objects=0,
@@ -85,7 +85,7 @@ def _cells(table: Table) -> list[str]:
 def _tables() -> list[Table]:
     report = _report("kvtier", "per-request", "no-reuse")
     result = report.results[0]
-    return [tier_table(result), lookup_table(result), summary_table(report, result),
+    return [tier_table(result, 80), lookup_table(result), summary_table(report, result),
             compare_table(report.results)]
 
 
@@ -99,6 +99,15 @@ def test_tables_fit_80_columns_and_never_cut_a_number(index: int) -> None:
     for cell in _cells(table):
         for number in _NUMBER.findall(cell):
             assert number in rendered_numbers, (number, cell, text)
+
+
+def test_a_narrow_console_drops_a_column_rather_than_cut_numbers() -> None:
+    result = _result("kvtier")
+    wide, narrow = _render(tier_table(result, 80)), _render(tier_table(result, 66), 66)
+    assert "token" in wide and "token" not in narrow
+    assert "…" not in narrow and "864 MiB" in narrow  # 905,969,664 bytes: 3 digits, unit
+    assert max(len(line) for line in narrow.splitlines()) <= 66
+    assert "3,091,575" in narrow and "69.1" in narrow  # the last column is whole
 
 
 def test_throughput_is_over_wall_time_and_the_busy_rate_says_so() -> None:

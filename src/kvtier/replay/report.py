@@ -5,6 +5,7 @@ Pure presentation; this module owns no state.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -24,13 +25,17 @@ class ReportError(RuntimeError):
 
 
 def format_bytes(count: int) -> str:
-    """``count`` bytes in binary units: 512 B, 1.5 KiB, 863.9 MiB, 2.8 GiB."""
+    """``count`` bytes in binary units, three significant digits: 512 B, 1.50 KiB, 72.8 MiB,
+    864 MiB, 2.80 GiB (short, so that tables fit 80 columns)."""
     value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{value:.0f} B"
+            digits = 2 if value < 10 else 1 if value < 100 else 0
+            return f"{value:.{digits}f} {unit}"
         value /= 1024
-    return f"{value:.1f} GiB"
+    return f"{value:.0f} TiB"
 
 
 def _count(value: int | None) -> str:
@@ -64,8 +69,22 @@ def _fit_numbers(table: Table, rows: Sequence[Sequence[str]]) -> None:
         column.justify = "right"
 
 
-def tier_table(result: ReplayResult) -> Table:
-    """Hits and traffic per tier, next to the ideal (infinite cache); fits 80 columns."""
+def _min_width(table: Table) -> int:
+    measuring = Console(width=10_000, file=io.StringIO())
+    return measuring.measure(table).minimum
+
+
+def tier_table(result: ReplayResult, width: int | None = None) -> Table:
+    """Hits and traffic per tier, next to the ideal (infinite cache). When the table cannot fit
+    ``width`` columns without cutting numbers, the token hit ratio column is dropped (the run
+    table still gives the overall token figure)."""
+    table = _tier_table(result, token_ratio=True)
+    if width is not None and _min_width(table) > width:
+        table = _tier_table(result, token_ratio=False)
+    return table
+
+
+def _tier_table(result: ReplayResult, *, token_ratio: bool) -> Table:
     table = Table(
         title=(
             f"kvtier replay: {result.trace_name}, {result.requests:,} requests, "
@@ -74,9 +93,8 @@ def tier_table(result: ReplayResult) -> Table:
         title_justify="left",
         caption_justify="left",
     )
-    for header in ("tier", "block hits", "block hit ratio", "token hit ratio", "read",
-                   "written", "MB/s (wall)"):
-        table.add_column(header)
+    headers = ["tier", "block hits", "block hit ratio", "token hit ratio", "read", "written",
+               "MB/s (wall)"]
     rows: list[list[str]] = []
     for tier in result.tiers:
         moved = tier.kind is not TierKind.GPU
@@ -89,19 +107,23 @@ def tier_table(result: ReplayResult) -> Table:
             format_bytes(tier.bytes_written) if moved else "-",
             _wall_rate(tier.bytes_read + tier.bytes_written, result.wall_s) if moved else "-",
         ])
+    totals = [
+        ["all tiers", f"{result.block_hits:,}", _ratio(result.block_hit_ratio),
+         _ratio(result.token_hit_ratio), "", "", ""],
+        ["ideal", f"{result.ideal_block_hits:,}", _ratio(result.ideal_block_hit_ratio),
+         _ratio(result.ideal_token_hit_ratio), "", "", ""],
+    ]
+    if not token_ratio:
+        for row in (headers, *rows, *totals):
+            del row[3]
+    for header in headers:
+        table.add_column(header)
     for row in rows:
         table.add_row(*row)
-    _fit_numbers(table, rows)
+    _fit_numbers(table, [*rows, *totals])
     table.add_section()
-    table.add_row(
-        "all tiers", f"{result.block_hits:,}", _ratio(result.block_hit_ratio),
-        _ratio(result.token_hit_ratio), "", "", "", style="bold",
-    )
-    table.add_row(
-        "ideal", f"{result.ideal_block_hits:,}",
-        _ratio(result.ideal_block_hit_ratio), _ratio(result.ideal_token_hit_ratio),
-        "", "", "", style="dim",
-    )
+    table.add_row(*totals[0], style="bold")
+    table.add_row(*totals[1], style="dim")
     table.caption = (
         "ideal: an infinite cache. MB/s (wall): bytes read + written over the run's wall time "
         "(the I/O threads' busy-time rate is in the next table)"
@@ -215,7 +237,7 @@ def compare_table(results: Sequence[ReplayResult]) -> Table:
 
 def print_report(report: ReplayReport, console: Console) -> None:
     for result in report.results:
-        console.print(tier_table(result))
+        console.print(tier_table(result, console.width))
         console.print(lookup_table(result))
     console.print(summary_table(report, report.results[0]))
     if len(report.results) > 1:
