@@ -155,7 +155,7 @@ def lookup_table(result: ReplayResult) -> Table:
         table.add_column(tier.name)
     rows = [[label, *(_count(getattr(tier, attribute)) for tier in tiers)]
             for label, attribute in _LOOKUP_ROWS]
-    rows.append(["busy-time GB/s (bytes over the I/O threads' busy time)",
+    rows.append(["busy-time GB/s (bytes over the I/O threads' summed busy time)",
                  *(_busy_rate(tier) for tier in tiers)])
     for row in rows:
         table.add_row(*row)
