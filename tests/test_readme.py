@@ -185,7 +185,8 @@ def test_install_commands_work_on_a_fresh_clone(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the vLLM lane
 
 _VLLM_SWAPS: tuple[tuple[str, str], ...] = (
-    ('model="Qwen/Qwen3-0.6B"', "model={model!r}, max_model_len=512, enforce_eager=True"),
+    ('model="Qwen/Qwen3-0.6B"', "model={model!r}, dtype=\"float32\", max_model_len=1024, "
+                                  "max_num_seqs=4, enforce_eager=True"),
     ('"file:///var/cache/kvtier"', "{tier!r}"),
     ('"cpu_bytes_to_use": 4 << 30', '"cpu_bytes_to_use": 64 << 20'),
 )

@@ -355,15 +355,17 @@ def _replay_options(args: argparse.Namespace, **extra: Any) -> Any:
 
 def _replay_all(trace: Any, options: Any, strategies: Sequence[Any], show_progress: bool,
                 console: Any, *, keep: bool = False) -> list[Any]:
-    """Replay once per strategy; then remove what the runs stored in the given tiers unless
-    ``keep``."""
+    """Replay once per strategy. A run that fails removes what it stored in the given tiers
+    (unless ``keep``) before raising; after a run that succeeds the caller does, once the
+    report is out (:func:`_after_replay`)."""
     from kvtier.replay.engine import replay
 
     results: list[Any] = []
     try:
         _replay_each(trace, options, strategies, show_progress, console, results, replay)
-    finally:
+    except BaseException:
         _after_replay(options, console, keep)
+        raise
     return results
 
 
@@ -499,6 +501,8 @@ def _run_replay(args: argparse.Namespace) -> int:
     except ReportError as exc:
         print(f"kvtier replay: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        _after_replay(options, console, args.keep)
     if validation is not None and not validation.passed:
         print(f"kvtier replay: validation FAILED: {validation.summary()}", file=sys.stderr)
         return EXIT_FAILED
@@ -628,6 +632,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         f"step p50: {ours.step_time_p50_s * 1e3:.3f} ms vs "
         f"{baseline.step_time_p50_s * 1e3:.3f} ms"
     )
+    _after_replay(options, console, keep=False)
     return EXIT_OK
 
 
