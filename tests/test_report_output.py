@@ -86,7 +86,7 @@ def _tables() -> list[Table]:
     report = _report("kvtier", "per-request", "no-reuse")
     result = report.results[0]
     return [tier_table(result, 80), lookup_table(result), summary_table(report, result),
-            compare_table(report.results)]
+            compare_table(report.results, 80)]
 
 
 @pytest.mark.parametrize("index", range(4))

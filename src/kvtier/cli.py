@@ -622,7 +622,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     except ConfigError as exc:
         raise _UsageError(str(exc)) from None
-    console.print(compare_table(results))
+    console.print(compare_table(results, console.width))
     ours, baseline = results
     calls = ours.secondary_total("backend_calls")
     baseline_calls = baseline.secondary_total("backend_calls")

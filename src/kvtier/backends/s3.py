@@ -755,15 +755,28 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> S3Backe
 MANIFEST_NAME = "namespace.json"
 """``<prefix>/<digest>/namespace.json`` holds the namespace manifest; a block's name is hex."""
 _DELETE_CHUNK = 1000  # the most keys one S3 DeleteObjects request takes
+_MANIFEST_WAIT_S = 2.0
 
 
 def write_manifest(backend: S3Backend, document: bytes) -> None:
     """PUT ``<prefix>/<digest>/namespace.json`` on the backend's own loop thread (S3 has no
-    TTL: the manifest stays until purged)."""
-    async def put() -> None:
-        await obstore.put_async(backend._store, backend._object_prefix + MANIFEST_NAME, document)
+    TTL: the manifest stays until purged). The open waits at most :data:`_MANIFEST_WAIT_S` for
+    it, so a slow or hung server barely delays it; a PUT still running goes on, and a failure
+    is logged."""
+    name = backend._object_prefix + MANIFEST_NAME
 
-    backend._loop.submit(put()).result(timeout=backend._wave_timeout_s)
+    async def put() -> None:
+        await obstore.put_async(backend._store, name, document)
+
+    def report(done: concurrent.futures.Future[None]) -> None:
+        error = None if done.cancelled() else done.exception()
+        if error is not None:
+            backend._warn.warning("%s: could not write the namespace manifest %s: %s",
+                                  backend.url, name, _short_error(error))
+
+    pending = backend._loop.submit(put())
+    pending.add_done_callback(report)
+    concurrent.futures.wait([pending], timeout=min(_MANIFEST_WAIT_S, backend.settings.timeout_s))
 
 
 def _usage_store(url: str, options: dict[str, Any]) -> tuple[S3Store, str]:

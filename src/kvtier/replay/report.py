@@ -64,6 +64,9 @@ def _busy_rate(tier: TierResult) -> str:
 def _fit_numbers(table: Table, rows: Sequence[Sequence[str]]) -> None:
     """Give every column after the first at least the width of its widest cell, so that rich
     wraps headers and labels, and never cuts a number, when the console is narrow."""
+    table.columns[0].min_width = max(
+        (len(word) for row in rows for word in row[0].split()), default=0
+    )  # labels wrap between words, never inside one
     for index, column in enumerate(table.columns[1:], start=1):
         column.min_width = max((len(row[index]) for row in rows), default=0)
         column.justify = "right"
@@ -110,7 +113,8 @@ def _tier_table(result: ReplayResult, *, token_ratio: bool) -> Table:
     totals = [
         ["all tiers", f"{result.block_hits:,}", _ratio(result.block_hit_ratio),
          _ratio(result.token_hit_ratio), "", "", ""],
-        ["ideal", f"{result.ideal_block_hits:,}", _ratio(result.ideal_block_hit_ratio),
+        ["ideal (infinite cache)", f"{result.ideal_block_hits:,}",
+         _ratio(result.ideal_block_hit_ratio),
          _ratio(result.ideal_token_hit_ratio), "", "", ""],
     ]
     if not token_ratio:
@@ -125,8 +129,8 @@ def _tier_table(result: ReplayResult, *, token_ratio: bool) -> Table:
     table.add_row(*totals[0], style="bold")
     table.add_row(*totals[1], style="dim")
     table.caption = (
-        "ideal: an infinite cache. MB/s (wall): bytes read + written over the run's wall time "
-        "(the I/O threads' busy-time rate is in the next table)"
+        "MB/s (wall): bytes read + written over the run's wall time (the I/O threads' "
+        "busy-time rate is in the next table)"
     )
     return table
 
@@ -213,25 +217,38 @@ _COMPARE_LABELS = (
 )
 
 
-def compare_table(results: Sequence[ReplayResult]) -> Table:
-    """The strategies side by side (``--compare``): one column per strategy."""
+def compare_table(results: Sequence[ReplayResult], width: int | None = None) -> Table:
+    """The strategies side by side (``--compare``): one row per strategy, or, when that cannot
+    fit ``width`` columns without cutting numbers, one column per strategy."""
+    table = _compare_table(results, by_row=True)
+    if width is not None and _min_width(table) > width:
+        table = _compare_table(results, by_row=False)
+    return table
+
+
+def _compare_table(results: Sequence[ReplayResult], *, by_row: bool) -> Table:
     from kvtier.replay.strategies import Strategy
 
     table = Table(title="lookup strategies on the same trace", title_justify="left",
                   caption_justify="left")
-    table.add_column("")
-    notes: list[str] = []
-    for result in results:
-        table.add_column(result.strategy)
-        if result.strategy in {strategy.value for strategy in Strategy}:
-            notes.append(f"{result.strategy}: {Strategy(result.strategy).description}")
     columns = [_compare_rows(result) for result in results]
-    rows = [[label, *(column[index] for column in columns)]
-            for index, label in enumerate(_COMPARE_LABELS)]
+    if by_row:
+        headers = ["strategy", *_COMPARE_LABELS]
+        rows = [[result.strategy, *column] for result, column in zip(results, columns,
+                                                                      strict=True)]
+    else:
+        headers = ["", *(result.strategy for result in results)]
+        rows = [[label, *(column[index] for column in columns)]
+                for index, label in enumerate(_COMPARE_LABELS)]
+    for header in headers:
+        table.add_column(header)
     for row in rows:
         table.add_row(*row)
     _fit_numbers(table, rows)
-    table.caption = "; ".join(notes)
+    table.caption = "; ".join(
+        f"{result.strategy}: {Strategy(result.strategy).description}" for result in results
+        if result.strategy in {strategy.value for strategy in Strategy}
+    )
     return table
 
 
@@ -241,7 +258,7 @@ def print_report(report: ReplayReport, console: Console) -> None:
         console.print(lookup_table(result))
     console.print(summary_table(report, report.results[0]))
     if len(report.results) > 1:
-        console.print(compare_table(report.results))
+        console.print(compare_table(report.results, console.width))
 
 
 def _tier_json(tier: TierResult, result: ReplayResult) -> dict[str, Any]:
