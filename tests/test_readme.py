@@ -207,7 +207,8 @@ def test_readme_vllm_example_runs(index: int, tmp_path: Path) -> None:
         source = source.replace(old, new.format(model=str(model),
                                                 tier=f"file://{tmp_path / 'tier'}"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # no network here
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",  # no network here
+           "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}  # 1 GiB of KV
     result = subprocess.run([sys.executable, "-c", source], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=840, check=False)
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()][:20]
