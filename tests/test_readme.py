@@ -34,6 +34,8 @@ NOT_RUN_HERE: dict[str, str] = {
     "bash scripts/test.sh": "the whole suite, this test included; CI runs it (.ci/run)",
     '.venv/bin/pytest -m "not vllm"': "the main suite, this test included",
     "scripts/setup-vllm-venv.sh .venv-vllm": "the vLLM lane of scripts/test.sh",
+    "kvtier replay sessions/": "needs your own directory of per-session JSON traces (the "
+                               "replay tests build such directories: tests/replay)",
     "vllm serve": "needs the model from the Hugging Face Hub; the vLLM lane runs the same "
                   "configuration on a local model (tests/integrations)",
 }
