@@ -21,12 +21,15 @@ import pytest
 
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.lookup import (
+    LOOKUP_SETTINGS,
     AsyncLookupManager,
     BreakerState,
     LookupManagerClosedError,
     LookupPhase,
     LookupStats,
+    OwnerThreadError,
 )
+from kvtier.settings import ConfigError
 
 WAIT_S = 10.0
 
@@ -913,17 +916,17 @@ class _Minimal(AsyncLookupManager):
 @pytest.mark.parametrize(
     ("option", "value", "error", "message"),
     [
-        ("probe_timeout_s", 0, ValueError, r"probe_timeout_s must be in \(0"),
-        ("probe_timeout_s", math.nan, ValueError, "probe_timeout_s"),
-        ("probe_timeout_s", "5", TypeError, "probe_timeout_s must be a number"),
-        ("verdict_ttl_s", -1, ValueError, r"verdict_ttl_s must be in \[0"),
-        ("max_cached_verdicts", 0, ValueError, "max_cached_verdicts must be >= 1"),
-        ("max_cached_verdicts", 1.5, TypeError, "max_cached_verdicts must be an int"),
-        ("quarantine_s", math.inf, ValueError, "quarantine_s must be in"),
-        ("max_batch_keys", 0, ValueError, "max_batch_keys must be >= 1"),
-        ("breaker_threshold", True, TypeError, "breaker_threshold must be an int"),
-        ("breaker_threshold", 0, ValueError, "breaker_threshold must be >= 1"),
-        ("breaker_cooldown_s", 7200, ValueError, "breaker_cooldown_s must be in"),
+        ("probe_timeout_s", 0, ConfigError, r"probe_timeout_s: expected a value > 0.0 .* got 0"),
+        ("probe_timeout_s", math.nan, ConfigError, "probe_timeout_s: expected a finite number"),
+        ("probe_timeout_s", "soon", ConfigError, "probe_timeout_s: expected .* got 'soon'"),
+        ("verdict_ttl_s", -1, ConfigError, r"verdict_ttl_s: expected a value >= 0.0"),
+        ("max_cached_verdicts", 0, ConfigError, "max_cached_verdicts: expected a value >= 1"),
+        ("max_cached_verdicts", 1.5, ConfigError, "max_cached_verdicts: expected an integer"),
+        ("quarantine_s", math.inf, ConfigError, "quarantine_s: expected a finite number"),
+        ("max_batch_keys", 0, ConfigError, "max_batch_keys: expected a value >= 1"),
+        ("breaker_threshold", True, ConfigError, "breaker_threshold: expected an integer"),
+        ("breaker_threshold", 0, ConfigError, "breaker_threshold: expected a value >= 1"),
+        ("breaker_cooldown_s", 7200, ConfigError, "breaker_cooldown_s: expected .*<= 3600"),
         ("clock", 3.0, TypeError, "clock must be a callable"),
     ],
 )
@@ -932,6 +935,24 @@ def test_constructor_rejects_bad_options(
 ) -> None:
     with pytest.raises(error, match=message):
         _Minimal("t", **{option: value})
+
+
+def test_lookup_settings_table_is_what_the_constructor_uses() -> None:
+    """One table: names, defaults, env names; strings (env / URL values) parse as numbers."""
+    assert LOOKUP_SETTINGS.names == (
+        "probe_timeout_s", "verdict_ttl_s", "max_cached_verdicts", "quarantine_s",
+        "max_batch_keys", "breaker_threshold", "breaker_cooldown_s")
+    assert LOOKUP_SETTINGS["probe_timeout_s"].env == "KVTIER_LOOKUP_PROBE_TIMEOUT_S"
+    assert all(setting.help and setting.unit for setting in LOOKUP_SETTINGS)
+    from_env = LOOKUP_SETTINGS.parse(
+        LOOKUP_SETTINGS.from_env({"KVTIER_LOOKUP_MAX_BATCH_KEYS": "64"}))
+    assert from_env == {**LOOKUP_SETTINGS.defaults(), "max_batch_keys": 64}
+    manager = _Minimal("t", **{**from_env, "probe_timeout_s": "2.5"})  # type: ignore[arg-type]
+    try:
+        assert manager._max_batch_keys == 64 and manager._probe_timeout_s == 2.5
+        assert manager._verdict_ttl_s == LOOKUP_SETTINGS["verdict_ttl_s"].default
+    finally:
+        manager.shutdown()
 
 
 @pytest.mark.parametrize("name", ["", None, 3])
