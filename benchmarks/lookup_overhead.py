@@ -490,8 +490,8 @@ def _report(plan: _Plan, ours: list[_Round], theirs: list[_Round]) -> None:
             line += f"{spec.format(other):>12}{ratio:>13}"
         print(line)
     if theirs:
-        spread = sorted(a.us_per_request / b.us_per_request for a, b in zip(ours, theirs))
-        print(f"per-request ratio by round: " + ", ".join(f"{x:.2f}" for x in spread))
+        spread = sorted(a.us_per_request / b.us_per_request for a, b in zip(ours, theirs, strict=True))
+        print("per-request ratio by round: " + ", ".join(f"{x:.2f}" for x in spread))
 
 
 def _owner_check_ns() -> float:
@@ -517,9 +517,9 @@ def _trace_main(args: argparse.Namespace, vllm_module: Any) -> int:
                     ours.append(_kvtier_round(plan, args))
                 elif vllm_module is not None:
                     theirs.append(_vllm_round(plan, args, vllm_module))
-        for mine, other in zip(ours, theirs):
+        for mine, other in zip(ours, theirs, strict=True):
             if mine.hits != other.hits:
-                differ = sum(a != b for a, b in zip(mine.hits, other.hits))
+                differ = sum(a != b for a, b in zip(mine.hits, other.hits, strict=True))
                 print(f"{plan.trace}: kvtier and vLLM disagree on the hits of {differ} "
                       "requests", file=sys.stderr)
                 return 1

@@ -398,6 +398,30 @@ def test_verdict_cache_is_bounded_lru(make: Callable[..., SetTier]) -> None:
     assert tier.tracked_keys == 0
 
 
+def test_cache_hits_refresh_recency_and_the_release_queue_stays_bounded(
+    make: Callable[..., SetTier]
+) -> None:
+    tier = make(*[key(i) for i in range(3)], max_cached_verdicts=2, verdict_ttl_s=60)
+    for i in range(2):
+        tier.lookup(key(i), ctx(f"r{i}"))
+    step(tier)
+    tier.cleanup("r0")
+    tier.cleanup("r1")
+    for round_ in range(500):  # key 0 is served from the cache and released again and again
+        assert tier.lookup(key(0), ctx(f"again{round_}")) is True
+        tier.cleanup(f"again{round_}")
+    assert len(tier._idle) <= 2 * 2 + 64
+    tier.lookup(key(2), ctx("r2"))
+    step(tier)
+    tier.cleanup("r2")  # evicts the least recently released verdict: key 1, not key 0
+    stats = tier.stats
+    assert (stats.cached_verdicts, stats.verdict_cache_evictions) == (2, 1)
+    assert stats.verdict_cache_hits == 500
+    assert tier.lookup(key(0), ctx("r3")) is True
+    assert tier.lookup(key(1), ctx("r3")) is None
+    assert len(tier.calls) == 2
+
+
 def test_errors_are_never_cached(make: Callable[..., SetTier]) -> None:
     tier = make(key(1))
     tier.script = [lambda keys: 1 / 0]
@@ -984,6 +1008,79 @@ def test_top_level_exports() -> None:
     assert kvtier.AsyncLookupManager is AsyncLookupManager
     assert kvtier.LookupPhase is LookupPhase
     assert kvtier.LookupStats is LookupStats
+    assert issubclass(OwnerThreadError, RuntimeError)
+
+
+# --------------------------------------------------------------------------- owner thread
+
+
+def _call_from_another_thread(calls: dict[str, Callable[[], object]]) -> dict[str, str]:
+    """Run each call on one second thread (wall-clock bounded); the OwnerThreadError texts."""
+    errors: dict[str, str] = {}
+
+    def foreign() -> None:
+        for name, call in calls.items():
+            try:
+                call()
+            except OwnerThreadError as exc:
+                errors[name] = str(exc)
+
+    thread = threading.Thread(target=foreign, name="intruder")
+    thread.start()
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    return errors
+
+
+def test_scheduler_calls_from_another_thread_raise_and_change_nothing(
+    make: Callable[..., SetTier]
+) -> None:
+    tier = make(key(1))
+    assert tier.lookup(key(1), ctx("r1")) is None  # this thread is now the owner
+    step(tier)
+    assert tier.lookup(key(1), ctx("r1")) is True
+    tier.lookup(key(3), ctx("r1"))  # pending: a foreign flush would send it
+    before = tier.stats
+    calls: dict[str, Callable[[], object]] = {
+        "lookup of a new key": lambda: tier.lookup(key(2), ctx("r2")),
+        "lookup of a held key": lambda: tier.lookup(key(1), ctx("r1")),
+        "flush": tier.flush,
+        "drain_results": tier.drain_results,
+        "cleanup": lambda: tier.cleanup("r1"),
+        "mark_miss": lambda: tier.mark_miss([key(1)]),
+        "note_stored": lambda: tier.note_stored([key(4)]),
+        "note_removed": lambda: tier.note_removed([key(1)]),
+    }
+    errors = _call_from_another_thread(calls)
+    assert sorted(errors) == sorted(calls)
+    for name, message in errors.items():
+        operation = name.split()[0]
+        assert f"{operation}() was called from thread 'intruder'" in message
+        assert "belong to the scheduler thread" in message and "test-tier" in message
+    assert tier.stats == before and tier.tracked_keys == 2
+    assert tier.phase(key(2)) is None and tier.phase(key(3)) is LookupPhase.PENDING
+    assert len(tier.calls) == 1
+    # the owner carries on, and leaves nothing behind
+    assert tier.lookup(key(1), ctx("r1")) is True
+    step(tier)
+    tier.cleanup("r1")
+    assert tier.tracked_keys == 0 and tier._request_keys == {}
+
+
+def test_the_owner_is_the_first_caller_not_the_constructor(clock: FakeClock) -> None:
+    built: list[SetTier] = []
+    builder = threading.Thread(target=lambda: built.append(SetTier([key(1)], clock=clock)))
+    builder.start()
+    builder.join(WAIT_S)
+    tier = built[0]
+    try:
+        assert tier.lookup(key(1), ctx("r1")) is None  # the test thread claims it
+        errors = _call_from_another_thread({"flush": tier.flush})
+        assert "flush() was called from thread 'intruder'" in errors["flush"]
+        step(tier)
+        assert tier.lookup(key(1), ctx("r1")) is True
+    finally:
+        tier.shutdown(timeout=WAIT_S)
 
 
 _ = Hashable  # re-exported type used by SetTier

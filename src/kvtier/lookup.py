@@ -33,7 +33,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Final
 
 import numpy as np
@@ -501,6 +501,7 @@ class AsyncLookupManager(abc.ABC):
         attached = self._request_keys.pop(req_id, None)
         if not attached:
             return
+        idle = self._idle
         for state in attached.values():
             refs = state.refs - 1
             state.refs = refs
@@ -510,7 +511,18 @@ class AsyncLookupManager(abc.ABC):
                                     state.key.hex())
                     state.refs = 0
                 continue
-            self._release(state)
+            if state.cache_expiry is None or state.cached:
+                self._release(state)
+                continue
+            # _release() inlined for the common case: a fresh verdict joins the cache
+            state.cached = True
+            state.queued += 1
+            idle.append(state)
+            self._idle_count += 1
+        if self._idle_count > self._max_cached_verdicts:
+            self._evict_idle()
+        elif len(idle) > 2 * self._max_cached_verdicts + 64:
+            self._compact_idle()
 
     def mark_miss(self, keys: Iterable[BlockKey]) -> None:
         """A load failed: force False now and quarantine the keys for ``quarantine_s``."""
@@ -691,10 +703,11 @@ class AsyncLookupManager(abc.ABC):
                 self._counters.quarantine_hits += 1
                 return _SOURCE_MISS_MARKED
             del self._quarantine[key]
-        if self._breaker.state is not _BREAKER_CLOSED:
-            if not self._breaker.admits(self._clock() if now is None else now):
-                self._counters.breaker_short_circuits += 1
-                return _SOURCE_FAULT
+        breaker = self._breaker
+        if (breaker.state is not _BREAKER_CLOSED
+                and not breaker.admits(self._clock() if now is None else now)):
+            self._counters.breaker_short_circuits += 1
+            return _SOURCE_FAULT
         return None
 
     def _in_flight_verdict(self, state: _KeyState) -> bool | None:
