@@ -40,6 +40,7 @@ import argparse
 import gc
 import hashlib
 import importlib
+import queue
 import statistics
 import sys
 import threading
@@ -342,8 +343,10 @@ def _load_plan(source: str, args: argparse.Namespace) -> _Plan:
 
 
 def _replay(plan: _Plan, args: argparse.Namespace, make_context: Callable[[str], Any],
-            manager: Any, backend: _ModelledBackend) -> _Round:
-    """Drive ``manager`` through the plan like a scheduler; see the module docstring."""
+            manager: Any, backend: _ModelledBackend,
+            wait_for_answers: Callable[[], None] | None) -> _Round:
+    """Drive ``manager`` through the plan like a scheduler; see the module docstring. With
+    ``wait_for_answers`` every step ends (untimed, unpaced) when the worker answered it."""
     lookup, flush = manager.lookup, manager.flush
     drain, cleanup = manager.drain_results, manager.cleanup
     step_s = args.step_ms / 1e3
@@ -363,7 +366,7 @@ def _replay(plan: _Plan, args: argparse.Namespace, make_context: Callable[[str],
     next_start = time.perf_counter()
     while step <= last_arrival or waiting:
         pause = next_start - time.perf_counter()
-        if pause > 0:
+        if pause > 0 and wait_for_answers is None:
             time.sleep(pause)
         next_start += step_s
         start = clock()
@@ -403,6 +406,8 @@ def _replay(plan: _Plan, args: argparse.Namespace, make_context: Callable[[str],
         result.flush_ns += flushed - scanned
         result.cleanup_ns += end - flushed
         step += 1
+        if wait_for_answers is not None:
+            wait_for_answers()
     start = clock()
     for req_ids in finishing.values():  # the tail: requests still running finish at once
         for req_id in req_ids:
@@ -427,8 +432,14 @@ def _kvtier_round(plan: _Plan, args: argparse.Namespace) -> _Round:
             return backend.answer(keys)
 
     tier = ModelledTier("bench")
+
+    def wait_for_answers() -> None:
+        if not tier._wait_for_results(60.0):
+            raise RuntimeError("kvtier's probe worker did not answer within 60 s")
+
     try:
-        return _replay(plan, args, RequestContext, tier, backend)
+        return _replay(plan, args, RequestContext, tier, backend,
+                       wait_for_answers if args.wait_for_answers else None)
     finally:
         tier.shutdown(timeout=10.0)
 
@@ -443,8 +454,37 @@ def _vllm_round(plan: _Plan, args: argparse.Namespace, module: Any) -> _Round:
             return backend.answer(keys)
 
     tier = ModelledTier("bench")
+    sent = [0, 0]  # batches handed to vLLM's worker, answers seen
+
+    class Counting:
+        """vLLM has no test hook: count the flushes that hand keys to the worker (wait mode
+        only; one call per step)."""
+
+        lookup, drain_results, cleanup = tier.lookup, tier.drain_results, tier.cleanup
+
+        @staticmethod
+        def flush() -> None:
+            before = len(tier._lookup_batch)
+            tier.flush()
+            sent[0] += bool(before)
+
+    def wait_for_answers() -> None:
+        # vLLM's worker posts one item per batch; take each new one and hand it back unread
+        # (the next step's drain applies it). A batch of only stale keys posts nothing.
+        while sent[1] < sent[0]:
+            try:
+                item = tier._pending_results.get(timeout=1.0)
+            except queue.Empty:
+                sent[1] = sent[0]
+                return
+            tier._pending_results.put(item)
+            sent[1] += 1
+
     try:
-        return _replay(plan, args, lambda req_id: ReqContext(req_id=req_id), tier, backend)
+        if args.wait_for_answers:
+            return _replay(plan, args, lambda req_id: ReqContext(req_id=req_id), Counting,
+                           backend, wait_for_answers)
+        return _replay(plan, args, lambda req_id: ReqContext(req_id=req_id), tier, backend, None)
     finally:
         tier.shutdown()
 
@@ -490,7 +530,8 @@ def _report(plan: _Plan, ours: list[_Round], theirs: list[_Round]) -> None:
             line += f"{spec.format(other):>12}{ratio:>13}"
         print(line)
     if theirs:
-        spread = sorted(a.us_per_request / b.us_per_request for a, b in zip(ours, theirs, strict=True))
+        spread = sorted(mine.us_per_request / other.us_per_request
+                        for mine, other in zip(ours, theirs, strict=True))
         print("per-request ratio by round: " + ", ".join(f"{x:.2f}" for x in spread))
 
 
@@ -580,6 +621,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="mean requests arriving per step")
     trace.add_argument("--run-steps", type=int, default=32,
                        help="steps a request runs after its answer before cleanup()")
+    trace.add_argument("--wait-for-answers", action="store_true",
+                       help="end every step (untimed) when the worker answered it: both "
+                            "managers then answer in one step, so only bookkeeping is compared")
     trace.add_argument("--call-us", type=float, default=500.0, help="backend latency per call")
     trace.add_argument("--key-us", type=float, default=2.0, help="backend latency per key")
     synthetic = parser.add_argument_group("synthetic mode")
