@@ -505,7 +505,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("  cleanup()", "cleanup_us", "{:.1f}"),
     ("scheduler us / step", "us_per_step", "{:.1f}"),
     ("lookup() calls / request", "lookups_per_request", "{:.1f}"),
-    ("scheduler ns / lookup()", "ns_per_lookup", "{:.0f}"),
+    ("step ns / lookup() call", "ns_per_lookup", "{:.0f}"),
     ("backend calls", "backend_calls", "{:,.0f}"),
     ("probes / probed key", "probes_per_key", "{:.2f}"),
     ("steps waited / request", "mean_steps_waited", "{:.2f}"),
