@@ -119,8 +119,11 @@ def _add_stack_options(parser: argparse.ArgumentParser) -> None:
                         help="bytes per KV block payload (default 16KiB)")
     parser.add_argument("--cpu-blocks", type=_int_at_least(1), default=16_000, metavar="N",
                         help="primary (CPU) pool size in blocks, per instance (default 16000)")
-    parser.add_argument("--gpu-blocks", type=_int_at_least(0), default=2_000, metavar="N",
-                        help="GPU prefix cache size in blocks, per instance (default 2000)")
+    parser.add_argument("--gpu-blocks", type=_int_at_least(0), default=None, metavar="N",
+                        help="GPU prefix cache size in blocks, per instance; a request needing "
+                             "more is rejected and counted, as vLLM rejects a prompt longer "
+                             "than its KV cache (default: max(2000, the trace's largest "
+                             "request), so nothing is rejected)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -142,8 +145,9 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
     )
     replay.add_argument("trace", nargs="?", default=None, metavar="TRACE",
-                        help="JSONL trace file (.jsonl, .jsonl.gz, .jsonl.xz) or "
-                             "builtin:conversation / builtin:synthetic")
+                        help="JSONL trace file (.jsonl, .jsonl.gz, .jsonl.xz), a per-session "
+                             "JSON file or a directory of them, or builtin:conversation / "
+                             "builtin:synthetic / builtin:agentic")
     _add_stack_options(replay)
     replay.add_argument("--instances", type=_int_at_least(1), default=1, metavar="N",
                         help="engines sharing the secondary tiers (default 1)")
@@ -163,6 +167,13 @@ def _build_parser() -> argparse.ArgumentParser:
                              "0 = no pause)")
     replay.add_argument("--trace-block-tokens", type=_int_at_least(1), default=512, metavar="N",
                         help="tokens per hash id in the trace (default 512)")
+    replay.add_argument("--hash-convention", choices=("auto", "ceil", "floor"), default="auto",
+                        help="hash ids per prompt: ceil = the partial last block is hashed "
+                             "(Mooncake), floor = only full blocks (vLLM), auto = either, line "
+                             "by line (default auto; the report says which it found)")
+    replay.add_argument("--seed", type=_int_at_least(0), default=0, metavar="N",
+                        help="seed of builtin:agentic and of the session interleaving of a "
+                             "directory of session files (default 0)")
     replay.add_argument("--max-requests", type=_int_at_least(1), default=None, metavar="N",
                         help="replay only the first N requests")
     replay.add_argument("--skip-bad-lines", action="store_true",
@@ -267,6 +278,8 @@ def _load_trace(args: argparse.Namespace) -> Any:
             block_tokens=args.trace_block_tokens,
             skip_bad_lines=args.skip_bad_lines,
             max_requests=max_requests,
+            hash_convention=getattr(args, "hash_convention", "auto"),
+            seed=getattr(args, "seed", 0),
         )
     except TraceFormatError as exc:
         hint = "" if args.skip_bad_lines or exc.line is None else (
@@ -342,7 +355,7 @@ def _replay_all(trace: Any, options: Any, strategies: Sequence[Any], show_progre
             task = progress.add_task(f"replay ({strategy.value})", total=len(trace.requests))
 
             def advance(done: int, _total: int, task_id: Any = task) -> None:
-                progress.update(task_id, completed=done)
+                progress.update(task_id, completed=done, total=_total)
 
             results.append(replay(trace, options, strategy, progress=advance))
     return results
@@ -412,6 +425,8 @@ def _settings(args: argparse.Namespace, options: Any) -> dict[str, Any]:
     settings["tiers"] = list(options.tier_urls) or ["file tier in a temporary directory"]
     settings["trace_block_tokens"] = args.trace_block_tokens
     settings["max_requests"] = args.max_requests
+    settings["hash_convention"] = getattr(args, "hash_convention", "auto")
+    settings["seed"] = getattr(args, "seed", 0)
     return settings
 
 

@@ -14,7 +14,9 @@ Thread ownership:
   ``error`` and ``seconds`` and post the job to ``_finished`` (a ``queue.SimpleQueue``). After
   posting they never touch the job again; before posting the scheduler never reads those fields.
 - **Probe worker** (inside the lookup manager) calls ``backend.probe``.
-- The backend is thread-safe by contract; the metrics are thread-safe (prometheus-client).
+- The backend is thread-safe by contract. The counters are the scheduler thread's and are
+  published by the manager (:mod:`kvtier.metrics`); only probe durations are observed on the
+  probe worker (thread-safe).
 
 A load job writes straight into caller-provided ``memoryview``s (primary slots that the manager
 keeps out of reach of eviction while the job runs); the backend verifies the frame (namespace,
@@ -47,10 +49,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtier.backends.base import Backend, Buffer, RateLimitedLog
-from kvtier.config import LookupConfig
+from kvtier.config import TIER_SETTINGS, LookupConfig
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.lookup import AsyncLookupManager, LookupStats
-from kvtier.metrics import KvtierMetrics
+from kvtier.metrics import ProbeMetrics
+from kvtier.settings import Kind, Setting
+
+_MAX_KEYS_PER_CALL = Setting("max_keys_per_call", Kind.INT, None,
+                             "keys per backend get/put call (None: no limit)", minimum=1)
 
 _log = logging.getLogger("kvtier.tier")
 _PROBE_SHUTDOWN_WAIT_S = 2.0
@@ -62,13 +68,6 @@ LookupFactory = Callable[[str, Backend, Mapping[str, Any]], AsyncLookupManager]
 class JobKind(enum.Enum):
     LOAD = "load"
     STORE = "store"
-
-
-def require_int(what: str, value: object, minimum: int) -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum``, else a ValueError naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 class TierClosedError(RuntimeError):
@@ -96,6 +95,8 @@ class TransferJob:
     results: tuple[bool, ...] = ()
     error: str | None = None
     seconds: float = 0.0
+    suspects: tuple[int, ...] = ()  # store: positions whose load failed recently (read back)
+    verified: tuple[int, ...] = ()  # store: suspects whose read-back succeeded
 
     @property
     def succeeded(self) -> list[BlockKey]:
@@ -108,14 +109,26 @@ class TransferJob:
 
 @dataclass(slots=True)
 class TierCounters:
+    """The tier's counters (scheduler thread); :mod:`kvtier.metrics` publishes them."""
+
+    lookup_answers: int = 0  # lookups answered present or absent (not "ask again")
+    lookup_hits: int = 0
     loads_submitted: int = 0
     load_keys: int = 0
+    loaded_keys: int = 0
     load_keys_failed: int = 0
     stores_submitted: int = 0
     store_keys: int = 0
+    stored_keys: int = 0
     store_keys_failed: int = 0
     stores_shed: int = 0
     store_keys_shed: int = 0
+    store_keys_read_back: int = 0
+    quarantines_lifted: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
     job_errors: int = 0
     invariant_violations: int = 0
 
@@ -127,13 +140,11 @@ class BackendLookupManager(AsyncLookupManager):
     manager counts the failure as a probe error, never caches it, and feeds its circuit breaker.
     """
 
-    def __init__(self, tier_name: str, backend: Backend, metrics: KvtierMetrics | None = None,
+    def __init__(self, tier_name: str, backend: Backend, metrics: ProbeMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  options: Mapping[str, Any] | None = None) -> None:
         self._backend = backend
-        self._probe_latency = (
-            None if metrics is None else metrics.probe_latency.labels(tier=tier_name)
-        )
+        self._observe_probe = None if metrics is None else metrics.probe_observer(tier_name)
         super().__init__(tier_name, clock=clock, **(options or {}))
 
     def batch_lookup(self, keys: list[BlockKey], req_context: RequestContext) -> Sequence[bool]:
@@ -141,18 +152,21 @@ class BackendLookupManager(AsyncLookupManager):
         try:
             return self._backend.probe(keys)
         finally:
-            if self._probe_latency is not None:
-                self._probe_latency.observe(time.perf_counter() - started)
+            if self._observe_probe is not None:
+                self._observe_probe(time.perf_counter() - started)
 
 
 class RecentLoadFailures:
     """Keys whose load from one tier failed recently; owned by the scheduler thread.
 
     ``put_many`` answers True both for "written" and for "already present", so a store of a key
-    whose load just failed proves nothing: the backend may be keeping the very object that could
-    not be loaded (a valid frame of another size, a file that stats but cannot be read). Lifting
-    the key's quarantine with ``note_stored`` then would restart the same doomed promotion for
-    every later request, the livelock class; such keys stay quarantined until it ends.
+    whose load just failed proves nothing by itself: the backend may be keeping the very object
+    that could not be loaded (a valid frame of another size, a file that stats but cannot be
+    read). Lifting the key's quarantine with ``note_stored`` then would restart the same doomed
+    promotion for every later request, the livelock class. So a store job of such a key reads
+    the object back on its I/O thread (a full, verified ``get``): when the read-back succeeds
+    the tier really holds a good block again and the quarantine is lifted (:meth:`discard`);
+    when it fails (the damaged object is still there) the key stays quarantined until it ends.
     """
 
     __slots__ = ("_clock", "_hold_s", "_max_keys", "_until")
@@ -189,6 +203,13 @@ class RecentLoadFailures:
             del self._until[oldest]
         return [key for key in keys if key not in self._until]
 
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._until
+
+    def discard(self, keys: Iterable[BlockKey]) -> None:
+        for key in keys:
+            self._until.pop(key, None)
+
 
 class SecondaryTier:
     """A backend + its :class:`AsyncLookupManager` + transfer jobs on I/O threads."""
@@ -199,25 +220,26 @@ class SecondaryTier:
         backend: Backend,
         *,
         lookup: LookupConfig | Mapping[str, Any] | None = None,
-        io_threads: int = 4,
-        max_pending_store_bytes: int = 256 * 1024**2,
-        max_pending_store_jobs: int = 1024,
-        metrics: KvtierMetrics | None = None,
+        io_threads: int = TIER_SETTINGS.default("io_threads"),
+        max_pending_store_bytes: int = TIER_SETTINGS.default("max_pending_store_bytes"),
+        max_pending_store_jobs: int = TIER_SETTINGS.default("max_pending_store_jobs"),
+        metrics: ProbeMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         lookup_factory: LookupFactory | None = None,
         max_keys_per_call: int | None = None,
     ) -> None:
         """``lookup_factory(name, backend, options)`` replaces the default lookup manager (one
         ``backend.probe`` call per probe batch); ``options`` are the configured lookup settings
-        plus ``clock``. ``max_keys_per_call`` (None: no limit) splits each job's backend calls."""
+        plus ``clock``. ``max_keys_per_call`` (None: no limit) splits each job's backend calls.
+        Bad settings raise :class:`~kvtier.settings.ConfigError` (a ValueError) naming them."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"tier name must be a non-empty str, got {name!r}")
-        for label, value, minimum in (("io_threads", io_threads, 1),
-                                      ("max_pending_store_bytes", max_pending_store_bytes, 0),
-                                      ("max_pending_store_jobs", max_pending_store_jobs, 1)):
-            require_int(f"tier {name!r}: {label}", value, minimum)
+        for setting, value in (("io_threads", io_threads),
+                               ("max_pending_store_bytes", max_pending_store_bytes),
+                               ("max_pending_store_jobs", max_pending_store_jobs)):
+            TIER_SETTINGS[setting].parse(value, f"tier {name!r}: {setting}")
         if max_keys_per_call is not None:
-            require_int(f"tier {name!r}: max_keys_per_call", max_keys_per_call, 1)
+            _MAX_KEYS_PER_CALL.parse(max_keys_per_call, f"tier {name!r}: max_keys_per_call")
         if isinstance(lookup, LookupConfig):
             lookup_options: Mapping[str, Any] = lookup.as_kwargs()
         elif lookup is None:
@@ -226,7 +248,6 @@ class SecondaryTier:
             lookup_options = LookupConfig.from_dict(lookup, f"tier {name}: lookup").as_kwargs()
         self._name = name
         self._backend = backend
-        self._metrics = metrics
         self._lookup: AsyncLookupManager = (
             BackendLookupManager(name, backend, metrics, clock, lookup_options)
             if lookup_factory is None
@@ -269,7 +290,11 @@ class SecondaryTier:
 
     # ---- lookups (scheduler thread) -----------------------------------------------------------
     def lookup(self, key: BlockKey, req_context: RequestContext) -> bool | None:
-        return self._lookup.lookup(key, req_context)
+        verdict = self._lookup.lookup(key, req_context)
+        if verdict is not None:
+            self._counters.lookup_answers += 1
+            self._counters.lookup_hits += verdict
+        return verdict
 
     def flush(self) -> None:
         self._lookup.flush()
@@ -312,17 +337,23 @@ class SecondaryTier:
         if not self.can_accept_store(nbytes):
             self._counters.stores_shed += 1
             self._counters.store_keys_shed += len(keys)
-            if self._metrics is not None:
-                self._metrics.shed_stores.labels(tier=self._name).inc(len(keys))
             return None
         job = TransferJob(next(self._job_ids), JobKind.STORE, tuple(keys), tuple(payloads),
                           nbytes)
+        if len(self._load_failures):
+            failures = self._load_failures
+            job.suspects = tuple(i for i, key in enumerate(job.keys) if failures.contains(key))
         self._store_bytes += nbytes
         self._store_jobs += 1
         self._counters.stores_submitted += 1
         self._counters.store_keys += len(keys)
         self._start(job)
         return job
+
+    def count_shed(self, keys: int) -> None:
+        """``keys`` cascades to this tier were shed by the manager before submission."""
+        self._counters.stores_shed += 1
+        self._counters.store_keys_shed += keys
 
     def _start(self, job: TransferJob) -> None:
         self._outstanding[job.job_id] = job
@@ -379,24 +410,35 @@ class SecondaryTier:
             job.results = (False,) * len(job.keys)
         if job.error is not None:
             self._counters.job_errors += 1
+        moved = sum(memoryview(buffer).nbytes
+                    for buffer, ok in zip(job.buffers, job.results, strict=True) if ok)
         if job.kind is JobKind.LOAD:
             failed = job.failed
+            self._counters.loaded_keys += len(job.keys) - len(failed)
+            self._counters.read_bytes += moved
+            self._counters.read_seconds += job.seconds
             if failed:
                 self._counters.load_keys_failed += len(failed)
                 if self._state is _TierState.RUNNING:
                     self._lookup.mark_miss(failed)
                     self._load_failures.add(failed)
-                if self._metrics is not None:
-                    self._metrics.failed_loads.labels(tier=self._name).inc(len(failed))
         else:
             self._store_bytes -= job.nbytes
             self._store_jobs -= 1
             stored = job.succeeded
+            if job.suspects:
+                self._counters.store_keys_read_back += sum(1 for p in job.suspects
+                                                           if job.results[p])
+            if job.verified:
+                good = [job.keys[position] for position in job.verified]
+                self._load_failures.discard(good)  # a verified new object: quarantine ends
+                self._counters.quarantines_lifted += len(good)
             if stored and self._state is _TierState.RUNNING:
                 self._lookup.note_stored(self._load_failures.without(stored))
+            self._counters.stored_keys += len(stored)
             self._counters.store_keys_failed += len(job.keys) - len(stored)
-            if self._metrics is not None and stored:
-                self._metrics.stores.labels(tier=self._name).inc(len(stored))
+            self._counters.write_bytes += moved
+            self._counters.write_seconds += job.seconds
 
     # ---- I/O thread ---------------------------------------------------------------------------
     def _run_next(self) -> None:
@@ -414,12 +456,10 @@ class SecondaryTier:
         results: list[bool] = []
         step = self._max_keys_per_call
         starts: Iterable[int] = [0] if step is None else range(0, len(job.keys), step)
-        calls = 0
         try:
             for start in starts:
                 end = len(job.keys) if step is None else start + step
                 keys = job.keys[start:end]
-                calls += 1
                 if job.kind is JobKind.LOAD:
                     outs = [memoryview(out) for out in job.buffers[start:end]]
                     raw = self._backend.get_many(keys, outs)
@@ -436,20 +476,25 @@ class SecondaryTier:
                                  job.kind.value, len(job.keys), exc)
         # Keys after a failed call are failed; keys moved by earlier calls stay moved.
         job.results = tuple(results) + (False,) * (len(job.keys) - len(results))
+        if job.suspects:
+            self._read_back(job)
         job.seconds = time.perf_counter() - started
-        metrics = self._metrics
-        if metrics is not None:
-            moved = sum(memoryview(buffer).nbytes
-                        for buffer, ok in zip(job.buffers, job.results, strict=True) if ok)
-            if job.kind is JobKind.LOAD:
-                metrics.backend_calls.labels(tier=self._name, op="get").inc(calls)
-                metrics.bytes_read.labels(tier=self._name).inc(moved)
-                metrics.read_seconds.labels(tier=self._name).inc(job.seconds)
-            else:
-                metrics.backend_calls.labels(tier=self._name, op="put").inc(calls)
-                metrics.bytes_written.labels(tier=self._name).inc(moved)
-                metrics.write_seconds.labels(tier=self._name).inc(job.seconds)
         self._finished.put(job)
+
+    def _read_back(self, job: TransferJob) -> None:
+        """Store job, I/O thread: read back the stored keys whose load failed recently; the
+        ones that load (frame verified by the backend) are ``job.verified``."""
+        positions = [p for p in job.suspects if job.results[p]]
+        if not positions:
+            return
+        outs = [memoryview(bytearray(memoryview(job.buffers[p]).nbytes)) for p in positions]
+        try:
+            loaded = self._backend.get_many([job.keys[p] for p in positions], outs)
+        except Exception as exc:  # the quarantine simply stays
+            self._io_log.warning("tier %s: read-back of %d re-stored keys failed: %r",
+                                 self._name, len(positions), exc)
+            return
+        job.verified = tuple(p for p, ok in zip(positions, loaded, strict=False) if ok is True)
 
     # ---- introspection ------------------------------------------------------------------------
     @property

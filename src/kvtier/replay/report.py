@@ -119,6 +119,16 @@ def summary_table(report: ReplayReport, result: ReplayResult) -> Table:
         ("steps waited on lookups (request-steps)", f"{result.steps_waited:,}"),
         ("requests that waited", f"{result.requests_waited:,}"),
         ("store plans refused (pool pinned full)", f"{result.store_plans_refused:,}"),
+        ("requests rejected (more blocks than the GPU model)",
+         f"{result.requests_rejected:,} ({result.rejected_blocks:,} blocks; GPU model "
+         f"{result.gpu_blocks:,} blocks)"),
+        ("admission", result.admission_rule + (f", {result.sessions:,} sessions"
+                                               if result.sessions else "")),
+        ("hash convention (hashed blocks per prompt)", result.hash_convention),
+        ("stored blocks deferred (streamed) / shed", f"{result.store_blocks_deferred:,} / "
+                                                     f"{result.store_blocks_shed:,}"),
+        ("cascades shed / promoted blocks lost before load",
+         f"{result.cascades_shed:,} / {result.promotions_lost:,}"),
         ("scheduler time per step p50 / p99", f"{_ms(result.step_time_p50_s)} / "
                                                f"{_ms(result.step_time_p99_s)}"),
         ("wall time", f"{result.wall_s:.1f} s"),
