@@ -52,6 +52,7 @@ from typing import Any
 
 from kvtier.keys import KEY_BYTES, BlockKey, Namespace, RequestContext, chain_keys
 from kvtier.lookup import AsyncLookupManager
+from kvtier.replay import trace as _trace_module
 from kvtier.replay.trace import BUILTIN_PREFIX, BUILTIN_TRACES, read_trace
 
 _VLLM_MODULE = "vllm.v1.kv_offload.tiering.async_lookup"
@@ -490,7 +491,8 @@ def _vllm_round(plan: _Plan, args: argparse.Namespace, module: Any) -> _Round:
 
 
 def _default_traces() -> list[str]:
-    return [BUILTIN_PREFIX + name for name in ("conversation", "agentic") if name in BUILTIN_TRACES]
+    bundled = {*BUILTIN_TRACES, *getattr(_trace_module, "BUILTIN_GENERATED", ())}
+    return [BUILTIN_PREFIX + name for name in ("conversation", "agentic") if name in bundled]
 
 
 def _median_of(rounds: list[_Round], attribute: str) -> float:

@@ -937,19 +937,23 @@ class _Minimal(AsyncLookupManager):
         return [False] * len(keys)
 
 
+_NUMBER = "expected a finite number"
+_INTEGER = "expected an integer >= 1"
+
+
 @pytest.mark.parametrize(
     ("option", "value", "error", "message"),
     [
-        ("probe_timeout_s", 0, ConfigError, r"probe_timeout_s: expected a value > 0.0 .* got 0"),
-        ("probe_timeout_s", math.nan, ConfigError, "probe_timeout_s: expected a finite number"),
+        ("probe_timeout_s", 0, ConfigError, f"probe_timeout_s: {_NUMBER} > 0.0 .* got 0"),
+        ("probe_timeout_s", math.nan, ConfigError, f"probe_timeout_s: {_NUMBER}"),
         ("probe_timeout_s", "soon", ConfigError, "probe_timeout_s: expected .* got 'soon'"),
-        ("verdict_ttl_s", -1, ConfigError, r"verdict_ttl_s: expected a value >= 0.0"),
-        ("max_cached_verdicts", 0, ConfigError, "max_cached_verdicts: expected a value >= 1"),
-        ("max_cached_verdicts", 1.5, ConfigError, "max_cached_verdicts: expected an integer"),
-        ("quarantine_s", math.inf, ConfigError, "quarantine_s: expected a finite number"),
-        ("max_batch_keys", 0, ConfigError, "max_batch_keys: expected a value >= 1"),
-        ("breaker_threshold", True, ConfigError, "breaker_threshold: expected an integer"),
-        ("breaker_threshold", 0, ConfigError, "breaker_threshold: expected a value >= 1"),
+        ("verdict_ttl_s", -1, ConfigError, f"verdict_ttl_s: {_NUMBER} >= 0.0 .* got -1"),
+        ("max_cached_verdicts", 0, ConfigError, rf"max_cached_verdicts: {_INTEGER} \(count\)"),
+        ("max_cached_verdicts", 1.5, ConfigError, f"max_cached_verdicts: {_INTEGER} .* 1.5"),
+        ("quarantine_s", math.inf, ConfigError, f"quarantine_s: {_NUMBER} .* got inf"),
+        ("max_batch_keys", 0, ConfigError, f"max_batch_keys: {_INTEGER}"),
+        ("breaker_threshold", True, ConfigError, f"breaker_threshold: {_INTEGER} .* True"),
+        ("breaker_threshold", 0, ConfigError, f"breaker_threshold: {_INTEGER} .* got 0"),
         ("breaker_cooldown_s", 7200, ConfigError, "breaker_cooldown_s: expected .*<= 3600"),
         ("clock", 3.0, TypeError, "clock must be a callable"),
     ],
