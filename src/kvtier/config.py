@@ -53,7 +53,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -63,6 +63,7 @@ import yaml
 import kvtier.backends as _backends
 import kvtier.lookup as _lookup
 from kvtier.backends import SCHEMES
+from kvtier.deadlines import DEFAULT_LOAD_TIMEOUT_S
 from kvtier.keys import Namespace
 from kvtier.policies import PolicyName
 from kvtier.primary import PrimaryBacking
@@ -175,6 +176,11 @@ TIER_SETTINGS = SettingsTable("secondary tier", [
     Setting("max_pending_store_jobs", Kind.INT, 1024,
             "backpressure: store jobs in flight beyond this are shed (counted)", minimum=1,
             env="KVTIER_MAX_PENDING_STORE_JOBS"),
+    Setting("load_timeout_s", Kind.FLOAT, DEFAULT_LOAD_TIMEOUT_S,
+            "a load job not finished this long after it was submitted fails for its keys (they "
+            "are marked missing and the request recomputes them); the stuck backend call is "
+            "abandoned and can never write into the slot afterwards",
+            minimum=0, strict_min=True, unit="seconds", env="KVTIER_LOAD_TIMEOUT_S"),
 ])
 
 _MAX_S = 3600.0  # the lookup manager's ceiling for every time setting
@@ -345,22 +351,41 @@ class TierConfig:
     max_pending_store_bytes: int = TIER_SETTINGS.default("max_pending_store_bytes")
     max_pending_store_jobs: int = TIER_SETTINGS.default("max_pending_store_jobs")
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    load_timeout_s: float = TIER_SETTINGS.default("load_timeout_s")
 
     @property
     def scheme(self) -> str:
         return self.url.split("://", 1)[0].lower()
+
+    def __repr__(self) -> str:  # credentials in the URL or the options are never shown
+        from kvtier.backends import redact_url, redacted_options
+
+        return (f"TierConfig(url={redact_url(self.url)!r}, name={self.name!r}, "
+                f"lookup={self.lookup!r}, io_threads={self.io_threads}, "
+                f"max_pending_store_bytes={self.max_pending_store_bytes}, "
+                f"max_pending_store_jobs={self.max_pending_store_jobs}, "
+                f"load_timeout_s={self.load_timeout_s}, "
+                f"options={redacted_options(self.options)!r})")
+
+
+def _shown_url(url: object) -> object:
+    """``url`` as a message may show it: credentials redacted."""
+    from kvtier.backends import redact_url
+
+    return redact_url(url) if isinstance(url, str) else url
 
 
 def _check_url(url: object, path: str) -> str:
     if not isinstance(url, str) or "://" not in url:
         raise ConfigError(
             f"{path}: expected a URL like 'file:///abs/dir', 'redis://host:port/0' or "
-            f"'s3://bucket/prefix', got {url!r}"
+            f"'s3://bucket/prefix', got {_shown_url(url)!r}"
         )
     scheme = url.split("://", 1)[0].lower()
     if scheme not in SCHEMES:
         raise ConfigError(
-            f"{path}: unknown scheme {scheme!r} in {url!r}; expected one of {list(SCHEMES)}"
+            f"{path}: unknown scheme {scheme!r} in {_shown_url(url)!r}; expected one of "
+            f"{list(SCHEMES)}"
         )
     return url
 
@@ -411,6 +436,7 @@ def _tier_from(value: object, path: str, defaults: Mapping[str, Any],
         "io_threads": parsed["io_threads"],
         "max_pending_store_bytes": parsed["max_pending_store_bytes"],
         "max_pending_store_jobs": parsed["max_pending_store_jobs"],
+        "load_timeout_s": parsed["load_timeout_s"],
         "options": MappingProxyType(_backend_options(url.split("://", 1)[0].lower(),
                                                      backend_values, path)),
     }
@@ -495,11 +521,14 @@ class KvtierConfig:
     def from_yaml(cls, path: str | os.PathLike[str]) -> KvtierConfig:
         try:
             with open(path, encoding="utf-8") as handle:
-                values = yaml.safe_load(handle)
+                values = _yaml_load(handle)
         except OSError as exc:
             raise ConfigError(f"config file {os.fspath(path)!r}: cannot read it: {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {os.fspath(path)!r}: not valid YAML: {exc}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {os.fspath(path)!r}: nested too deeply to be a "
+                              f"kvtier config") from None
         if not isinstance(values, Mapping):
             raise ConfigError(
                 f"config file {os.fspath(path)!r}: expected a YAML mapping at the top, got "
@@ -533,10 +562,43 @@ class KvtierConfig:
                 {"url": tier.url, "name": tier.name, "io_threads": tier.io_threads,
                  "max_pending_store_bytes": tier.max_pending_store_bytes,
                  "max_pending_store_jobs": tier.max_pending_store_jobs,
+                 "load_timeout_s": tier.load_timeout_s,
                  "lookup": tier.lookup.as_kwargs(), **dict(tier.options)}
                 for tier in self.secondary_tiers
             ],
         }
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML with two traps closed: a duplicate key is an error (not "last one wins"), and only
+    ``true``/``false`` are booleans, so ``model: no`` or ``tenant: on`` stay strings."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # the base class rejects it with its own message
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+    list("tTfF"))
+
+
+def _yaml_load(stream: Any) -> Any:
+    """Parse one YAML document with :class:`_StrictLoader`."""
+    return yaml.load(stream, Loader=_StrictLoader)  # a SafeLoader subclass: no objects
 
 
 def _namespace_from(value: object, env_values: Mapping[str, Any] | None = None) -> Namespace:
@@ -608,7 +670,10 @@ def _tiers_from_env(raw: str) -> list[Any]:
     if not text:
         return []
     if text.startswith("["):
-        parsed = json.loads(text)  # JSONDecodeError is a ValueError
+        try:
+            parsed = json.loads(text)
+        except RecursionError:
+            raise ValueError("nested too deeply to be a list of tiers") from None
         if not isinstance(parsed, list):
             raise ValueError("expected a JSON list")
         return parsed

@@ -937,10 +937,17 @@ class TieringManager:
             )
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Flush write-back blocks, wait for transfers (up to ``timeout`` s each), stop every
-        thread, close backends and the pool. Idempotent."""
+        """Flush write-back blocks, wait for transfers, stop every thread, close backends and
+        the pool. Idempotent. Returns within ``timeout + tiers * SHUTDOWN_EXTRA_PER_TIER_S``
+        seconds (see :mod:`kvtier.deadlines`); transfers still stuck then are abandoned on
+        daemon threads, which never hold up interpreter exit. ``None``: wait without bound."""
         if self._state is _ManagerState.CLOSED:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         try:
             self._poll_jobs()
             if self._write_policy is WritePolicy.WRITE_BACK and self._unwritten:
@@ -952,13 +959,13 @@ class TieringManager:
                             queue_.append(_QueuedStore(key, pool.view(slot), True))
                         self._counters.write_backs += 1
                 self._unwritten.clear()
-            self._submit_queued(force=True, timeout=timeout)
-            self._poll_jobs(wait=True, timeout=timeout)
+            self._submit_queued(force=True, timeout=left())
+            self._poll_jobs(wait=True, timeout=left())
         finally:
             self._state = _ManagerState.CLOSED
             for index, tier in enumerate(self._tiers):
                 try:
-                    for job in tier.shutdown(timeout):
+                    for job in tier.shutdown(left()):
                         self._apply_job(index, job)
                 except Exception as exc:
                     _log.warning("tier %s: shutdown failed: %r", tier.name, exc)
@@ -1028,6 +1035,7 @@ def open_manager(
                     max_pending_store_bytes=tier_cfg.max_pending_store_bytes,
                     max_pending_store_jobs=tier_cfg.max_pending_store_jobs,
                     metrics=metrics, clock=clock, lookup_factory=lookup_factory,
+                    load_timeout_s=tier_cfg.load_timeout_s,
                 ))
             except (ValueError, TypeError) as exc:
                 backend.close()

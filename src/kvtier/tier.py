@@ -41,15 +41,16 @@ import enum
 import itertools
 import logging
 import queue
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtier.backends.base import Backend, Buffer, RateLimitedLog
 from kvtier.config import TIER_SETTINGS, LookupConfig
+from kvtier.deadlines import IoThreadPool
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.lookup import AsyncLookupManager, LookupStats
 from kvtier.metrics import ProbeMetrics
@@ -97,6 +98,8 @@ class TransferJob:
     seconds: float = 0.0
     suspects: tuple[int, ...] = ()  # store: positions whose load failed recently (read back)
     verified: tuple[int, ...] = ()  # store: suspects whose read-back succeeded
+    deadline: float = float("inf")  # time.monotonic() past which a load job fails
+    settled: bool = False           # results are final (set once, under the tier's settle lock)
 
     @property
     def succeeded(self) -> list[BlockKey]:
@@ -227,11 +230,13 @@ class SecondaryTier:
         clock: Callable[[], float] = time.monotonic,
         lookup_factory: LookupFactory | None = None,
         max_keys_per_call: int | None = None,
+        load_timeout_s: float = TIER_SETTINGS.default("load_timeout_s"),
     ) -> None:
         """``lookup_factory(name, backend, options)`` replaces the default lookup manager (one
         ``backend.probe`` call per probe batch); ``options`` are the configured lookup settings
         plus ``clock``. ``max_keys_per_call`` (None: no limit) splits each job's backend calls.
-        Bad settings raise :class:`~kvtier.settings.ConfigError` (a ValueError) naming them."""
+        Bad settings raise :class:`~kvtier.settings.ConfigError` (a ValueError) naming them.
+        A load job not finished ``load_timeout_s`` after submission fails for its keys."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"tier name must be a non-empty str, got {name!r}")
         for setting, value in (("io_threads", io_threads),
@@ -240,6 +245,7 @@ class SecondaryTier:
             TIER_SETTINGS[setting].parse(value, f"tier {name!r}: {setting}")
         if max_keys_per_call is not None:
             _MAX_KEYS_PER_CALL.parse(max_keys_per_call, f"tier {name!r}: max_keys_per_call")
+        TIER_SETTINGS["load_timeout_s"].parse(load_timeout_s, f"tier {name!r}: load_timeout_s")
         if isinstance(lookup, LookupConfig):
             lookup_options: Mapping[str, Any] = lookup.as_kwargs()
         elif lookup is None:
@@ -257,8 +263,11 @@ class SecondaryTier:
         self._max_store_bytes = max_pending_store_bytes
         self._max_store_jobs = max_pending_store_jobs
         self._max_keys_per_call = max_keys_per_call
-        self._executor = ThreadPoolExecutor(max_workers=io_threads,
-                                            thread_name_prefix=f"kvtier-io-{name}")
+        self._executor = IoThreadPool(io_threads, f"kvtier-io-{name}")
+        self._load_timeout_s = float(load_timeout_s)
+        self._load_deadlines: deque[TransferJob] = deque()  # loads in submission order
+        self._settle_lock = threading.Lock()  # a job's results are settled exactly once
+        self._scratch = threading.local()  # per I/O thread: where loads land before the slot
         self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
         self._outstanding: dict[int, TransferJob] = {}
         self._ready_loads: deque[TransferJob] = deque()
@@ -315,7 +324,9 @@ class SecondaryTier:
         if len(keys) != len(outs):
             raise ValueError(f"submit_load got {len(keys)} keys but {len(outs)} buffers")
         job = TransferJob(next(self._job_ids), JobKind.LOAD, tuple(keys), tuple(outs),
-                          sum(out.nbytes for out in outs))
+                          sum(out.nbytes for out in outs),
+                          deadline=time.monotonic() + self._load_timeout_s)
+        self._load_deadlines.append(job)
         self._counters.loads_submitted += 1
         self._counters.load_keys += len(keys)
         self._start(job)
@@ -369,9 +380,8 @@ class SecondaryTier:
                         waiting = ready.popleft()
                     except IndexError:
                         break
-                    waiting.results = (False,) * len(waiting.keys)
-                    waiting.error = f"executor unavailable: {exc!r}"
-                    self._finished.put(waiting)
+                    self._settle(waiting, (False,) * len(waiting.keys),
+                                 f"executor unavailable: {exc!r}")
 
     def get_finished_jobs(self, *, wait: bool = False,
                           timeout: float | None = None) -> list[TransferJob]:
@@ -383,22 +393,56 @@ class SecondaryTier:
         """
         finished: list[TransferJob] = []
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._expire_loads()
         while True:
             try:
                 job = self._finished.get_nowait()
             except queue.Empty:
                 if not wait or not self._outstanding:
                     break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                now = time.monotonic()
+                if deadline is not None and deadline <= now:
                     break
+                # Wake up for the next load deadline too: an expired load is finished.
+                wake = min(deadline if deadline is not None else float("inf"),
+                           self._load_deadlines[0].deadline if self._load_deadlines
+                           else float("inf"))
                 try:
-                    job = self._finished.get(timeout=remaining)
+                    job = self._finished.get(timeout=None if wake == float("inf")
+                                             else max(0.0, wake - now))
                 except queue.Empty:
-                    break
+                    self._expire_loads()
+                    continue
             self._collect(job)
             finished.append(job)
         return finished
+
+    def _expire_loads(self) -> None:
+        """Fail every load job past its deadline (scheduler thread). The I/O thread running it
+        finds the job settled and drops what it read: a slot is never written after this."""
+        pending = self._load_deadlines
+        now = time.monotonic()
+        while pending and (pending[0].settled or pending[0].deadline <= now):
+            job = pending.popleft()
+            if self._settle(job, (False,) * len(job.keys),
+                            f"load timed out after {self._load_timeout_s:g} s"):
+                self._io_log.warning("tier %s: load job of %d keys timed out after %g s",
+                                     self._name, len(job.keys), self._load_timeout_s)
+
+    def _settle(self, job: TransferJob, results: tuple[bool, ...], error: str | None,
+                land: Callable[[], None] | None = None) -> bool:
+        """Make ``results`` final and post the job, unless it was already settled (then False).
+        ``land`` runs under the lock first (it copies a load's bytes into the slots)."""
+        with self._settle_lock:
+            if job.settled:
+                return False
+            if land is not None:
+                land()
+            job.results = results
+            job.error = error
+            job.settled = True
+        self._finished.put(job)
+        return True
 
     def _collect(self, job: TransferJob) -> None:
         if self._outstanding.pop(job.job_id, None) is None:
@@ -448,7 +492,8 @@ class SecondaryTier:
                 job = ready.popleft()
             except IndexError:
                 continue
-            self._run(job)
+            if not job.settled:  # else it expired while waiting
+                self._run(job)
             return
 
     def _run(self, job: TransferJob) -> None:
@@ -456,13 +501,13 @@ class SecondaryTier:
         results: list[bool] = []
         step = self._max_keys_per_call
         starts: Iterable[int] = [0] if step is None else range(0, len(job.keys), step)
+        error: str | None = None
         try:
             for start in starts:
                 end = len(job.keys) if step is None else start + step
                 keys = job.keys[start:end]
                 if job.kind is JobKind.LOAD:
-                    outs = [memoryview(out) for out in job.buffers[start:end]]
-                    raw = self._backend.get_many(keys, outs)
+                    raw = self._backend.get_many(keys, self._scratch_views(job, start, end))
                 else:
                     raw = self._backend.put_many(keys, job.buffers[start:end])
                 answers = [item is True for item in raw]
@@ -471,15 +516,47 @@ class SecondaryTier:
                                      f"{len(keys)} keys")
                 results.extend(answers)
         except Exception as exc:  # an I/O thread survives everything; the job fails safe
-            job.error = repr(exc)
+            error = repr(exc)
             self._io_log.warning("tier %s: %s job of %d keys failed: %r", self._name,
                                  job.kind.value, len(job.keys), exc)
         # Keys after a failed call are failed; keys moved by earlier calls stay moved.
-        job.results = tuple(results) + (False,) * (len(job.keys) - len(results))
+        final = tuple(results) + (False,) * (len(job.keys) - len(results))
         if job.suspects:
+            job.results = final
             self._read_back(job)
         job.seconds = time.perf_counter() - started
-        self._finished.put(job)
+        land = (lambda: self._land_load(job, final)) if job.kind is JobKind.LOAD else None
+        if not self._settle(job, final, error, land):
+            return  # a load that timed out meanwhile: its keys already failed
+
+    def _scratch_views(self, job: TransferJob, start: int, end: int) -> list[memoryview]:
+        """This thread's private buffers for keys ``start:end`` of a load: the backend writes
+        there, and :meth:`_land_load` copies into the slots only if the job did not expire."""
+        need = job.nbytes
+        buffer: bytearray | None = getattr(self._scratch, "buffer", None)
+        if buffer is None or len(buffer) < need:
+            buffer = bytearray(need)
+            self._scratch.buffer = buffer
+        whole = memoryview(buffer)
+        offset = sum(memoryview(out).nbytes for out in job.buffers[:start])
+        views = []
+        for out in job.buffers[start:end]:
+            size = memoryview(out).nbytes
+            views.append(whole[offset : offset + size])
+            offset += size
+        return views
+
+    def _land_load(self, job: TransferJob, results: tuple[bool, ...]) -> None:
+        if not any(results):
+            return
+        whole = memoryview(self._scratch.buffer)
+        offset = 0
+        for out, ok in zip(job.buffers, results, strict=True):
+            target = memoryview(out).cast("B")
+            size = target.nbytes
+            if ok:
+                target[:] = whole[offset : offset + size]
+            offset += size
 
     def _read_back(self, job: TransferJob) -> None:
         """Store job, I/O thread: read back the stored keys whose load failed recently; the
@@ -545,7 +622,7 @@ class SecondaryTier:
         probe_wait = _PROBE_SHUTDOWN_WAIT_S if timeout is None else min(timeout,
                                                                          _PROBE_SHUTDOWN_WAIT_S)
         self._lookup.shutdown(probe_wait)
-        self._executor.shutdown(wait=not self._outstanding, cancel_futures=True)
+        self._executor.shutdown(probe_wait if not self._outstanding else 0.0)
         if self._outstanding:
             _log.warning("tier %s: %d transfer jobs still running at shutdown; abandoned",
                          self._name, len(self._outstanding))

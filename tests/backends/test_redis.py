@@ -121,6 +121,7 @@ def test_url_credentials_are_decoded_and_redacted() -> None:
     by_option = parse_redis_url("redis://h:1", {"username": "bob", "password": "hunter2"})
     assert by_option.username == "bob"
     assert by_option.password is not None and by_option.password.reveal() == "hunter2"
+    assert "hunter2" not in repr(by_option) and "p:ss" not in repr(config)
     assert by_option.url == "redis://bob:***@h:1/0"
 
 

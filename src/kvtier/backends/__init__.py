@@ -62,6 +62,7 @@ __all__ = [
     "open_backend",
     "parse_size_option",
     "redact_url",
+    "redacted_options",
     "register_scheme",
     "registered_schemes",
     "split_url_options",
@@ -232,3 +233,9 @@ def redact_url(url: str) -> str:
 def _is_secret(name: str) -> bool:
     lowered = name.lower()
     return any(word in lowered for word in ("password", "secret", "token", "key_id", "auth"))
+
+
+def redacted_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with the value of every credential-like name replaced by ``'***'``."""
+    return {name: "***" if _is_secret(name) and value is not None else value
+            for name, value in options.items()}

@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from kvtier.backends import split_url_options
+from kvtier.backends import redact_url, split_url_options
 from kvtier.backends.base import (
     COMMON_SETTINGS,
     Backend,
@@ -151,10 +151,10 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> MemoryB
     """Build a :class:`MemoryBackend` from ``memory://`` (options: ``max_bytes``, auth)."""
     parts, merged = split_url_options(url, options)
     if parts.scheme != "memory":
-        raise ValueError(f"memory backend URL must start with memory://, got {url!r}")
+        raise ValueError(f"memory backend URL must start with memory://, got {redact_url(url)!r}")
     if parts.netloc or parts.path not in ("", "/"):
         raise ValueError(
-            f"memory backend URL takes no host or path, got {url!r}; expected 'memory://'"
+            f"memory backend URL takes no host or path, got {redact_url(url)!r}; expected 'memory://'"
         )
     parsed = SETTINGS.parse(merged, "memory")
     return MemoryBackend(namespace, max_bytes=parsed["max_bytes"],

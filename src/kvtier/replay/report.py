@@ -6,6 +6,7 @@ Pure presentation; this module owns no state.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -234,8 +235,12 @@ def report_json(report: ReplayReport) -> dict[str, Any]:
 
 
 def write_json(report: ReplayReport, path: Path) -> None:
-    try:
-        path.write_text(json.dumps(report_json(report), indent=2, default=str) + "\n")
+    text = json.dumps(report_json(report), indent=2, default=str) + "\n"
+    try:  # 0600: a report names hosts, buckets and settings; it is nobody else's business
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            os.fchmod(handle.fileno(), 0o600)
+            handle.write(text)
     except OSError as exc:
         raise ReportError(f"could not write JSON report to {path}: {exc.strerror}") from exc
 
