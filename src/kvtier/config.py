@@ -204,7 +204,6 @@ OTHER_ENV_VARIABLES: Mapping[str, str] = MappingProxyType({
     "KVTIER_SECONDARY_TIERS": "the secondary tiers: a JSON list, or comma-separated URLs",
     "KVTIER_DEBUG": "the CLI prints a traceback for unexpected errors",
     "KVTIER_SKIP_VLLM": "scripts/test.sh skips the vLLM test lane",
-    "KVTIER_TRACES_DIR": "the test suite reads the shared production traces from here",
 })
 """``KVTIER_*`` variables that are not a setting of one table."""
 
