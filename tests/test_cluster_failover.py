@@ -64,7 +64,7 @@ def test_killing_a_primary_costs_at_most_the_failover_time(
         killed = time.monotonic()
         recovered_s = None
         while time.monotonic() - killed < 60:  # each round is bounded by the socket timeouts
-            loaded = _loaded(backend, keys)  # a batch touching the dead primary fails whole
+            loaded = _loaded(backend, keys)  # the dead primary's keys miss until the failover
             if all(loaded):
                 recovered_s = time.monotonic() - killed
                 break
