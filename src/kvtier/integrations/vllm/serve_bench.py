@@ -114,7 +114,7 @@ PRESETS: dict[str, Preset] = {
     # Prefill of a ~900-token prompt takes ~0.4 s on one core; the engine cache holds ~4k tokens.
     "cpu": Preset(ModelShape(512, 8, 8, 2, 1536, 1024, "float32"), block_size=32,
                   max_model_len=2048, kv_cache_bytes=32 * MIB, cpu_tier_bytes=96 * MIB,
-                  requests=60, output_len=8),
+                  requests=40, output_len=8),
     # Llama-3-8B-shaped (random weights): for a lent GPU.
     "gpu": Preset(ModelShape(4096, 32, 32, 8, 14336, 32000, "bfloat16"), block_size=64,
                   max_model_len=16384, kv_cache_bytes=2048 * MIB, cpu_tier_bytes=8192 * MIB,
@@ -165,8 +165,16 @@ def build_random_llama(directory: Path, shape: ModelShape, max_model_len: int,
                        seed: int = 1234) -> Path:
     """Write config, random safetensors weights and a word-level tokenizer (no download)."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import (  # type: ignore[import-not-found, unused-ignore]
+        Tokenizer,
+        models,
+        pre_tokenizers,
+    )
+    from transformers import (  # type: ignore[import-not-found, unused-ignore]
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     marker = directory / "kvtier-shape.json"
     wanted = json.dumps({"shape": asdict(shape), "max_len": max_model_len, "seed": seed})
@@ -393,7 +401,7 @@ def vllm_server(settings: BenchSettings, model_dir: Path, transfer: dict[str, An
         "--dtype", settings.model.dtype, "--block-size", str(settings.block_size),
         "--max-model-len", str(settings.max_model_len),
         "--kv-cache-memory-bytes", str(settings.kv_cache_bytes),
-        "--enable-prefix-caching", "--seed", "0", "--max-num-seqs", "4",
+        "--enable-prefix-caching", "--seed", "0", "--max-num-seqs", "4", "--enforce-eager",
     ]
     if transfer is not None:
         command += ["--kv-transfer-config", json.dumps(transfer)]
@@ -662,7 +670,7 @@ def machine_info() -> dict[str, Any]:
         from kvtier.integrations.vllm.vllm_cli import installed_vllm_version
 
         info["vllm"] = installed_vllm_version()
-    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+    except Exception as exc:  # reported in the JSON, not fatal
         info["vllm"] = f"unknown ({exc})"
     return info
 
@@ -815,7 +823,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_from_args(args)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # SystemExit unwinds through every context manager: servers stopped, /dev/shm cleaned.
+    raise SystemExit(128 + signum)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         settings = settings_from_args(args)
         report = run_benchmark(settings)
