@@ -472,6 +472,8 @@ def run_client(settings: BenchSettings, server: RunningServer, model_dir: Path, 
         "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99",
         "--save-result", "--save-detailed", "--result-dir", str(result_dir),
         "--result-filename", filename, "--disable-tqdm", "--seed", "0",
+        # Greedy: outputs must not depend on how far a server's sampler RNG has advanced.
+        "--temperature", "0",
     ]
     log_path = result_dir / f"{label}.client.log"
     with log_path.open("wb") as log:
@@ -508,7 +510,7 @@ def summarize(name: str, passed: PassResult, startup_s: float,
     by_source = {key.partition("[")[2].rstrip("]"): int(value) for key, value in delta.items()
                  if key.startswith("vllm:prompt_tokens_cached_by_source") and "[" in key}
     kvtier = {key.removeprefix("vllm:kvtier_"): int(value) for key, value in delta.items()
-              if key.startswith("vllm:kvtier_") and value}
+              if key.startswith("vllm:kvtier_") and not key.endswith("_created") and value}
     return ConfigResult(
         name=name, ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else math.nan,
         ttft_p50_s=_percentile(ttfts, 50), ttft_p99_s=_percentile(ttfts, 99),
