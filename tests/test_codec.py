@@ -87,7 +87,7 @@ def test_each_mismatch_raises_its_own_error_and_leaves_out_untouched() -> None:
     frame = bytes(codec.encode(NS, KEY, payload))
 
     _expect(codec.BadMagic, b"XXXX" + frame[4:])
-    _expect(codec.UnsupportedVersion, frame[:4] + (2).to_bytes(2, "little") + frame[6:])
+    _expect(codec.UnsupportedVersion, frame[:4] + (99).to_bytes(2, "little") + frame[6:])
     _expect(codec.NamespaceMismatch, frame, ns=OTHER_NS)
     _expect(codec.KeyMismatch, frame, key=KEY[:-1] + bytes([KEY[-1] ^ 1]))
     _expect(codec.KeyMismatch, frame, key=KEY + b"\x00")

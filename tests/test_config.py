@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvtier.config import (
+    CONFIG_SETTINGS,
+    LOOKUP_SETTINGS,
+    OTHER_ENV_VARIABLES,
+    TIER_SETTINGS,
+    VLLM_TIER_SETTINGS,
     ConfigError,
     KvtierConfig,
     MetricsRegistry,
+    TierConfig,
     WritePolicy,
+    all_tables,
+    known_env_names,
     load_config,
     parse_size,
+    settings_markdown,
 )
 from kvtier.policies import PolicyName
 from kvtier.primary import PrimaryBacking
+from kvtier.settings import Kind, Setting, SettingsTable
 
 BASE: dict[str, Any] = {"block_bytes": "64KiB", "primary_bytes": "1MiB",
                         "namespace": {"model": "m"}}
@@ -41,7 +54,7 @@ def test_minimal_config_and_defaults() -> None:
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    ("4GiB", 4 << 30), ("512MB", 512_000_000), ("1024", 1024), (" 1.5 KiB ", 1536),
+    ("4GiB", 4 << 30), ("512M", 512 << 20), ("1024", 1024), (" 1.5 KiB ", 1536),
     ("2kib", 2048), (7, 7), ("3 B", 3),
 ])
 def test_sizes(text: object, expected: int) -> None:
@@ -55,34 +68,39 @@ def test_bad_sizes_name_path_and_value(bad: object) -> None:
 
 
 @pytest.mark.parametrize(("changes", "pattern"), [
-    ({"block_bytes": 0}, r"block_bytes: expected a size >= 1 byte, got 0"),
+    ({"block_bytes": 0}, r"block_bytes: expected a size >= 1 bytes, got 0"),
     ({"primary_bytes": "1KiB"}, r"primary_bytes: expected at least block_bytes \(65536\)"),
-    ({"eviction_policy": "lfu"}, r"eviction_policy: expected one of \['lru', 'arc'\], got 'lfu'"),
-    ({"write_policy": "sometimes"}, r"write_policy: expected one of \['write_through'"),
-    ({"max_events": -1}, r"max_events: expected an int >= 0, got -1"),
+    ({"eviction_policy": "lfu"}, r"eviction_policy: expected one of 'lru', 'arc', got 'lfu'"),
+    ({"write_policy": "sometimes"}, r"write_policy: expected one of 'write_through'"),
+    ({"max_events": -1}, r"max_events: expected an integer >= 0, got -1"),
     ({"primary_path": "/x"}, r"primary_path: only valid with"),
     ({"primary_backing": "mmap_file"}, r"primary_path: mmap_file backing needs an absolute"),
     ({"metrics_registry": "nope"}, r"metrics_registry: expected one of"),
     ({"colour": "blue"}, r"unknown key\(s\) \['colour'\]"),
     ({"namespace": {"model": "m", "flavour": 1}}, r"\['namespace.flavour'\]"),
     ({"namespace": {"revision": "x"}}, r"namespace.model: missing"),
-    ({"namespace": {"model": "m", "rank": "0"}}, r"namespace.rank: expected int, got '0'"),
+    ({"namespace": {"model": "m", "rank": "zero"}},
+     r"namespace.rank: expected an integer >= 0, got 'zero'"),
+    ({"primary_bytes": "1.5GB"}, r"primary_bytes: '1.5GB' is ambiguous .* write 1.5GiB"),
+    ({"block_bytes": "64KB"}, r"block_bytes: '64KB' is ambiguous"),
     ({"namespace": {"model": "m", "rank": 3}}, r"namespace: Namespace.rank must be in"),
     ({"secondary_tiers": "file:///x"}, r"secondary_tiers: expected a list"),
     ({"secondary_tiers": [{"name": "a"}]}, r"secondary_tiers\[0\].url: missing"),
     ({"secondary_tiers": ["ftp://host/x"]}, r"secondary_tiers\[0\].url: unknown scheme 'ftp'"),
     ({"secondary_tiers": ["/just/a/path"]}, r"secondary_tiers\[0\].url: expected a URL"),
     ({"secondary_tiers": ["memory://", {"url": "memory://", "lookup": {"quarantine_s": -1}}]},
-     r"secondary_tiers\[1\].lookup.quarantine_s: expected a number >= 0.0 and <= 3600.0, "
-     r"got -1"),
+     r"secondary_tiers\[1\].lookup.quarantine_s: expected a finite number >= 0.0 and "
+     r"<= 3600.0 \(seconds\), got -1"),
     ({"secondary_tiers": [{"url": "memory://", "lookup": {"quarantine": 1}}]},
      r"\['secondary_tiers\[0\].lookup.quarantine'\]"),
     ({"secondary_tiers": [{"url": "memory://", "io_threads": 0}]},
-     r"secondary_tiers\[0\].io_threads: expected an int >= 1, got 0"),
+     r"secondary_tiers\[0\].io_threads: expected an integer >= 1, got 0"),
     ({"secondary_tiers": [{"url": "memory://", "max_bytes": "lots"}]},
-     r"secondary_tiers\[0\].max_bytes: expected a size"),
-    ({"secondary_tiers": [{"url": "memory://", "ttl_s": [1]}]},
-     r"secondary_tiers\[0\].ttl_s: backend options must be scalars"),
+     r"secondary_tiers\[0\].max_bytes: expected a byte count or a binary size"),
+    ({"secondary_tiers": [{"url": "redis://127.0.0.1:1/0", "ttl_s": [1]}]},
+     r"secondary_tiers\[0\].ttl_s: expected a finite number"),
+    ({"secondary_tiers": [{"url": "memory://", "ttl_s": 5}]},
+     r"unknown memory backend setting\(s\) \['secondary_tiers\[0\].ttl_s'\]"),
     ({"secondary_tiers": [{"url": "memory://", "name": "primary"}]},
      r"secondary_tiers\[0\].name: .*got 'primary'"),
     ({"secondary_tiers": [{"url": "memory://", "name": "a"}, {"url": "memory://", "name": "a"}]},
@@ -191,16 +209,44 @@ def test_environment_mapping(tmp_path: Path) -> None:
 def test_environment_errors_name_the_variable(tmp_path: Path) -> None:
     base = {"KVTIER_BLOCK_BYTES": "1KiB", "KVTIER_PRIMARY_BYTES": "4KiB",
             "KVTIER_NAMESPACE_MODEL": "m"}
-    with pytest.raises(ConfigError, match=r"\['KVTIER_PRIMARY_BYTE'\]"):
-        KvtierConfig.from_env({**base, "KVTIER_PRIMARY_BYTE": "1"})
-    with pytest.raises(ConfigError, match="KVTIER_NAMESPACE_RANK: expected an int, got 'x'"):
+    with pytest.raises(ConfigError, match=r"KVTIER_NAMESPACE_RANK \(namespace.rank\): "
+                                          r"expected an integer >= 0, got 'x'"):
         KvtierConfig.from_env({**base, "KVTIER_NAMESPACE_RANK": "x"})
     with pytest.raises(ConfigError, match="KVTIER_SECONDARY_TIERS: cannot parse"):
         KvtierConfig.from_env({**base, "KVTIER_SECONDARY_TIERS": "[not json"})
-    with pytest.raises(ConfigError, match="KVTIER_MAX_EVENTS: cannot parse"):
+    with pytest.raises(ConfigError, match=r"KVTIER_MAX_EVENTS \(max_events\): expected an "
+                                          r"integer >= 0, got 'many'"):
         KvtierConfig.from_env({**base, "KVTIER_MAX_EVENTS": "many"})
-    with pytest.raises(ConfigError, match=r"^block_bytes: expected a size"):
+    with pytest.raises(ConfigError, match=r"^KVTIER_BLOCK_BYTES \(block_bytes\): expected a "
+                                          r"byte count"):
         KvtierConfig.from_env({**base, "KVTIER_BLOCK_BYTES": "big"})
+    with pytest.raises(ConfigError, match=r"KVTIER_IO_THREADS \(secondary_tiers\[\*\]"
+                                          r"\.io_threads\): expected an integer >= 1"):
+        KvtierConfig.from_env({**base, "KVTIER_IO_THREADS": "0"})
+
+
+def test_unknown_environment_variables_are_logged_not_fatal(
+        caplog: pytest.LogCaptureFixture) -> None:
+    base = {"KVTIER_BLOCK_BYTES": "1KiB", "KVTIER_PRIMARY_BYTES": "4KiB",
+            "KVTIER_NAMESPACE_MODEL": "m", "KVTIER_DEBUG": "1", "KVTIER_SKIP_VLLM": "1"}
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        cfg = KvtierConfig.from_env({**base, "KVTIER_PRIMARY_BYTE": "8KiB"})
+    assert cfg.num_slots == 4  # the misspelt variable changed nothing
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == ["unknown environment variable KVTIER_PRIMARY_BYTE ignored; did you "
+                        "mean KVTIER_PRIMARY_BYTES?"]
+
+
+def test_environment_tier_and_lookup_defaults_under_explicit_values() -> None:
+    env = {"KVTIER_BLOCK_BYTES": "1KiB", "KVTIER_PRIMARY_BYTES": "4KiB",
+           "KVTIER_NAMESPACE_MODEL": "m", "KVTIER_IO_THREADS": "2",
+           "KVTIER_LOOKUP_QUARANTINE_S": "7",
+           "KVTIER_SECONDARY_TIERS": json.dumps(
+               ["memory://", {"url": "memory://", "io_threads": 6,
+                              "lookup": {"quarantine_s": 1}}])}
+    first, second = KvtierConfig.from_env(env).secondary_tiers
+    assert (first.io_threads, first.lookup.quarantine_s) == (2, 7.0)
+    assert (second.io_threads, second.lookup.quarantine_s) == (6, 1.0)
 
 
 def test_environment_layers_over_a_yaml_file(tmp_path: Path) -> None:
@@ -226,3 +272,104 @@ def test_load_config_sources(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_config() == cfg
     with pytest.raises(ConfigError, match="expected a KvtierConfig, a mapping"):
         load_config(42)  # type: ignore[arg-type]
+
+
+# -- the settings tables: one declaration per setting ---------------------------------------
+
+
+def _generated_block(name: str) -> tuple[str, str]:
+    """(README block, its path) for the generated block ``name``."""
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    begin, end = f"<!-- {name}:begin (generated) -->\n", f"<!-- {name}:end -->"
+    assert begin in text and end in text, f"README.md lacks the {name} block"
+    return text.split(begin, 1)[1].split(end, 1)[0], str(readme)
+
+
+def test_readme_settings_tables_are_the_generated_ones() -> None:
+    block, _ = _generated_block("settings")
+    assert block == settings_markdown(), (
+        "README settings tables are stale: run .venv/bin/python scripts/update-readme-tables.py")
+
+
+def test_every_setting_and_env_variable_is_declared_once() -> None:
+    """Two tables may share a setting only by sharing its one declaration (the same object)."""
+    by_name: dict[tuple[str, str], Setting] = {}
+    by_env: dict[str, Setting] = {}
+    for table in all_tables():
+        for setting in table:
+            if setting.env is not None:
+                assert setting.env.startswith("KVTIER_"), setting.env
+                other = by_env.setdefault(setting.env, setting)
+                assert other is setting, f"{setting.env} is declared twice"
+                assert setting.env not in OTHER_ENV_VARIABLES
+            by_name[(table.component, setting.name)] = setting
+    shared = [setting for setting in by_name.values()
+              if sum(candidate is setting for candidate in by_name.values()) > 1]
+    assert {setting.name for setting in shared} == {"url", "io_threads", "model", "revision",
+                                                    "tenant", "auth_key", "auth_key_file"}
+    assert known_env_names() >= {"KVTIER_DEBUG", "KVTIER_SKIP_VLLM", "KVTIER_CONFIG",
+                                 "KVTIER_SECONDARY_TIERS", "KVTIER_IO_THREADS"}
+
+
+def _signature_defaults(function: Any) -> dict[str, Any]:
+    return {name: parameter.default
+            for name, parameter in inspect.signature(function).parameters.items()
+            if parameter.default is not inspect.Parameter.empty}
+
+
+def test_constructor_defaults_come_from_the_tables() -> None:
+    from kvtier.lookup import AsyncLookupManager
+    from kvtier.tier import SecondaryTier
+
+    tier_defaults = _signature_defaults(SecondaryTier.__init__)
+    tier_fields = {item.name: item.default for item in dataclasses.fields(TierConfig)}
+    for setting in TIER_SETTINGS:
+        if setting.name in tier_defaults:
+            assert tier_defaults[setting.name] == setting.default, setting.name
+        if setting.name in tier_fields and setting.name not in ("url", "name"):
+            assert tier_fields[setting.name] == setting.default, setting.name
+    assert {"io_threads", "max_pending_store_bytes", "max_pending_store_jobs"} <= set(
+        tier_defaults)
+    config_fields = {item.name: item.default for item in dataclasses.fields(KvtierConfig)}
+    for setting in CONFIG_SETTINGS:
+        if setting.required:
+            continue
+        default = config_fields[setting.name]
+        assert getattr(default, "value", default) == setting.default, setting.name
+    lookup_defaults = _signature_defaults(AsyncLookupManager.__init__)
+    for setting in LOOKUP_SETTINGS:
+        assert setting.name in lookup_defaults, setting.name
+        if setting.default is not None:  # unset: the lookup manager's own default
+            assert lookup_defaults[setting.name] == setting.default, setting.name
+
+
+def test_vllm_tier_options_default_to_the_table() -> None:
+    """KvtierTier's keyword defaults are None: the KVTIER_* variable, else the table default."""
+    pytest.importorskip("vllm")
+    from kvtier.integrations.vllm import KvtierTier
+
+    defaults = _signature_defaults(KvtierTier.__init__)
+    for setting in VLLM_TIER_SETTINGS:
+        assert defaults[setting.name] is None, setting.name
+
+
+def test_config_error_is_the_settings_error() -> None:
+    from kvtier import settings
+
+    assert ConfigError is settings.ConfigError
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_a_table_parses_strings_and_objects_alike() -> None:
+    table = SettingsTable("demo", [
+        Setting("size", Kind.SIZE, 1024, "a size", minimum=1, env="KVTIER_DEMO_SIZE"),
+        Setting("flag", Kind.BOOL, False, "a flag"),
+    ])
+    assert table.parse({"size": "4KiB", "flag": "yes"}) == {"size": 4096, "flag": True}
+    assert table.parse({"size": 8}) == {"size": 8, "flag": False}
+    assert table.parse_env({"KVTIER_DEMO_SIZE": "2K"}) == {"size": 2048}
+    with pytest.raises(ConfigError, match=r"unknown demo setting\(s\) \['x.sise'\]"):
+        table.parse({"sise": 1}, "x")
+    with pytest.raises(ConfigError, match=r"KVTIER_DEMO_SIZE \(size\): '2KB' is ambiguous"):
+        table.parse_env({"KVTIER_DEMO_SIZE": "2KB"})

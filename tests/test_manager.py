@@ -22,6 +22,7 @@ from kvtier.manager import (
     LookupResult,
     ManagerClosedError,
     PromotionFailed,
+    StoreMode,
     StoreShed,
     TieringManager,
     open_manager,
@@ -463,7 +464,11 @@ class HeldBackend:
         return self.inner.put_many(keys, payloads)
 
 
-def test_a_backlogged_tier_sheds_cascades_without_blocking(make: Factory) -> None:
+def test_a_backlogged_tier_streams_cascades_through_the_pool_then_sheds(
+        make: Factory) -> None:
+    """Cascades a backlogged tier cannot take wait (pinned) in the pool instead of vanishing;
+    beyond half the pool the oldest are shed and counted. The held backend is an injected
+    fault: a real backend cannot be made to hang on demand."""
     m = make(tiers=[{"url": "memory://", "max_pending_store_jobs": 1, "io_threads": 1}],
              slots=8)
     tier = m.tiers[0]
@@ -475,18 +480,27 @@ def test_a_backlogged_tier_sheds_cascades_without_blocking(make: Factory) -> Non
         m.on_schedule_end()
         assert held.entered.wait(10)
         store(m, [k(2)], ctx)
-        m.on_schedule_end()  # returns at once: the cascade of k(2) is shed
+        m.on_schedule_end()  # returns at once: the cascade of k(2) waits in the pool
+        assert not [e for e in m.take_events() if isinstance(e, StoreShed)]
+        assert m.pool.pin_count(k(2)) == 1
+        assert m.get_stats()["manager"]["cascades_shed"] == 0
+        store(m, [k(3), k(4), k(5), k(6)], ctx)
+        m.on_schedule_end()  # 5 waiting > 4 (half the pool): the oldest one is shed
         assert StoreShed((k(2),), "memory") in m.take_events()
         assert m.pool.pin_count(k(2)) == 0
-        assert m.pool.pin_count(k(1)) == 1
+        assert [m.pool.pin_count(k(i)) for i in (1, 3, 4, 5, 6)] == [1, 1, 1, 1, 1]
         assert m.get_stats()["manager"]["cascades_shed"] == 1
+        assert m.get_stats()["tiers"]["memory"]["store_keys_shed"] == 1
         metrics = m.metrics
         assert metrics is not None
-        assert metrics.value("kvtier_shed_stores_total", tier="memory") == 1
+        m.publish_metrics()
+        assert metrics.value("kvtier_store_shed_blocks_total", tier="1:memory") == 1
     finally:
         held.release.set()
-    step(m)
+    step(m)  # the waiting cascades go once the tier has room
     assert m.get_stats()["pins"] == 0
+    assert tier.backend.exists([k(i) for i in range(1, 7)]) == [True, False, True, True, True,
+                                                                True]
 
 
 # ---- lifecycle, events, config --------------------------------------------------------------
@@ -520,7 +534,7 @@ def test_events_are_bounded(make: Factory) -> None:
 
 
 def test_open_manager_wraps_backend_errors_with_the_tier_path(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"secondary_tiers\[1\]: .*bogus"):
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[1\]\.bogus"):
         open_manager({"block_bytes": 64, "primary_bytes": 128, "namespace": {"model": "m"},
                       "secondary_tiers": ["memory://", {"url": "memory://", "bogus": 1}]})
     names = [thread.name for thread in threading.enumerate()]
@@ -552,13 +566,13 @@ def test_metrics_count_lookups_hits_and_transfers(make: Factory) -> None:
     m.publish_metrics()
     metrics = m.metrics
     assert metrics is not None
-    assert metrics.value("kvtier_lookups_total", tier="primary") == 3
-    assert metrics.value("kvtier_hits_total", tier="primary") == 1
-    assert metrics.value("kvtier_hits_total", tier="memory") == 1
-    assert metrics.value("kvtier_bytes_written_total", tier="memory") == BLOCK
-    assert metrics.value("kvtier_bytes_read_total", tier="memory") == BLOCK
-    assert metrics.value("kvtier_backend_calls_total", tier="memory", op="exists") == 1
-    assert metrics.value("kvtier_probe_latency_seconds_count", tier="memory") == 1
+    assert metrics.value("kvtier_lookups_total", tier="0:primary") == 3
+    assert metrics.value("kvtier_lookup_hits_total", tier="0:primary") == 1
+    assert metrics.value("kvtier_lookup_hits_total", tier="1:memory") == 1
+    assert metrics.value("kvtier_write_bytes_total", tier="1:memory") == BLOCK
+    assert metrics.value("kvtier_read_bytes_total", tier="1:memory") == BLOCK
+    assert metrics.value("kvtier_probe_calls_total", tier="1:memory") == 1
+    assert metrics.value("kvtier_probe_duration_seconds_count", tier="1:memory") == 1
     assert metrics.value("kvtier_primary_slots", state="resident") == 2
     assert b"kvtier_breaker_state" in metrics.render()
 
@@ -619,3 +633,107 @@ def test_randomized_soak_serves_only_exact_bytes_and_ends_empty(
     assert stats["manager"]["invariant_violations"] == 0
     assert stats["manager"]["promotions_succeeded"] > 0
     assert stats["primary"]["filling_slots"] == 0
+
+
+# ---- liveness: long requests, small pools ---------------------------------------------------
+
+
+def answer_within(m: TieringManager, requests: Sequence[tuple[RequestContext, list[bytes]]],
+                  max_steps: int) -> tuple[list[int], int]:
+    """Ask every request each step until all answered; (answers, steps taken). Steps, not time:
+    ``step`` waits for the probes and transfers of the step to land."""
+    answers: dict[str, int] = {}
+    for steps in range(1, max_steps + 1):
+        for ctx, keys in requests:
+            if ctx.req_id not in answers:
+                answer = m.lookup_prefix(keys, ctx)
+                if answer is not None:  # the engine loads at once, as it would
+                    answers[ctx.req_id] = answer
+                    assert read(m, keys[:answer], ctx) == [data(key) for key in keys[:answer]]
+        if len(answers) == len(requests):
+            return [answers[ctx.req_id] for ctx, _ in requests], steps
+        step(m)
+    raise AssertionError(f"no answer within {max_steps} steps: {answers}")
+
+
+def put_in_tier(m: TieringManager, keys: Sequence[bytes]) -> None:
+    assert m.tiers[0].backend.put_many(keys, [data(key) for key in keys]) == [True] * len(keys)
+
+
+def test_a_request_bigger_than_the_pool_answers_what_is_loadable(make: Factory,
+                                                                  tmp_path: Path) -> None:
+    m = make(tiers=[f"file://{tmp_path / 'f'}"], slots=8)
+    keys = [k(i) for i in range(40)]
+    put_in_tier(m, keys)
+    reader = RequestContext("long")
+    [answer], steps = answer_within(m, [(reader, keys)], max_steps=6)
+    assert steps <= 3  # probe, promote, answer
+    assert 1 <= answer <= 8
+    m.on_request_finished(reader)
+    step(m)
+    assert_no_state(m)
+
+
+def test_a_pool_pinned_full_by_running_requests_answers_at_once(make: Factory,
+                                                                 tmp_path: Path) -> None:
+    m = make(tiers=[f"file://{tmp_path / 'f'}"], slots=8)
+    running = RequestContext("running")
+    resident = [k(100 + i) for i in range(8)]
+    store(m, resident, running)
+    step(m)
+    m.prepare_load(resident, running)  # the engine reads them: every slot is pinned
+    assert m.pool.evictable_count() == 0
+    wanted = [k(i) for i in range(5)]
+    put_in_tier(m, wanted)
+    other = RequestContext("other")
+    [answer], steps = answer_within(m, [(other, wanted)], max_steps=6)
+    assert (answer, steps) == (0, 2)  # one probe step, then MISS: no slot can be had
+    plan = m.prepare_store(wanted, other, StoreMode.PREFIX)  # never None: all deferred
+    assert plan is not None and plan.keys == () and plan.deferred == tuple(wanted)
+    assert m.prepare_store(wanted, other) is None  # StoreMode.ALL: all or nothing
+    m.complete_load(resident, running)
+    for ctx in (running, other):
+        m.on_request_finished(ctx)
+    step(m)
+    assert_no_state(m)
+
+
+def test_concurrent_requests_each_over_half_the_pool_all_answer(make: Factory,
+                                                                tmp_path: Path) -> None:
+    """Three requests of 12 blocks on a 16-slot pool: their promotions evict each other's
+    (the ping-pong that once never answered); each answers within a bounded number of steps."""
+    m = make(tiers=[f"file://{tmp_path / 'f'}"], slots=16)
+    requests = [(RequestContext(f"r{r}"), [k(100 * r + i) for i in range(12)])
+                for r in range(3)]
+    for _, keys in requests:
+        put_in_tier(m, keys)
+    answers, steps = answer_within(m, requests, max_steps=12)
+    assert steps <= 2 + 2 * 3  # the probe step, three promotion rounds, the answers
+    for ctx, _ in requests:
+        m.on_request_finished(ctx)
+    assert sum(answers) >= 12
+    step(m)
+    assert_no_state(m)
+
+
+def test_a_store_bigger_than_the_pool_streams_to_the_tier(make: Factory,
+                                                          tmp_path: Path) -> None:
+    m = make(tiers=[f"file://{tmp_path / 'f'}"], slots=8)
+    ctx = RequestContext("prefill")
+    backlog = [k(i) for i in range(50)]
+    steps = 0
+    while backlog:
+        steps += 1
+        plan = m.prepare_store(backlog, ctx, StoreMode.PREFIX)
+        assert plan is not None and len(plan.keys) + len(plan.deferred) == len(backlog)
+        for key, slot in zip(plan.keys, plan.slots, strict=True):
+            m.primary_view(slot)[:] = data(key)
+        m.complete_store(plan.keys, ctx)
+        backlog = list(plan.deferred)
+        step(m)  # the cascades land and release their slots
+    assert steps == 7  # ceil(50 / 8): the pool is the only limit
+    assert m.tiers[0].backend.exists([k(i) for i in range(50)]) == [True] * 50
+    stats = m.get_stats()
+    assert stats["manager"]["cascades_shed"] == 0 and stats["manager"]["stores_deferred"] > 0
+    m.on_request_finished(ctx)
+    assert_no_state(m)

@@ -14,13 +14,16 @@ from hypothesis import strategies as st
 
 from kvtier.policies import ARCPolicy
 from kvtier.primary import (
+    ArenaError,
     ArenaMapping,
     PoolClosedError,
     PoolError,
     PrimaryBacking,
     PrimaryPool,
     SlotState,
+    available_memory_bytes,
 )
+from kvtier.settings import ConfigError
 
 
 def k(i: int) -> bytes:
@@ -182,10 +185,11 @@ def test_mmap_file_backing_writes_through_to_the_file(tmp_path: Path) -> None:
             assert bytes(arena.view(1)) == b"\x09" * 16
             arena.as_array()[0, :] = 3
         assert bytes(pool.view(0)) == b"\x03" * 16
+        with pytest.raises(ValueError, match="expected at least 64"):
+            ArenaMapping("mmap_file", str(path), 16, 4)
+    assert not path.exists()  # the pool removes the arena it created
     with pytest.raises(ValueError, match="heap arena is private"):
         ArenaMapping("heap", "x", 16, 2)
-    with pytest.raises(ValueError, match="expected at least 64"):
-        ArenaMapping("mmap_file", str(path), 16, 4)
 
 
 @settings(max_examples=80, deadline=None)
@@ -227,3 +231,129 @@ def test_pool_invariants_under_random_operations(ops: list[tuple[str, int]], pol
             used = [slot for slot in slots if slot is not None]
             assert len(used) == len(set(used))
         assert np.asarray(pool.as_array()).shape == (5, 4)
+
+
+# ---- arena ownership (issue 10) -------------------------------------------------------------
+
+_HOLD_ARENA = (
+    "import sys\n"
+    "from kvtier.primary import PrimaryPool\n"
+    "pool = PrimaryPool(16, 4, backing=sys.argv[1], path=sys.argv[2])\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.readline()\n"
+    "if sys.argv[3] == 'close':\n"
+    "    pool.close()\n"
+    "# otherwise: exit with the pool open; the interpreter-exit finalizer removes the arena\n"
+)
+
+
+def _start_holder(backing: str, path: str, mode: str = "close") -> subprocess.Popen[str]:
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_ARENA, backing, path, mode],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None
+    assert holder.stdout.readline().strip() == "ready"
+    return holder
+
+
+def _stop_holder(holder: subprocess.Popen[str]) -> None:
+    assert holder.stdin is not None
+    holder.stdin.write("\n")
+    holder.stdin.close()
+    assert holder.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("backing", ["mmap_file", "shared_memory"])
+def test_a_second_manager_is_refused_the_arena_another_process_holds(
+        tmp_path: Path, backing: str) -> None:
+    name = f"kvtier-test-{uuid4().hex[:12]}"
+    path = str(tmp_path / "arena.bin") if backing == "mmap_file" else name
+    on_disk = Path(path if backing == "mmap_file" else f"/dev/shm/{name}")
+    holder = _start_holder(backing, path)
+    try:
+        with pytest.raises(ArenaError, match="another running kvtier manager") as refused:
+            PrimaryPool(16, 4, backing=backing, path=path)
+        assert isinstance(refused.value, ConfigError)
+        assert on_disk.stat().st_size == 64  # the holder's arena is untouched
+    finally:
+        _stop_holder(holder)
+    assert not on_disk.exists()  # the holder removed what it created
+    with PrimaryPool(16, 4, backing=backing, path=path) as pool:  # free again: ours now
+        assert pool.path == path
+    assert not on_disk.exists()
+
+
+def test_an_existing_file_is_refused_and_never_truncated(tmp_path: Path) -> None:
+    path = tmp_path / "precious.bin"
+    path.write_bytes(b"x" * 1_500_000)
+    with pytest.raises(ArenaError, match="already exists and is not this manager's arena"):
+        PrimaryPool(16, 2048, backing="mmap_file", path=str(path))
+    assert path.stat().st_size == 1_500_000
+    link = tmp_path / "link.bin"
+    link.symlink_to(tmp_path / "target.bin")  # a dangling symlink is not followed either
+    with pytest.raises(ArenaError, match="already exists"):
+        PrimaryPool(16, 2, backing="mmap_file", path=str(link))
+    assert not (tmp_path / "target.bin").exists()
+
+
+def test_an_existing_shared_memory_segment_is_refused() -> None:
+    from multiprocessing import shared_memory
+
+    name = f"kvtier-test-{uuid4().hex[:12]}"
+    foreign = shared_memory.SharedMemory(name=name, create=True, size=4096)
+    try:
+        with pytest.raises(ArenaError, match="already exists and is not this manager's arena"):
+            PrimaryPool(16, 4, backing="shared_memory", path=name)
+        assert foreign.size >= 4096 and Path(f"/dev/shm/{name}").exists()
+    finally:
+        foreign.close()
+        foreign.unlink()
+
+
+@pytest.mark.parametrize("backing", ["mmap_file", "shared_memory"])
+def test_a_process_that_exits_without_closing_removes_its_arena(
+        tmp_path: Path, backing: str) -> None:
+    name = f"kvtier-test-{uuid4().hex[:12]}"
+    path = str(tmp_path / "arena.bin") if backing == "mmap_file" else name
+    holder = _start_holder(backing, path, mode="leave-open")
+    _stop_holder(holder)
+    assert not Path(path if backing == "mmap_file" else f"/dev/shm/{name}").exists()
+
+
+@pytest.mark.parametrize(("backing", "path", "message"), [
+    ("mmap_file", "/nonexistent-dir/arena.bin", "cannot create the arena file"),
+    ("mmap_file", "/proc/arena.bin", "cannot create the arena file"),
+    ("shared_memory", "bad/name", "cannot create a shared-memory segment"),
+])
+def test_arena_creation_failures_are_config_errors_naming_the_path(
+        backing: str, path: str, message: str) -> None:
+    with pytest.raises(ArenaError, match=message) as refused:
+        PrimaryPool(16, 4, backing=backing, path=path)
+    assert repr(path) in str(refused.value)
+
+
+def test_a_directory_at_the_arena_path_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ArenaError, match="already exists"):
+        PrimaryPool(16, 4, backing="mmap_file", path=str(tmp_path))
+    assert tmp_path.is_dir()
+
+
+@pytest.mark.parametrize("backing", ["heap", "shared_memory"])
+def test_an_arena_larger_than_available_memory_is_refused_up_front(backing: str) -> None:
+    available = available_memory_bytes(backing)
+    assert available is not None and available > 0
+    with pytest.raises(ArenaError, match="does not fit") as refused:
+        PrimaryPool(1024**2, available // 1024**2 + 1, backing=backing)
+    assert f"{available:,}" in str(refused.value)
+    with pytest.raises(ArenaError, match="does not fit"):
+        PrimaryPool(1024**5, 16_000)  # 1 PiB blocks: no MemoryError, a clear error
+
+
+def test_open_manager_reports_a_taken_arena_as_a_config_error(tmp_path: Path) -> None:
+    from kvtier.manager import open_manager
+
+    path = str(tmp_path / "arena.bin")
+    config = {"block_bytes": 16, "primary_bytes": 64, "namespace": {"model": "m"},
+              "primary_backing": "mmap_file", "primary_path": path, "metrics_registry": "disabled"}
+    with open_manager(config), pytest.raises(ConfigError, match="another running kvtier"):
+        open_manager(config)
+    assert not Path(path).exists()

@@ -1,7 +1,10 @@
 """The ``kvtier`` command: ``replay``, ``inspect`` and ``bench``.
 
 Exit codes: 0 success; 1 the run failed (a byte mismatch, a stuck request, a backend or
-validation failure); 2 bad arguments or bad input (message names the bad value).
+validation failure, a tier that failed for most of the run, an ``inspect`` check that could not
+be answered); 2 bad arguments or bad input (message names the bad value); 128 + N when signal
+N (SIGINT 130, SIGTERM 143, SIGHUP 129) stopped the command after cleaning up (see
+:mod:`kvtier.runguard`). No message ever shows a password or key given in a URL.
 
 This module owns no long-lived state; each command runs on the calling thread.
 """
@@ -9,6 +12,7 @@ This module owns no long-lived state; each command runs on the calling thread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -84,13 +88,13 @@ def _block_bytes(text: str) -> int:
 
 
 def _tier_url(text: str) -> str:
-    from kvtier.backends import SCHEMES
+    from kvtier.backends import SCHEMES, redact_url
 
     scheme = text.split("://", 1)[0] if "://" in text else ""
     if scheme not in SCHEMES:
         raise argparse.ArgumentTypeError(
             f"expected a tier URL with a scheme in {', '.join(s + '://' for s in SCHEMES)}, "
-            f"got {text!r}"
+            f"got {redact_url(text)!r}"
         )
     return text
 
@@ -118,8 +122,11 @@ def _add_stack_options(parser: argparse.ArgumentParser) -> None:
                         help="bytes per KV block payload (default 16KiB)")
     parser.add_argument("--cpu-blocks", type=_int_at_least(1), default=16_000, metavar="N",
                         help="primary (CPU) pool size in blocks, per instance (default 16000)")
-    parser.add_argument("--gpu-blocks", type=_int_at_least(0), default=2_000, metavar="N",
-                        help="GPU prefix cache size in blocks, per instance (default 2000)")
+    parser.add_argument("--gpu-blocks", type=_int_at_least(0), default=None, metavar="N",
+                        help="GPU prefix cache size in blocks, per instance; a request needing "
+                             "more is rejected and counted, as vLLM rejects a prompt longer "
+                             "than its KV cache (default: max(2000, the trace's largest "
+                             "request), so nothing is rejected)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -141,8 +148,9 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
     )
     replay.add_argument("trace", nargs="?", default=None, metavar="TRACE",
-                        help="JSONL trace file (.jsonl, .jsonl.gz, .jsonl.xz) or "
-                             "builtin:conversation / builtin:synthetic")
+                        help="JSONL trace file (.jsonl, .jsonl.gz, .jsonl.xz), a per-session "
+                             "JSON file or a directory of them, or builtin:conversation / "
+                             "builtin:synthetic / builtin:agentic")
     _add_stack_options(replay)
     replay.add_argument("--instances", type=_int_at_least(1), default=1, metavar="N",
                         help="engines sharing the secondary tiers (default 1)")
@@ -162,6 +170,13 @@ def _build_parser() -> argparse.ArgumentParser:
                              "0 = no pause)")
     replay.add_argument("--trace-block-tokens", type=_int_at_least(1), default=512, metavar="N",
                         help="tokens per hash id in the trace (default 512)")
+    replay.add_argument("--hash-convention", choices=("auto", "ceil", "floor"), default="auto",
+                        help="hash ids per prompt: ceil = the partial last block is hashed "
+                             "(Mooncake), floor = only full blocks (vLLM), auto = either, line "
+                             "by line (default auto; the report says which it found)")
+    replay.add_argument("--seed", type=_int_at_least(0), default=0, metavar="N",
+                        help="seed of builtin:agentic and of the session interleaving of a "
+                             "directory of session files (default 0)")
     replay.add_argument("--max-requests", type=_int_at_least(1), default=None, metavar="N",
                         help="replay only the first N requests")
     replay.add_argument("--skip-bad-lines", action="store_true",
@@ -212,30 +227,56 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    words = list(sys.argv[1:] if argv is None else argv)
-    if words[:2] == ["bench", "serve"]:
-        return _run_bench_serve(words[2:])
+    from kvtier.runguard import Scrubber, SignalGuard, Terminated
+
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:2] == ["bench", "serve"]:
+        return _run_bench_serve(raw[2:])
+    scrub = Scrubber.for_run(raw)
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    with contextlib.redirect_stderr(_ScrubbedStream(sys.stderr, scrub)):
+        args = parser.parse_args(raw)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "replay": _run_replay,
         "inspect": _run_inspect,
         "bench": _run_bench,
     }
+    args.scrub = scrub
     try:
-        return handlers[args.command](args)
+        with scrub.in_logs(), SignalGuard():
+            return handlers[args.command](args)
     except _UsageError as exc:
-        print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        print(scrub(f"kvtier {args.command}: error: {exc}"), file=sys.stderr)
         return EXIT_USAGE
+    except Terminated as stop:
+        print(f"kvtier {args.command}: stopped by {stop.name}; cleaned up", file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:
         print(f"kvtier {args.command}: interrupted", file=sys.stderr)
         return 130
+    except RecursionError:
+        print(f"kvtier {args.command}: error: input nested too deeply", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as exc:
         if os.environ.get("KVTIER_DEBUG"):
             raise
-        print(f"kvtier {args.command}: failed: {type(exc).__name__}: {exc} "
-              f"(set KVTIER_DEBUG=1 for the traceback)", file=sys.stderr)
+        print(scrub(f"kvtier {args.command}: failed: {type(exc).__name__}: {exc} "
+                    f"(set KVTIER_DEBUG=1 for the traceback)"), file=sys.stderr)
         return EXIT_FAILED
+
+
+class _ScrubbedStream:
+    """A text stream that scrubs secrets out of what argparse writes (usage errors)."""
+
+    def __init__(self, stream: Any, scrub: Callable[[str], str]) -> None:
+        self._stream = stream
+        self._scrub = scrub
+
+    def write(self, text: str) -> int:
+        return int(self._stream.write(self._scrub(text)))
+
+    def flush(self) -> None:
+        self._stream.flush()
 
 
 _PIPE_WIDTH = 170
@@ -265,12 +306,17 @@ def _load_trace(args: argparse.Namespace) -> Any:
             block_tokens=args.trace_block_tokens,
             skip_bad_lines=args.skip_bad_lines,
             max_requests=max_requests,
+            hash_convention=getattr(args, "hash_convention", "auto"),
+            seed=getattr(args, "seed", 0),
         )
     except TraceFormatError as exc:
         hint = "" if args.skip_bad_lines or exc.line is None else (
             " (use --skip-bad-lines to skip malformed lines)"
         )
         raise _UsageError(f"bad trace: {exc}{hint}") from None
+    except RecursionError:
+        raise _UsageError(f"bad trace {source!r}: a line is nested too deeply to be a "
+                          f"trace record") from None
 
 
 def _validation_for(trace: Any) -> tuple[Any, str]:
@@ -312,8 +358,7 @@ def _replay_options(args: argparse.Namespace, **extra: Any) -> Any:
             eviction_policy=getattr(args, "eviction_policy", "lru"),
             write_policy=getattr(args, "write_policy", "write_through"),
             namespace_tag=getattr(args, "namespace_tag", ""),
-            scratch_dir=getattr(args, "scratch_dir", None),
-            **extra,
+            **{"scratch_dir": getattr(args, "scratch_dir", None), **extra},
         )
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
@@ -340,7 +385,7 @@ def _replay_all(trace: Any, options: Any, strategies: Sequence[Any], show_progre
             task = progress.add_task(f"replay ({strategy.value})", total=len(trace.requests))
 
             def advance(done: int, _total: int, task_id: Any = task) -> None:
-                progress.update(task_id, completed=done)
+                progress.update(task_id, completed=done, total=_total)
 
             results.append(replay(trace, options, strategy, progress=advance))
     return results
@@ -361,19 +406,23 @@ def _run_replay(args: argparse.Namespace) -> int:
                 "--plot needs matplotlib, which is not installed; install it with "
                 "`pip install 'kvtier[plot]'`"
             ) from None
+    _check_memory(args)
     trace = _load_trace(args)
-    options = _replay_options(args)
     console = _console()
     strategies = list(Strategy) if args.compare else [Strategy.KVTIER]
     validation, note = _validation_for(trace)
-    try:
-        results = _replay_all(trace, options, strategies, not args.no_progress, console)
-    except ReplayError as exc:
-        print(f"kvtier replay: FAILED: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except ConfigError as exc:
-        # Configuration rejected by the manager or a backend (bad tier URL, bad option).
-        raise _UsageError(str(exc)) from None
+    with _scratch_for(args, trace) as scratch:
+        options = _replay_options(args, **({} if scratch is None else
+                                           {"scratch_dir": str(scratch.path)}))
+        try:
+            results = _replay_all(trace, options, strategies, not args.no_progress, console)
+        except ReplayError as exc:
+            print(args.scrub(f"kvtier replay: FAILED: {exc}"), file=sys.stderr)
+            return EXIT_FAILED
+        except ConfigError as exc:
+            # Configuration rejected by the manager or a backend (bad tier URL, bad option).
+            raise _UsageError(str(exc)) from None
+    _redact_results(results)
     report = ReplayReport(
         trace_source=trace.source,
         trace_sha256=trace.sha256,
@@ -396,7 +445,65 @@ def _run_replay(args: argparse.Namespace) -> int:
     if validation is not None and not validation.passed:
         print(f"kvtier replay: validation FAILED: {validation.summary()}", file=sys.stderr)
         return EXIT_FAILED
-    return EXIT_OK
+    return _tiers_verdict("replay", results)
+
+
+def _check_memory(args: argparse.Namespace) -> None:
+    """Refuse up front a primary pool the machine cannot hold (instead of a MemoryError)."""
+    from kvtier.primary import ArenaError, check_arena_fits
+
+    total = args.cpu_blocks * args.block_bytes * getattr(args, "instances", 1)
+    try:
+        check_arena_fits(total, "heap")
+    except ArenaError as exc:
+        raise _UsageError(f"--cpu-blocks {args.cpu_blocks:,} x --block-bytes "
+                          f"{args.block_bytes:,}: {exc}") from None
+
+
+class _NoScratch:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _scratch_for(args: argparse.Namespace, trace: Any) -> Any:
+    """The run's own scratch directory for the default file tier (None with --tier); stale
+    ones of dead runs under the same parent are removed first."""
+    import tempfile
+
+    from kvtier.replay.engine import default_scratch_dir
+    from kvtier.runguard import ScratchDir, check_scratch_parent, remove_stale_scratch
+
+    if args.tiers:
+        return _NoScratch()
+    if args.scratch_dir is not None:
+        problem = check_scratch_parent(args.scratch_dir)
+        if problem is not None:
+            raise _UsageError(f"--scratch-dir: {problem}; expected a writable directory")
+    parent = (args.scratch_dir or default_scratch_dir(trace, args.block_bytes)
+              or tempfile.gettempdir())
+    remove_stale_scratch(parent)
+    return ScratchDir(parent)
+
+
+def _redact_results(results: Sequence[Any]) -> None:
+    from kvtier.backends import redact_url
+
+    for result in results:
+        result.tier_urls = [redact_url(url) for url in result.tier_urls]
+
+
+def _tiers_verdict(command: str, results: Sequence[Any]) -> int:
+    """EXIT_FAILED, naming each tier, when a tier failed for most of the run."""
+    from kvtier.runguard import tier_health
+
+    failed = [health for result in results for health in tier_health(result.manager_stats)
+              if health.failed]
+    for health in failed:
+        print(f"kvtier {command}: FAILED: {health.summary()}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def _settings(args: argparse.Namespace, options: Any) -> dict[str, Any]:
@@ -407,16 +514,22 @@ def _settings(args: argparse.Namespace, options: Any) -> dict[str, Any]:
                      "write_policy")
     }
     settings["route"] = options.route.value
-    settings["tiers"] = list(options.tier_urls) or ["file tier in a temporary directory"]
+    from kvtier.backends import redact_url
+
+    settings["tiers"] = ([redact_url(url) for url in options.tier_urls]
+                         or ["file tier in a temporary directory"])
     settings["trace_block_tokens"] = args.trace_block_tokens
     settings["max_requests"] = args.max_requests
+    settings["hash_convention"] = getattr(args, "hash_convention", "auto")
+    settings["seed"] = getattr(args, "seed", 0)
     return settings
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from kvtier.backends import open_backend
+    from kvtier.backends import open_backend, redact_url
+    from kvtier.codec import check_key
     from kvtier.keys import Namespace
 
     fields: dict[str, Any] = {"model": "kvtier-replay"}
@@ -430,33 +543,53 @@ def _run_inspect(args: argparse.Namespace) -> int:
     keys: list[bytes] = []
     for text in args.keys:
         try:
-            keys.append(bytes.fromhex(text))
+            key = bytes.fromhex(text)
         except ValueError:
-            raise _UsageError(f"--key: expected hexadecimal bytes, got {text!r}") from None
-        if not keys[-1]:
-            raise _UsageError("--key: expected a non-empty key")
+            raise _UsageError(f"--key: expected hexadecimal bytes, got {text[:80]!r}") from None
+        try:
+            keys.append(check_key(key, "--key"))
+        except ValueError as exc:
+            raise _UsageError(str(exc)) from None
+    shown = redact_url(args.url)
     try:
         backend = open_backend(args.url, namespace)
     except ValueError as exc:
-        raise _UsageError(f"URL {args.url!r}: {exc}") from None
+        raise _UsageError(f"URL {shown!r}: {exc}") from None
     except Exception as exc:
-        print(f"kvtier inspect: could not open {args.url!r}: {exc}", file=sys.stderr)
+        print(args.scrub(f"kvtier inspect: could not open {shown!r}: {exc}"), file=sys.stderr)
         return EXIT_FAILED
     console = _console()
+    failed = False
     try:
-        present = backend.exists(keys) if keys else []
+        try:
+            stats = backend.stats()
+        except Exception as exc:
+            stats = {}
+            failed = True
+            print(args.scrub(f"kvtier inspect: FAILED: stats of {shown}: {exc}"),
+                  file=sys.stderr)
         table = Table(title=f"{backend.url} (namespace {namespace.digest_hex})",
                       title_justify="left")
         table.add_column("counter")
         table.add_column("value", justify="right")
-        for name, value in sorted(backend.stats().items()):
+        for name, value in sorted(stats.items()):
             table.add_row(name, f"{value:,}" if isinstance(value, int) else str(value))
         console.print(table)
-        for key, found in zip(keys, present, strict=True):
-            console.print(f"key {key.hex()}: {'present' if found else 'absent'}")
+        if keys:
+            try:
+                present: list[bool] | None = list(backend.probe(keys))
+            except Exception as exc:  # probe raises when the medium fails: unknown, not absent
+                present = None
+                failed = True
+                print(args.scrub(f"kvtier inspect: FAILED: could not check keys on {shown}: "
+                                 f"{exc}"), file=sys.stderr)
+            for index, key in enumerate(keys):
+                verdict = "unknown (check failed)" if present is None else (
+                    "present" if present[index] else "absent")
+                console.print(f"key {key.hex()}: {verdict}")
     finally:
         backend.close()
-    return EXIT_OK
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def _run_bench_serve(argv: list[str]) -> int:
@@ -479,6 +612,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     from kvtier.replay.strategies import Strategy
     from kvtier.replay.trace import read_trace
 
+    _check_memory(args)
     trace = read_trace(DEFAULT_TRACE, max_requests=args.requests)
     options = _replay_options(args)
     console = _console()

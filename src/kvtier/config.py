@@ -1,14 +1,23 @@
 """One typed kvtier configuration, from a dict, a YAML file or ``KVTIER_*`` environment variables.
 
-This module owns no mutable state: configs are frozen dataclasses, safe to share between threads.
+This module owns no mutable state: configs are frozen dataclasses and the settings tables are
+frozen, safe to share between threads.
+
+Every setting is declared once, in one :class:`~kvtier.settings.SettingsTable` per component:
+:data:`CONFIG_SETTINGS` (top level), :data:`NAMESPACE_SETTINGS`, :data:`TIER_SETTINGS` (one
+secondary tier), :data:`LOOKUP_SETTINGS` (a tier's lookup manager) and :data:`VLLM_TIER_SETTINGS`
+(the vLLM ``KvtierTier``, which reuses the shared settings' declarations). The tables give the
+constructors their defaults, validate dict / YAML / environment values, name the ``KVTIER_*``
+variables, and generate the README's settings tables (:func:`settings_markdown`).
 
 Every validation error is a :class:`ConfigError` (a ``ValueError``) whose message names the key
 path (``secondary_tiers[1].lookup.quarantine_s``), the bad value and what was expected; unknown
-keys are rejected by name.
+keys are rejected by name. Sizes are binary (``"64KiB"`` = ``"64K"`` = 65,536 bytes; ``"64KB"``
+is ambiguous and rejected).
 
 Keys (dict / YAML)::
 
-    block_bytes: 256KiB            # required; int or size string ("4GiB", "512MB", "1024")
+    block_bytes: 256KiB            # required
     primary_bytes: 4GiB            # required; the pool has primary_bytes // block_bytes slots
     eviction_policy: lru           # lru | arc
     write_policy: write_through    # write_through | write_back
@@ -25,44 +34,72 @@ Keys (dict / YAML)::
         io_threads: 4
         max_pending_store_bytes: 256MiB    # backpressure: cascades beyond this are shed
         max_pending_store_jobs: 1024
-        lookup: {probe_timeout_s: 2.0, verdict_ttl_s: 5.0, max_cached_verdicts: 65536,
-                 quarantine_s: 30.0, max_batch_keys: 1024, breaker_threshold: 5,
-                 breaker_cooldown_s: 10.0}   # unset: the lookup manager's defaults
+        lookup: {quarantine_s: 30.0, ...}  # LOOKUP_SETTINGS; unset: the lookup defaults
         ttl_s: 3600                # any other key is a backend option (see open_backend)
 
-Environment (:meth:`KvtierConfig.from_env`): ``KVTIER_CONFIG`` names a YAML file read first; then
-``KVTIER_BLOCK_BYTES``, ``KVTIER_PRIMARY_BYTES``, ``KVTIER_EVICTION_POLICY``,
-``KVTIER_WRITE_POLICY``, ``KVTIER_PRIMARY_BACKING``, ``KVTIER_PRIMARY_PATH``,
-``KVTIER_METRICS_REGISTRY``, ``KVTIER_MAX_EVENTS`` override top-level keys;
-``KVTIER_SECONDARY_TIERS`` is a JSON list (of URLs or tier objects) or comma-separated URLs;
-``KVTIER_NAMESPACE_<FIELD>`` sets a namespace field (``KVTIER_NAMESPACE_MODEL``, ``..._REVISION``,
-``..._DTYPE``, ``..._KV_LAYOUT``, ``..._BLOCK_SIZE``, ``..._WORLD_SIZE``, ``..._RANK``,
-``..._TENANT``). Any other ``KVTIER_*`` variable is rejected by name.
+Environment (:meth:`KvtierConfig.from_env`): ``KVTIER_CONFIG`` names a YAML file read first;
+then every setting's ``env`` name (see the tables) overrides it; ``KVTIER_SECONDARY_TIERS`` is a
+JSON list (of URLs or tier objects) or comma-separated URLs. Tier and lookup variables
+(``KVTIER_IO_THREADS``, ``KVTIER_LOOKUP_QUARANTINE_S``, ...) are defaults for every tier that
+does not set the key itself; the vLLM tier reads the same variables under its explicit options.
+An unknown ``KVTIER_*`` variable is logged (with the closest known name) and otherwise ignored.
 """
 
 from __future__ import annotations
 
+import difflib
 import enum
 import json
-import math
+import logging
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
+import kvtier.backends as _backends
+import kvtier.lookup as _lookup
 from kvtier.backends import SCHEMES
-from kvtier.backends.base import parse_size_option
+from kvtier.deadlines import DEFAULT_LOAD_TIMEOUT_S
 from kvtier.keys import Namespace
 from kvtier.policies import PolicyName
 from kvtier.primary import PrimaryBacking
+from kvtier.settings import (
+    ENV_PREFIX,
+    ConfigError,
+    Kind,
+    Setting,
+    SettingsTable,
+    parse_size,
+)
 
+__all__ = [
+    "CONFIG_SETTINGS",
+    "LOOKUP_SETTINGS",
+    "NAMESPACE_SETTINGS",
+    "OTHER_ENV_VARIABLES",
+    "TIER_SETTINGS",
+    "VLLM_TIER_SETTINGS",
+    "ConfigError",
+    "KvtierConfig",
+    "LookupConfig",
+    "MetricsRegistry",
+    "TierConfig",
+    "WritePolicy",
+    "all_tables",
+    "backend_table",
+    "env_layer",
+    "known_env_names",
+    "load_config",
+    "parse_size",
+    "settings_markdown",
+    "warn_unknown_env",
+]
 
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or invalid; the message names its key path."""
+_log = logging.getLogger("kvtier.config")
 
 
 class WritePolicy(enum.Enum):
@@ -78,59 +115,196 @@ class MetricsRegistry(enum.Enum):
     DISABLED = "disabled"  # no metrics
 
 
-KNOWN_SCHEMES = SCHEMES
+def _choices(kind: type[enum.Enum]) -> tuple[str, ...]:
+    return tuple(str(member.value) for member in kind)
+
+
+# ---------------------------------------------------------------------------- the tables
+
+CONFIG_SETTINGS = SettingsTable("config", [
+    Setting("block_bytes", Kind.SIZE, None, "bytes of one KV block (one primary slot)",
+            minimum=1, env="KVTIER_BLOCK_BYTES", required=True),
+    Setting("primary_bytes", Kind.SIZE, None,
+            "bytes of the CPU primary pool; it has primary_bytes // block_bytes slots",
+            minimum=1, env="KVTIER_PRIMARY_BYTES", required=True),
+    Setting("eviction_policy", Kind.CHOICE, PolicyName.LRU.value,
+            "which resident block the primary pool evicts first",
+            choices=_choices(PolicyName), env="KVTIER_EVICTION_POLICY"),
+    Setting("write_policy", Kind.CHOICE, WritePolicy.WRITE_THROUGH.value,
+            "write_through: cascade at complete_store; write_back: at eviction and shutdown",
+            choices=_choices(WritePolicy), env="KVTIER_WRITE_POLICY"),
+    Setting("primary_backing", Kind.CHOICE, PrimaryBacking.HEAP.value,
+            "memory of the primary pool (shared_memory / mmap_file: other processes can map it)",
+            choices=_choices(PrimaryBacking), env="KVTIER_PRIMARY_BACKING"),
+    Setting("primary_path", Kind.STR, None,
+            "shared-memory name, or the absolute file path of an mmap_file pool",
+            nullable=True, env="KVTIER_PRIMARY_PATH"),
+    Setting("metrics_registry", Kind.CHOICE, MetricsRegistry.PRIVATE.value,
+            "private: a registry per manager; global: prometheus_client.REGISTRY; disabled",
+            choices=_choices(MetricsRegistry), env="KVTIER_METRICS_REGISTRY"),
+    Setting("max_events", Kind.INT, 65536,
+            "events kept until take_events(); older ones are dropped (and counted)",
+            minimum=0, env="KVTIER_MAX_EVENTS"),
+])
+
+NAMESPACE_SETTINGS = SettingsTable("namespace", [
+    Setting("model", Kind.STR, "", "model name (required in a config; under vLLM: vLLM's)",
+            env="KVTIER_NAMESPACE_MODEL"),
+    Setting("revision", Kind.STR, "", "model revision", env="KVTIER_NAMESPACE_REVISION"),
+    Setting("dtype", Kind.STR, "", "KV cache dtype", env="KVTIER_NAMESPACE_DTYPE"),
+    Setting("kv_layout", Kind.STR, "", "KV cache layout", env="KVTIER_NAMESPACE_KV_LAYOUT"),
+    Setting("block_size", Kind.INT, 0, "tokens per block (0: unknown)", minimum=0,
+            unit="tokens", env="KVTIER_NAMESPACE_BLOCK_SIZE"),
+    Setting("world_size", Kind.INT, 1, "ranks sharing the model", minimum=1,
+            env="KVTIER_NAMESPACE_WORLD_SIZE"),
+    Setting("rank", Kind.INT, 0, "this process's rank (< world_size)", minimum=0,
+            env="KVTIER_NAMESPACE_RANK"),
+    Setting("tenant", Kind.STR, "", "tenant: tenants never read each other's blocks",
+            env="KVTIER_NAMESPACE_TENANT"),
+])
+
+TIER_SETTINGS = SettingsTable("secondary tier", [
+    Setting("url", Kind.STR, None, "backend URL: memory://, file:///abs/dir, redis://host:port/db,"
+            " redis+cluster://host:port, s3://bucket/prefix", required=True),
+    Setting("name", Kind.STR, None,
+            "tier name (metrics, stats); default: the scheme, made unique", nullable=True),
+    Setting("io_threads", Kind.INT, 4, "threads moving this tier's bytes", minimum=1,
+            env="KVTIER_IO_THREADS"),
+    Setting("max_pending_store_bytes", Kind.SIZE, 256 * 1024**2,
+            "backpressure: store payload in flight beyond this is shed (counted)", minimum=0,
+            env="KVTIER_MAX_PENDING_STORE_BYTES"),
+    Setting("max_pending_store_jobs", Kind.INT, 1024,
+            "backpressure: store jobs in flight beyond this are shed (counted)", minimum=1,
+            env="KVTIER_MAX_PENDING_STORE_JOBS"),
+    Setting("load_timeout_s", Kind.FLOAT, DEFAULT_LOAD_TIMEOUT_S,
+            "a load job not finished this long after it was submitted fails for its keys (they "
+            "are marked missing and the request recomputes them); the stuck backend call is "
+            "abandoned and can never write into the slot afterwards",
+            minimum=0, strict_min=True, unit="seconds", env="KVTIER_LOAD_TIMEOUT_S"),
+])
+
+_MAX_S = 3600.0  # the lookup manager's ceiling for every time setting
+# Transitional: the bounds of AsyncLookupManager's settings until kvtier.lookup declares its
+# own LOOKUP_SETTINGS (then that table is used, and this one is deleted). Defaults are unset:
+# an unset setting takes the lookup manager's default.
+_TRANSITIONAL_LOOKUP_SETTINGS = SettingsTable("lookup", [
+    Setting("probe_timeout_s", Kind.FLOAT, None, "a probe older than this resolves False "
+            "(unset here: the lookup manager's default)",
+            minimum=0.0, strict_min=True, maximum=_MAX_S, unit="seconds", nullable=True,
+            env="KVTIER_LOOKUP_PROBE_TIMEOUT_S"),
+    Setting("verdict_ttl_s", Kind.FLOAT, None, "how long a verdict is cached after its request",
+            minimum=0.0, maximum=_MAX_S, unit="seconds", nullable=True,
+            env="KVTIER_LOOKUP_VERDICT_TTL_S"),
+    Setting("max_cached_verdicts", Kind.INT, None, "bound of the verdict cache and quarantine",
+            minimum=1, nullable=True, env="KVTIER_LOOKUP_MAX_CACHED_VERDICTS"),
+    Setting("quarantine_s", Kind.FLOAT, None, "a key whose load failed answers False this long",
+            minimum=0.0, maximum=_MAX_S, unit="seconds", nullable=True,
+            env="KVTIER_LOOKUP_QUARANTINE_S"),
+    Setting("max_batch_keys", Kind.INT, None, "keys per backend probe call", minimum=1,
+            nullable=True, env="KVTIER_LOOKUP_MAX_BATCH_KEYS"),
+    Setting("breaker_threshold", Kind.INT, None, "failed probe calls in a row that open the "
+            "circuit breaker", minimum=1, nullable=True, env="KVTIER_LOOKUP_BREAKER_THRESHOLD"),
+    Setting("breaker_cooldown_s", Kind.FLOAT, None, "an open breaker retries after this long",
+            minimum=0.0, strict_min=True, maximum=_MAX_S, unit="seconds", nullable=True,
+            env="KVTIER_LOOKUP_BREAKER_COOLDOWN_S"),
+])
+LOOKUP_SETTINGS: SettingsTable = getattr(_lookup, "LOOKUP_SETTINGS",
+                                         _TRANSITIONAL_LOOKUP_SETTINGS)
+
+VLLM_TIER_SETTINGS = SettingsTable("vLLM KvtierTier", [
+    TIER_SETTINGS["url"],
+    TIER_SETTINGS["io_threads"],
+    Setting("max_blocks_per_call", Kind.INT, 32, "keys per backend get/put call", minimum=1,
+            env="KVTIER_MAX_BLOCKS_PER_CALL"),
+    Setting("locality", Kind.CHOICE, None, "what vLLM is told; default: REMOTE for network "
+            "backends, LOCAL for memory:// and file://", choices=("local", "remote"),
+            nullable=True, env="KVTIER_LOCALITY"),
+    Setting("enable_kv_events", Kind.BOOL, False,
+            "emit KV events for stored blocks (needs vLLM's --kv-events-config)",
+            env="KVTIER_ENABLE_KV_EVENTS"),
+    NAMESPACE_SETTINGS["model"],
+    NAMESPACE_SETTINGS["revision"],
+    NAMESPACE_SETTINGS["tenant"],
+])
+
+OTHER_ENV_VARIABLES: Mapping[str, str] = MappingProxyType({
+    "KVTIER_CONFIG": "a YAML config file read first by load_config() / from_env()",
+    "KVTIER_SECONDARY_TIERS": "the secondary tiers: a JSON list, or comma-separated URLs",
+    "KVTIER_DEBUG": "the CLI prints a traceback for unexpected errors",
+    "KVTIER_SKIP_VLLM": "scripts/test.sh skips the vLLM test lane",
+    "KVTIER_TRACES_DIR": "the test suite reads the shared production traces from here",
+})
+"""``KVTIER_*`` variables that are not a setting of one table."""
+
+
+def backend_table(scheme: str) -> SettingsTable | None:
+    """The option table of a backend scheme, where :mod:`kvtier.backends` declares one.
+
+    None: the backend validates its own options (they are passed to ``open_backend`` as given).
+    """
+    factory = getattr(_backends, "backend_settings", None)
+    return None if factory is None else factory(scheme)
+
+
+def all_tables() -> tuple[SettingsTable, ...]:
+    """Every settings table of kvtier (the backends' too, where declared)."""
+    tables = [CONFIG_SETTINGS, NAMESPACE_SETTINGS, TIER_SETTINGS, LOOKUP_SETTINGS,
+              VLLM_TIER_SETTINGS]
+    seen: set[int] = set()
+    for scheme in SCHEMES:
+        table = backend_table(scheme)
+        if table is not None and id(table) not in seen:
+            seen.add(id(table))
+            tables.append(table)
+    return tuple(tables)
+
+
+def known_env_names() -> frozenset[str]:
+    names = set(OTHER_ENV_VARIABLES)
+    for table in all_tables():
+        names |= table.env_names()
+    return frozenset(names)
+
+
+def warn_unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """Log each unknown ``KVTIER_*`` variable once per call, naming the closest known name."""
+    known = known_env_names()
+    unknown = sorted(name for name in environ if name.startswith(ENV_PREFIX)
+                     and name not in known)
+    for name in unknown:
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        _log.warning("unknown environment variable %s ignored%s", name, hint)
+    return unknown
+
+
+def env_layer(table: SettingsTable, explicit: Mapping[str, Any], path: str = "",
+              environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``explicit`` (raw; parse the result) over the values ``environ`` sets for ``table``
+    (parsed here, so an error names the variable): the ``KVTIER_*`` variables are defaults, an
+    explicit value always wins."""
+    env = os.environ if environ is None else environ
+    layered: dict[str, Any] = table.parse_env(env, path)
+    layered.update(explicit)
+    return layered
+
+
+def settings_markdown() -> str:
+    """The README's settings section body: one Markdown table per component."""
+    parts: list[str] = []
+    for table in all_tables():
+        parts.append(f"**{table.component}**\n\n{table.markdown()}")
+    other = ["| variable | meaning |", "|---|---|"]
+    other += [f"| `{name}` | {meaning} |" for name, meaning in OTHER_ENV_VARIABLES.items()]
+    parts.append("**other variables**\n\n" + "\n".join(other))
+    return "\n\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------------------- parsing helpers
+
 _RESERVED_TIER_NAMES = frozenset({"primary"})
 _TIER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_MAX_S = 3600.0  # the lookup manager's ceiling for every time setting
-_SIZE_OPTIONS = frozenset({"max_bytes"})  # backend options that are byte sizes
-
-
-def parse_size(value: object, path: str) -> int:
-    """An int, or a string like "4GiB" / "512MB" / "1024" -> bytes (see
-    :func:`~kvtier.backends.base.parse_size_option`), as a :class:`ConfigError` naming ``path``."""
-    try:
-        return parse_size_option(path, value)
-    except ValueError:
-        raise ConfigError(
-            f"{path}: expected a size (a whole number of bytes >= 0: an int, or a string like "
-            f"'4GiB', '512MB', '1024'), got {value!r}"
-        ) from None
-
-
-def _int(value: object, path: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{path}: expected an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{path}: expected an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _float(value: object, path: str, minimum: float, *, strict: bool = False,
-           maximum: float = math.inf) -> float:
-    relation = ">" if strict else ">="
-    expected = f"a number {relation} {minimum}" + (
-        f" and <= {maximum}" if maximum != math.inf else "")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{path}: expected {expected}, got {value!r}")
-    number = float(value)
-    if (math.isnan(number) or number < minimum or (strict and number == minimum)
-            or number > maximum):
-        raise ConfigError(f"{path}: expected {expected}, got {value!r}")
-    return number
-
-
-_E = TypeVar("_E", bound=enum.Enum)
-
-
-def _enum(kind: type[_E], value: object, path: str) -> _E:
-    if isinstance(value, kind):
-        return value
-    choices = [member.value for member in kind]
-    if isinstance(value, str):
-        for member in kind:
-            if member.value == value.strip().lower():
-                return member
-    raise ConfigError(f"{path}: expected one of {choices}, got {value!r}")
+_SIZE_OPTIONS = frozenset({"max_bytes"})  # backend options that are sizes (no backend table)
 
 
 def _mapping(value: object, path: str) -> Mapping[str, Any]:
@@ -142,55 +316,28 @@ def _mapping(value: object, path: str) -> Mapping[str, Any]:
     return value
 
 
-def _reject_unknown(values: Mapping[str, Any], known: set[str] | frozenset[str],
-                    path: str) -> None:
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        where = f"{path}." if path else ""
-        raise ConfigError(
-            f"unknown key(s) {[where + key for key in unknown]}; expected some of {sorted(known)}"
-        )
-
-
 @dataclass(frozen=True, slots=True)
 class LookupConfig:
-    """Per-tier settings of the tier's AsyncLookupManager; None = the lookup manager's default."""
+    """Per-tier settings of the tier's AsyncLookupManager (:data:`LOOKUP_SETTINGS`); a setting
+    that is not set takes the lookup manager's default."""
 
-    probe_timeout_s: float | None = None
-    verdict_ttl_s: float | None = None
-    max_cached_verdicts: int | None = None
-    quarantine_s: float | None = None
-    max_batch_keys: int | None = None
-    breaker_threshold: int | None = None
-    breaker_cooldown_s: float | None = None
+    values: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
-    def as_kwargs(self) -> dict[str, float | int]:
+    def __getattr__(self, name: str) -> Any:
+        if name in LOOKUP_SETTINGS:
+            return self.values.get(name)
+        raise AttributeError(name)
+
+    def as_kwargs(self) -> dict[str, Any]:
         """The settings that are set, as keyword arguments for AsyncLookupManager."""
-        result: dict[str, float | int] = {}
-        for item in fields(self):
-            value = getattr(self, item.name)
-            if value is not None:
-                result[item.name] = value
-        return result
+        return {name: value for name, value in self.values.items() if value is not None}
 
     @classmethod
     def from_dict(cls, values: object, path: str) -> LookupConfig:
-        mapping = _mapping(values, path)
-        _reject_unknown(mapping, {item.name for item in fields(cls)}, path)
-        checks: dict[str, Any] = {
-            "probe_timeout_s": lambda v, p: _float(v, p, 0.0, strict=True, maximum=_MAX_S),
-            "verdict_ttl_s": lambda v, p: _float(v, p, 0.0, maximum=_MAX_S),
-            "max_cached_verdicts": lambda v, p: _int(v, p, 1),
-            "quarantine_s": lambda v, p: _float(v, p, 0.0, maximum=_MAX_S),
-            "max_batch_keys": lambda v, p: _int(v, p, 1),
-            "breaker_threshold": lambda v, p: _int(v, p, 1),
-            "breaker_cooldown_s": lambda v, p: _float(v, p, 0.0, strict=True, maximum=_MAX_S),
-        }
-        parsed = {
-            name: (None if value is None else checks[name](value, f"{path}.{name}"))
-            for name, value in mapping.items()
-        }
-        return cls(**parsed)
+        if values is None:
+            return cls()
+        parsed = LOOKUP_SETTINGS.parse(_mapping(values, path), path, fill_defaults=False)
+        return cls(MappingProxyType(parsed))
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,60 +347,55 @@ class TierConfig:
     url: str
     name: str
     lookup: LookupConfig = field(default_factory=LookupConfig)
-    io_threads: int = 4
-    max_pending_store_bytes: int = 256 * 1024**2
-    max_pending_store_jobs: int = 1024
+    io_threads: int = TIER_SETTINGS.default("io_threads")
+    max_pending_store_bytes: int = TIER_SETTINGS.default("max_pending_store_bytes")
+    max_pending_store_jobs: int = TIER_SETTINGS.default("max_pending_store_jobs")
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    load_timeout_s: float = TIER_SETTINGS.default("load_timeout_s")
 
     @property
     def scheme(self) -> str:
         return self.url.split("://", 1)[0].lower()
 
+    def __repr__(self) -> str:  # credentials in the URL or the options are never shown
+        from kvtier.backends import redact_url, redacted_options
 
-_TIER_KEYS = frozenset({"url", "name", "lookup", "io_threads", "max_pending_store_bytes",
-                        "max_pending_store_jobs"})
+        return (f"TierConfig(url={redact_url(self.url)!r}, name={self.name!r}, "
+                f"lookup={self.lookup!r}, io_threads={self.io_threads}, "
+                f"max_pending_store_bytes={self.max_pending_store_bytes}, "
+                f"max_pending_store_jobs={self.max_pending_store_jobs}, "
+                f"load_timeout_s={self.load_timeout_s}, "
+                f"options={redacted_options(self.options)!r})")
 
 
-def _tier_from(value: object, path: str) -> tuple[dict[str, Any], str | None]:
-    """Validate one tier entry; returns its fields (name not yet made unique) and given name."""
-    entry: Mapping[str, Any]
-    entry = {"url": value} if isinstance(value, str) else _mapping(value, path)
-    if "url" not in entry:
-        raise ConfigError(f"{path}.url: missing; every secondary tier needs a backend URL")
-    url = entry["url"]
+def _shown_url(url: object) -> object:
+    """``url`` as a message may show it: credentials redacted."""
+    from kvtier.backends import redact_url
+
+    return redact_url(url) if isinstance(url, str) else url
+
+
+def _check_url(url: object, path: str) -> str:
     if not isinstance(url, str) or "://" not in url:
         raise ConfigError(
-            f"{path}.url: expected a URL like 'file:///abs/dir', 'redis://host:port/0' or "
-            f"'s3://bucket/prefix', got {url!r}"
+            f"{path}: expected a URL like 'file:///abs/dir', 'redis://host:port/0' or "
+            f"'s3://bucket/prefix', got {_shown_url(url)!r}"
         )
     scheme = url.split("://", 1)[0].lower()
-    if scheme not in KNOWN_SCHEMES:
+    if scheme not in SCHEMES:
         raise ConfigError(
-            f"{path}.url: unknown scheme {scheme!r} in {url!r}; expected one of "
-            f"{list(KNOWN_SCHEMES)}"
+            f"{path}: unknown scheme {scheme!r} in {_shown_url(url)!r}; expected one of "
+            f"{list(SCHEMES)}"
         )
-    fields_: dict[str, Any] = {"url": url}
-    name = entry.get("name")
-    if name is not None and (not isinstance(name, str) or not _TIER_NAME_RE.match(name)
-                             or name in _RESERVED_TIER_NAMES):
-        raise ConfigError(
-            f"{path}.name: expected 1-64 characters of [A-Za-z0-9_.-] starting with a letter or "
-            f"digit, not 'primary', got {name!r}"
-        )
-    if "lookup" in entry and entry["lookup"] is not None:
-        fields_["lookup"] = LookupConfig.from_dict(entry["lookup"], f"{path}.lookup")
-    if "io_threads" in entry:
-        fields_["io_threads"] = _int(entry["io_threads"], f"{path}.io_threads", 1)
-    if "max_pending_store_bytes" in entry:
-        fields_["max_pending_store_bytes"] = parse_size(
-            entry["max_pending_store_bytes"], f"{path}.max_pending_store_bytes")
-    if "max_pending_store_jobs" in entry:
-        fields_["max_pending_store_jobs"] = _int(
-            entry["max_pending_store_jobs"], f"{path}.max_pending_store_jobs", 1)
+    return url
+
+
+def _backend_options(scheme: str, values: Mapping[str, Any], path: str) -> dict[str, Any]:
+    table = backend_table(scheme)
+    if table is not None:
+        return table.parse(values, path, fill_defaults=False)
     options: dict[str, Any] = {}
-    for key, option in entry.items():
-        if key in _TIER_KEYS:
-            continue
+    for key, option in values.items():
         option_path = f"{path}.{key}"
         if key in _SIZE_OPTIONS and option is not None:
             option = parse_size(option, option_path)
@@ -263,13 +405,50 @@ def _tier_from(value: object, path: str) -> tuple[dict[str, Any], str | None]:
                 f"got {type(option).__name__} {option!r}"
             )
         options[key] = option
-    fields_["options"] = MappingProxyType(options)
+    return options
+
+
+def _tier_from(value: object, path: str, defaults: Mapping[str, Any],
+               lookup_defaults: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """Validate one tier entry; returns its fields (name not yet made unique) and given name.
+
+    ``defaults`` / ``lookup_defaults``: raw values (from the environment) under the entry's own.
+    """
+    entry = {"url": value} if isinstance(value, str) else dict(_mapping(value, path))
+    if entry.get("url") is None:
+        raise ConfigError(f"{path}.url: missing; every secondary tier needs a backend URL")
+    url = _check_url(entry["url"], f"{path}.url")
+    own = {key: entry[key] for key in entry if key in TIER_SETTINGS}
+    parsed = TIER_SETTINGS.parse({**defaults, **own}, path)
+    name = parsed["name"]
+    if name is not None and (not _TIER_NAME_RE.match(name) or name in _RESERVED_TIER_NAMES):
+        raise ConfigError(
+            f"{path}.name: expected 1-64 characters of [A-Za-z0-9_.-] starting with a letter or "
+            f"digit, not 'primary', got {name!r}"
+        )
+    lookup = entry.get("lookup")
+    lookup_values = {**lookup_defaults, **(_mapping(lookup, f"{path}.lookup") if lookup else {})}
+    backend_values = {key: option for key, option in entry.items()
+                      if key not in TIER_SETTINGS and key != "lookup"}
+    fields_: dict[str, Any] = {
+        "url": url,
+        "lookup": LookupConfig.from_dict(lookup_values, f"{path}.lookup"),
+        "io_threads": parsed["io_threads"],
+        "max_pending_store_bytes": parsed["max_pending_store_bytes"],
+        "max_pending_store_jobs": parsed["max_pending_store_jobs"],
+        "load_timeout_s": parsed["load_timeout_s"],
+        "options": MappingProxyType(_backend_options(url.split("://", 1)[0].lower(),
+                                                     backend_values, path)),
+    }
     return fields_, name
 
 
-_TOP_KEYS = frozenset({"block_bytes", "primary_bytes", "eviction_policy", "write_policy",
-                       "primary_backing", "primary_path", "metrics_registry", "max_events",
-                       "namespace", "secondary_tiers"})
+_SECTIONS = frozenset({"namespace", "secondary_tiers"})
+_DEFAULT_EVICTION_POLICY = PolicyName(CONFIG_SETTINGS.default("eviction_policy"))
+_DEFAULT_WRITE_POLICY = WritePolicy(CONFIG_SETTINGS.default("write_policy"))
+_DEFAULT_PRIMARY_BACKING = PrimaryBacking(CONFIG_SETTINGS.default("primary_backing"))
+_DEFAULT_METRICS_REGISTRY = MetricsRegistry(CONFIG_SETTINGS.default("metrics_registry"))
+_TOP_KEYS = frozenset(CONFIG_SETTINGS.names) | _SECTIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,13 +459,13 @@ class KvtierConfig:
     block_bytes: int
     primary_bytes: int
     namespace: Namespace
-    eviction_policy: PolicyName = PolicyName.LRU
-    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    eviction_policy: PolicyName = _DEFAULT_EVICTION_POLICY
+    write_policy: WritePolicy = _DEFAULT_WRITE_POLICY
     secondary_tiers: tuple[TierConfig, ...] = ()
-    primary_backing: PrimaryBacking = PrimaryBacking.HEAP
-    primary_path: str | None = None
-    metrics_registry: MetricsRegistry = MetricsRegistry.PRIVATE
-    max_events: int = 65536
+    primary_backing: PrimaryBacking = _DEFAULT_PRIMARY_BACKING
+    primary_path: str | None = CONFIG_SETTINGS.default("primary_path")
+    metrics_registry: MetricsRegistry = _DEFAULT_METRICS_REGISTRY
+    max_events: int = CONFIG_SETTINGS.default("max_events")
 
     @property
     def num_slots(self) -> int:
@@ -295,64 +474,61 @@ class KvtierConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> KvtierConfig:
+        return cls._from_values(values, {}, {})
+
+    @classmethod
+    def _from_values(cls, values: Mapping[str, Any], tier_defaults: Mapping[str, Any],
+                     lookup_defaults: Mapping[str, Any]) -> KvtierConfig:
         mapping = _mapping(values, "config")
-        _reject_unknown(mapping, _TOP_KEYS, "")
-        for required in ("block_bytes", "primary_bytes", "namespace"):
-            if mapping.get(required) is None:
-                raise ConfigError(f"{required}: missing; it is required")
-        block_bytes = parse_size(mapping["block_bytes"], "block_bytes")
-        if block_bytes < 1:
-            raise ConfigError(f"block_bytes: expected a size >= 1 byte, got "
-                              f"{mapping['block_bytes']!r}")
-        primary_bytes = parse_size(mapping["primary_bytes"], "primary_bytes")
+        unknown = sorted(set(mapping) - _TOP_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown key(s) {unknown}; expected some of {sorted(_TOP_KEYS)}")
+        if mapping.get("namespace") is None:
+            raise ConfigError("namespace: missing; it is required (at least {model: ...})")
+        scalars = {key: value for key, value in mapping.items()
+                   if key not in _SECTIONS and value is not None}
+        parsed = CONFIG_SETTINGS.parse(scalars)
+        block_bytes, primary_bytes = parsed["block_bytes"], parsed["primary_bytes"]
         if primary_bytes < block_bytes:
             raise ConfigError(
                 f"primary_bytes: expected at least block_bytes ({block_bytes}) so the pool has "
                 f"a slot, got {mapping['primary_bytes']!r}"
             )
-        namespace = _namespace_from(mapping["namespace"])
-        kwargs: dict[str, Any] = {}
-        if mapping.get("eviction_policy") is not None:
-            kwargs["eviction_policy"] = _enum(PolicyName, mapping["eviction_policy"],
-                                              "eviction_policy")
-        if mapping.get("write_policy") is not None:
-            kwargs["write_policy"] = _enum(WritePolicy, mapping["write_policy"], "write_policy")
-        if mapping.get("primary_backing") is not None:
-            kwargs["primary_backing"] = _enum(PrimaryBacking, mapping["primary_backing"],
-                                              "primary_backing")
-        if mapping.get("primary_path") is not None:
-            path = mapping["primary_path"]
-            if not isinstance(path, str) or not path:
-                raise ConfigError(f"primary_path: expected a non-empty string, got {path!r}")
-            kwargs["primary_path"] = path
-        backing = kwargs.get("primary_backing", PrimaryBacking.HEAP)
-        path = kwargs.get("primary_path")
+        backing = PrimaryBacking(parsed["primary_backing"])
+        path = parsed["primary_path"]
+        if path == "":
+            raise ConfigError("primary_path: expected a non-empty string, got ''")
         if backing is PrimaryBacking.HEAP and path is not None:
             raise ConfigError(f"primary_path: only valid with primary_backing shared_memory or "
                               f"mmap_file, got {path!r} with heap")
         if backing is PrimaryBacking.MMAP_FILE and (path is None or not os.path.isabs(path)):
             raise ConfigError(f"primary_path: mmap_file backing needs an absolute file path, "
                               f"got {path!r}")
-        if mapping.get("metrics_registry") is not None:
-            kwargs["metrics_registry"] = _enum(MetricsRegistry, mapping["metrics_registry"],
-                                               "metrics_registry")
-        if mapping.get("max_events") is not None:
-            kwargs["max_events"] = _int(mapping["max_events"], "max_events", 0)
         tiers_value = mapping.get("secondary_tiers")
-        if tiers_value is not None:
-            kwargs["secondary_tiers"] = _tiers_from(tiers_value)
-        return cls(block_bytes=block_bytes, primary_bytes=primary_bytes, namespace=namespace,
-                   **kwargs)
+        return cls(
+            block_bytes=block_bytes, primary_bytes=primary_bytes,
+            namespace=_namespace_from(mapping["namespace"]),
+            eviction_policy=PolicyName(parsed["eviction_policy"]),
+            write_policy=WritePolicy(parsed["write_policy"]),
+            secondary_tiers=(() if tiers_value is None
+                             else _tiers_from(tiers_value, tier_defaults, lookup_defaults)),
+            primary_backing=backing, primary_path=path,
+            metrics_registry=MetricsRegistry(parsed["metrics_registry"]),
+            max_events=parsed["max_events"],
+        )
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> KvtierConfig:
         try:
             with open(path, encoding="utf-8") as handle:
-                values = yaml.safe_load(handle)
+                values = _yaml_load(handle)
         except OSError as exc:
             raise ConfigError(f"config file {os.fspath(path)!r}: cannot read it: {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {os.fspath(path)!r}: not valid YAML: {exc}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {os.fspath(path)!r}: nested too deeply to be a "
+                              f"kvtier config") from None
         if not isinstance(values, Mapping):
             raise ConfigError(
                 f"config file {os.fspath(path)!r}: expected a YAML mapping at the top, got "
@@ -366,7 +542,8 @@ class KvtierConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KvtierConfig:
         env = os.environ if environ is None else environ
-        return cls.from_dict(_dict_from_env(env))
+        values, tier_defaults, lookup_defaults = _values_from_env(env)
+        return cls._from_values(values, tier_defaults, lookup_defaults)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict that :meth:`from_dict` turns back into an equal config."""
@@ -380,47 +557,73 @@ class KvtierConfig:
             "primary_path": self.primary_path,
             "metrics_registry": self.metrics_registry.value,
             "max_events": self.max_events,
-            "namespace": {name: getattr(ns, name) for name in _NAMESPACE_FIELDS},
+            "namespace": {name: getattr(ns, name) for name in NAMESPACE_SETTINGS.names},
             "secondary_tiers": [
                 {"url": tier.url, "name": tier.name, "io_threads": tier.io_threads,
                  "max_pending_store_bytes": tier.max_pending_store_bytes,
                  "max_pending_store_jobs": tier.max_pending_store_jobs,
+                 "load_timeout_s": tier.load_timeout_s,
                  "lookup": tier.lookup.as_kwargs(), **dict(tier.options)}
                 for tier in self.secondary_tiers
             ],
         }
 
 
-_NAMESPACE_FIELDS = ("model", "revision", "dtype", "kv_layout", "block_size", "world_size",
-                     "rank", "tenant")
-_NAMESPACE_INT_FIELDS = frozenset({"block_size", "world_size", "rank"})
+class _StrictLoader(yaml.SafeLoader):
+    """YAML with two traps closed: a duplicate key is an error (not "last one wins"), and only
+    ``true``/``false`` are booleans, so ``model: no`` or ``tenant: on`` stay strings."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # the base class rejects it with its own message
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
-def _namespace_from(value: object) -> Namespace:
-    if isinstance(value, Namespace):
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+    list("tTfF"))
+
+
+def _yaml_load(stream: Any) -> Any:
+    """Parse one YAML document with :class:`_StrictLoader`."""
+    return yaml.load(stream, Loader=_StrictLoader)  # a SafeLoader subclass: no objects
+
+
+def _namespace_from(value: object, env_values: Mapping[str, Any] | None = None) -> Namespace:
+    if isinstance(value, Namespace) and not env_values:
         return value
-    mapping = _mapping(value, "namespace")
-    _reject_unknown(mapping, frozenset(_NAMESPACE_FIELDS), "namespace")
-    if not mapping.get("model"):
+    if isinstance(value, Namespace):
+        value = {name: getattr(value, name) for name in NAMESPACE_SETTINGS.names}
+    mapping = {**(env_values or {}), **_mapping(value, "namespace")}
+    parsed = NAMESPACE_SETTINGS.parse(mapping, "namespace")
+    if not parsed["model"]:
         raise ConfigError("namespace.model: missing; expected a non-empty model name")
-    for name, item in mapping.items():
-        expected = int if name in _NAMESPACE_INT_FIELDS else str
-        if isinstance(item, bool) or not isinstance(item, expected):
-            raise ConfigError(
-                f"namespace.{name}: expected {expected.__name__}, got {item!r}"
-            )
     try:
-        return Namespace(**dict(mapping))
+        return Namespace(**parsed)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"namespace: {exc}") from None
 
 
-def _tiers_from(value: object) -> tuple[TierConfig, ...]:
+def _tiers_from(value: object, tier_defaults: Mapping[str, Any],
+                lookup_defaults: Mapping[str, Any]) -> tuple[TierConfig, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
         raise ConfigError(
             f"secondary_tiers: expected a list of URLs or tier mappings, got {value!r}"
         )
-    parsed = [_tier_from(entry, f"secondary_tiers[{index}]") for index, entry in enumerate(value)]
+    parsed = [_tier_from(entry, f"secondary_tiers[{index}]", tier_defaults, lookup_defaults)
+              for index, entry in enumerate(value)]
     given = [name for _, name in parsed if name is not None]
     for index, (_, name) in enumerate(parsed):
         if name is not None and given.count(name) > 1:
@@ -439,61 +642,27 @@ def _tiers_from(value: object) -> tuple[TierConfig, ...]:
     return tuple(tiers)
 
 
-_ENV_PREFIX = "KVTIER_"
-_ENV_TOP = {
-    "KVTIER_BLOCK_BYTES": "block_bytes",
-    "KVTIER_PRIMARY_BYTES": "primary_bytes",
-    "KVTIER_EVICTION_POLICY": "eviction_policy",
-    "KVTIER_WRITE_POLICY": "write_policy",
-    "KVTIER_PRIMARY_BACKING": "primary_backing",
-    "KVTIER_PRIMARY_PATH": "primary_path",
-    "KVTIER_METRICS_REGISTRY": "metrics_registry",
-    "KVTIER_MAX_EVENTS": "max_events",
-    "KVTIER_SECONDARY_TIERS": "secondary_tiers",
-}
-_ENV_NAMESPACE = {f"KVTIER_NAMESPACE_{name.upper()}": name for name in _NAMESPACE_FIELDS}
-ENV_VARIABLES = ("KVTIER_CONFIG", *_ENV_TOP, *_ENV_NAMESPACE)
-
-
-def _dict_from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    present = {name: value for name, value in env.items() if name.startswith(_ENV_PREFIX)}
-    unknown = sorted(set(present) - set(ENV_VARIABLES))
-    if unknown:
-        raise ConfigError(
-            f"unknown environment variable(s) {unknown}; expected some of {list(ENV_VARIABLES)}"
-        )
+def _values_from_env(
+    env: Mapping[str, str],
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(config values, tier defaults, lookup defaults) from ``KVTIER_*`` variables (raw strings:
+    parsing names the variable); unknown ``KVTIER_*`` variables are logged, never an error."""
+    warn_unknown_env(env)
     values: dict[str, Any] = {}
-    if "KVTIER_CONFIG" in present:
-        path = present["KVTIER_CONFIG"]
-        values = KvtierConfig.from_yaml(path).to_dict()
-    for env_name, key in _ENV_TOP.items():
-        if env_name not in present:
-            continue
-        raw = present[env_name]
+    if "KVTIER_CONFIG" in env:
+        values = KvtierConfig.from_yaml(env["KVTIER_CONFIG"]).to_dict()
+    values.update(CONFIG_SETTINGS.parse_env(env))
+    namespace_env = NAMESPACE_SETTINGS.parse_env(env, "namespace.")
+    if namespace_env:
+        values["namespace"] = {**(values.get("namespace") or {}), **namespace_env}
+    if "KVTIER_SECONDARY_TIERS" in env:
+        raw = env["KVTIER_SECONDARY_TIERS"]
         try:
-            if key == "max_events":
-                values[key] = int(raw)
-            elif key == "secondary_tiers":
-                values[key] = _tiers_from_env(raw)
-            else:
-                values[key] = raw
-        except (ValueError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{env_name}: cannot parse {raw!r}: {exc}") from None
-    if any(name in present for name in _ENV_NAMESPACE):
-        namespace = dict(values.get("namespace") or {})
-        for env_name, name in _ENV_NAMESPACE.items():
-            if env_name not in present:
-                continue
-            raw = present[env_name]
-            if name in _NAMESPACE_INT_FIELDS:
-                try:
-                    namespace[name] = int(raw)
-                except ValueError:
-                    raise ConfigError(f"{env_name}: expected an int, got {raw!r}") from None
-            else:
-                namespace[name] = raw
-        values["namespace"] = namespace
-    return values
+            values["secondary_tiers"] = _tiers_from_env(raw)
+        except ValueError as exc:
+            raise ConfigError(f"KVTIER_SECONDARY_TIERS: cannot parse {raw!r}: {exc}") from None
+    return (values, TIER_SETTINGS.parse_env(env, "secondary_tiers[*]."),
+            LOOKUP_SETTINGS.parse_env(env, "secondary_tiers[*].lookup."))
 
 
 def _tiers_from_env(raw: str) -> list[Any]:
@@ -501,7 +670,10 @@ def _tiers_from_env(raw: str) -> list[Any]:
     if not text:
         return []
     if text.startswith("["):
-        parsed = json.loads(text)
+        try:
+            parsed = json.loads(text)
+        except RecursionError:
+            raise ValueError("nested too deeply to be a list of tiers") from None
         if not isinstance(parsed, list):
             raise ValueError("expected a JSON list")
         return parsed
@@ -518,8 +690,10 @@ def load_config(
     """
     if isinstance(source, KvtierConfig) and not overrides:
         return source
+    tier_defaults: dict[str, Any] = {}
+    lookup_defaults: dict[str, Any] = {}
     if source is None:
-        values: dict[str, Any] = _dict_from_env(os.environ)
+        values, tier_defaults, lookup_defaults = _values_from_env(os.environ)
     elif isinstance(source, KvtierConfig):
         values = source.to_dict()
     elif isinstance(source, (str, os.PathLike)):
@@ -532,4 +706,4 @@ def load_config(
             f"got {type(source).__name__}"
         )
     values.update(overrides)
-    return KvtierConfig.from_dict(values)
+    return KvtierConfig._from_values(values, tier_defaults, lookup_defaults)

@@ -6,7 +6,8 @@ Thread ownership:
   the primary pool's metadata, the promotion table (``_promotions``), the per-tier queues of
   transfers to submit at the end of the step (``_queued_loads``, ``_queued_stores``), the
   engine-store table (``_store_filling``), the write-back table (``_unwritten``), the per-request
-  pins (``_request_pins``), the event buffer (``_events``), the counters (``_counters``) and the
+  pins (``_request_pins``), holds (``_holds``) and promotion rounds (``_promotion_rounds``), the
+  event buffer (``_events``), the counters (``_counters``) and the
   lifecycle (``_state``). No public method is thread-safe; call them from one thread.
 - **Background threads** belong to the secondary tiers (a probe worker per tier, I/O threads per
   tier) and talk to this thread only through the tiers' queues, drained in
@@ -23,19 +24,32 @@ tier quarantines the key (``mark_miss``) and the next lookup moves on to the nex
 so each tier gets at most one failed attempt per quarantine period: no livelock. All False ->
 MISS (recompute).
 
-Stores: ``prepare_store`` reserves slots (all or nothing) for the keys the pool does not hold;
-the engine writes ``primary_view(slot)``; ``complete_store`` makes them resident and cascades.
+Liveness: ``lookup_prefix`` gives a request at most ``_MAX_PROMOTION_ROUNDS`` calls that start
+promotions (a round per tier to fall through a failed load, and a retry). After that a key of
+its prefix that is neither resident nor being promoted ends the prefix (``promotions_lost``)
+instead of starting yet another promotion, so a request bigger than what the pool can hold for
+it, or one whose promoted blocks other requests keep evicting, is answered with what is loadable
+within a bounded number of steps (probe answers, the rounds' loads, the answer), never waiting
+on slots it can never get.
+
+Stores: ``prepare_store`` reserves slots for the keys the pool does not hold: all or nothing
+(``StoreMode.ALL``), or the longest leading run that fits now (``StoreMode.PREFIX``: the rest is
+``StorePlan.deferred``, for the engine to store in later steps, chunk by chunk, as cascades
+release slots); the engine writes ``primary_view(slot)``; ``complete_store`` makes them resident
+and cascades.
 write_through queues every stored block for every secondary tier (the slot stays pinned until
 the tier's write finishes); write_back copies a block out when the primary evicts it and writes
 it then, and flushes the rest at ``shutdown()``. Promoted blocks are never cascaded (so never
-written back to the tier they came from). A tier that is backlogged sheds the cascade
-(``StoreShed`` event, ``kvtier_shed_stores_total``) instead of stalling the engine; the backend's
-put-if-absent skips blocks a tier already holds.
+written back to the tier they came from). A cascade a backlogged tier cannot take yet waits in
+the pool (pinned) for the next step, so stores stream through the pool instead of vanishing;
+only when a tier's waiting cascades exceed half the pool is the oldest excess shed (``StoreShed``
+event, ``kvtier_store_shed_blocks_total``), so a slow or dead tier never stalls the engine; the
+backend's put-if-absent skips blocks a tier already holds.
 
 Public API::
 
     LookupResult: HIT, HIT_PENDING, RETRY, MISS
-    LoadPlan(keys, slots); StorePlan(keys, slots, evicted)
+    LoadPlan(keys, slots); StorePlan(keys, slots, evicted, deferred); StoreMode: ALL, PREFIX
     events: BlockStored, BlockRemoved, BlockPromoted, PromotionFailed, StoreShed (keys, tier)
     TieringManager(pool, tiers, *, namespace, write_policy, metrics, clock, max_events)
     open_manager(config=None, **overrides) -> TieringManager
@@ -62,7 +76,7 @@ from kvtier.config import (
     load_config,
 )
 from kvtier.keys import BlockKey, Namespace, RequestContext, validate_keys
-from kvtier.metrics import KvtierMetrics
+from kvtier.metrics import KvtierMetrics, manager_samples
 from kvtier.primary import PrimaryPool
 from kvtier.tier import JobKind, LookupFactory, SecondaryTier, TransferJob
 
@@ -76,6 +90,7 @@ __all__ = [
     "ManagerClosedError",
     "ManagerEvent",
     "PromotionFailed",
+    "StoreMode",
     "StorePlan",
     "StoreShed",
     "TieringManager",
@@ -88,7 +103,9 @@ PRIMARY = "primary"
 _TRANSFER_CHUNK_KEYS = 64      # keys per load/store job: one backend batch call each
 _METRICS_INTERVAL_S = 1.0      # scheduler-side counters are published at most this often
 _HOLD_STEPS = 8                # a request's hold on its prefix blocks lasts this many steps
-_MAX_HELD_FRACTION = 0.5       # holds never pin more than this share of the pool
+_MAX_HELD_FRACTION = 0.75      # holds never pin more than this share of the pool
+_MAX_PROMOTION_ROUNDS = 3      # lookup_prefix calls per request that may start promotions
+_MAX_WAITING_CASCADE_FRACTION = 0.5  # cascades waiting for a backlogged tier, share of the pool
 
 
 class LookupResult(enum.Enum):
@@ -106,13 +123,22 @@ class LoadPlan:
     slots: tuple[int, ...]
 
 
+class StoreMode(enum.Enum):
+    """What ``prepare_store`` does when the pool cannot take every new key now."""
+
+    ALL = "all"        # reserve every new key or none (returns None)
+    PREFIX = "prefix"  # reserve the leading new keys that fit; the rest is ``deferred``
+
+
 @dataclass(frozen=True, slots=True)
 class StorePlan:
-    """Write ``keys[i]`` into ``slots[i]``; ``evicted`` lists every key this call evicted."""
+    """Write ``keys[i]`` into ``slots[i]``; ``evicted`` lists every key this call evicted;
+    ``deferred`` the new keys that did not fit now (``StoreMode.PREFIX``), in order."""
 
     keys: tuple[BlockKey, ...]
     slots: tuple[int, ...]
     evicted: tuple[BlockKey, ...]
+    deferred: tuple[BlockKey, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +202,12 @@ class _Promotion:
 
 
 @dataclass(slots=True)
+class _Hold:
+    keys: set[BlockKey]
+    expiry: int
+
+
+@dataclass(slots=True)
 class _QueuedStore:
     key: BlockKey
     payload: memoryview | bytes
@@ -194,8 +226,11 @@ class _Counters:
     promotions_succeeded: int = 0
     promotions_failed: int = 0
     promotions_no_slot: int = 0
+    promotions_lost: int = 0
     stores_prepared: int = 0
     stores_rejected: int = 0
+    stores_deferred: int = 0
+    cascades_waited: int = 0
     stores_completed: int = 0
     stores_aborted: int = 0
     cascades_queued: int = 0
@@ -257,15 +292,20 @@ class TieringManager:
         # Holds: a pending request's resident prefix blocks (and promotions that landed for
         # it) stay pinned until it looks up again, loads, finishes, or the hold expires, so
         # other requests' promotions cannot evict them in between (no promotion ping-pong).
-        self._holds: dict[str, dict[BlockKey, int]] = {}  # req_id -> key -> expiry step
-        self._hold_expiries: deque[tuple[int, str, BlockKey]] = deque()
+        # One hold per request: its pinned keys and one expiry step (refreshed by every hold),
+        # so holding and releasing a 10k-block prefix is one pin / unpin per key, nothing more.
+        self._holds: dict[str, _Hold] = {}
+        self._hold_expiries: deque[tuple[int, str]] = deque()
         self._held = 0
         self._max_held = int(pool.num_slots * _MAX_HELD_FRACTION)
         self._request_waits: dict[str, set[BlockKey]] = {}  # req_id -> promotions it waits on
+        self._promotion_rounds: dict[str, int] = {}  # req_id -> calls that started promotions
+        self._max_waiting_cascades = max(1, int(pool.num_slots * _MAX_WAITING_CASCADE_FRACTION))
         self._step = 0
         self._events: deque[ManagerEvent] = deque(maxlen=max(0, max_events))
         self._counters = _Counters()
-        self._published = _Counters()
+        if metrics is not None:
+            metrics.bind_tiers(names)
         self._next_publish = 0.0
         self._state = _ManagerState.RUNNING
 
@@ -327,8 +367,9 @@ class TieringManager:
         up, so a whole prefix is probed and promoted in the same step.
         """
         self._require_running("lookup_prefix")
-        if self._holds:
-            self._release_holds(ctx.req_id)
+        # The request's hold (from its last answer None) stays pinned through this call and is
+        # settled at the end: kept for what it found again, released for the rest.
+        previous = self._holds.pop(ctx.req_id, None) if self._holds else None
         try:
             resident = self._pool.resident_prefix_length(keys)
         except TypeError:  # an unhashable key: say which one
@@ -338,15 +379,28 @@ class TieringManager:
         counters.lookups += resident
         counters.hits += resident
         if resident == len(keys):  # the steady-state fast path: everything is in the pool
+            if previous is not None:
+                self._unpin_hold(previous.keys)
             return resident
         hits: set[BlockKey] = set(keys[:resident])
         count = resident
         pending = False
+        req_id = ctx.req_id
+        # Past its last promotion round, what is not resident or in flight ends the prefix.
+        rounds = self._promotion_rounds.get(req_id, 0) if self._promotion_rounds else 0
+        round_over = rounds >= _MAX_PROMOTION_ROUNDS
+        started = counters.promotions_started
+        promotions = self._promotions
         for index in range(resident, len(keys)):
             key = keys[index]
             if not isinstance(key, bytes):
                 raise TypeError(
                     f"keys[{index}] must be a BlockKey (bytes), got {type(key).__name__}")
+            if round_over and key not in promotions and not self._pool.is_resident(key):
+                counters.lookups += 1
+                counters.misses += 1
+                counters.promotions_lost += 1
+                break
             result = self._lookup(key, ctx, hits)
             if result is LookupResult.HIT:
                 hits.add(key)  # promotions later in this prefix must not evict it
@@ -356,10 +410,13 @@ class TieringManager:
                 break
             else:
                 pending = True
+        if counters.promotions_started != started:
+            self._promotion_rounds[req_id] = rounds + 1
         if not pending:
+            if previous is not None:
+                self._unpin_hold(previous.keys)
             return count
-        for key in hits:  # the request comes back next step: keep what it found
-            self._hold(ctx.req_id, key)
+        self._hold_many(req_id, hits, previous)  # it comes back next step: keep what it found
         return None
 
     def _lookup(self, key: BlockKey, ctx: RequestContext,
@@ -403,8 +460,6 @@ class TieringManager:
         self._queued_loads[tier_index].append(key)
         self._counters.promotions_started += 1
         self._counters.hit_pending += 1
-        if self._metrics is not None:
-            self._metrics.hits.labels(tier=self._tiers[tier_index].name).inc()
         return LookupResult.HIT_PENDING
 
     def _add_waiter(self, promotion: _Promotion, key: BlockKey, req_id: str) -> None:
@@ -419,43 +474,79 @@ class TieringManager:
 
     # ---- holds ------------------------------------------------------------------------------
     def _hold(self, req_id: str, key: BlockKey) -> None:
-        holds = self._holds.get(req_id)
+        """Pin ``key`` for ``req_id`` until it looks up again, loads, finishes or the hold
+        expires (``_HOLD_STEPS`` after its latest refresh); refused beyond the cap."""
+        hold = self._renew_hold(req_id)
+        if key in hold.keys:
+            return
+        if self._held >= self._max_held or not self._pool.is_resident(key):
+            self._counters.holds_refused += 1
+            return
+        self._pool.pin(key)
+        hold.keys.add(key)
+        self._held += 1
+        self._counters.holds_placed += 1
+
+    def _renew_hold(self, req_id: str) -> _Hold:
         expiry = self._step + _HOLD_STEPS
-        if holds is not None and key in holds:
-            holds[key] = expiry
-        else:
-            if self._held >= self._max_held or not self._pool.is_resident(key):
+        hold = self._holds.get(req_id)
+        if hold is None:
+            hold = self._holds[req_id] = _Hold(set(), expiry)
+        elif hold.expiry == expiry:
+            return hold
+        hold.expiry = expiry
+        self._hold_expiries.append((expiry, req_id))
+        return hold
+
+    def _hold_many(self, req_id: str, keys: set[BlockKey], previous: _Hold | None) -> None:
+        """Hold ``keys`` (all resident) for ``req_id``; of ``previous`` (its old hold, still
+        pinned) the keys not in ``keys`` are released."""
+        if previous is not None:
+            self._holds[req_id] = previous
+            stale = previous.keys - keys
+            if stale:
+                self._unpin_hold(stale)
+                previous.keys -= stale
+        hold = self._renew_hold(req_id)
+        held = hold.keys
+        room = self._max_held - self._held
+        pin = self._pool.pin
+        placed = 0
+        for key in keys:
+            if key in held:
+                continue
+            if placed >= room:
                 self._counters.holds_refused += 1
-                return
-            self._pool.pin(key)
-            self._held += 1
-            self._counters.holds_placed += 1
-            if holds is None:
-                holds = self._holds[req_id] = {}
-            holds[key] = expiry
-        self._hold_expiries.append((expiry, req_id, key))
+                continue
+            pin(key)
+            held.add(key)
+            placed += 1
+        self._held += placed
+        self._counters.holds_placed += placed
+
+    def _unpin_hold(self, keys: set[BlockKey]) -> None:
+        unpin = self._pool.unpin
+        for key in keys:
+            unpin(key)
+        self._held -= len(keys)
 
     def _release_holds(self, req_id: str) -> None:
-        holds = self._holds.pop(req_id, None)
-        if holds:
-            for key in holds:
-                self._pool.unpin(key)
-            self._held -= len(holds)
+        hold = self._holds.pop(req_id, None)
+        if hold is not None and hold.keys:
+            self._unpin_hold(hold.keys)
 
     def _expire_holds(self) -> None:
         expiries = self._hold_expiries
         step = self._step
         while expiries and expiries[0][0] <= step:
-            expiry, req_id, key = expiries.popleft()
-            holds = self._holds.get(req_id)
-            if holds is None or holds.get(key) != expiry:
+            expiry, req_id = expiries.popleft()
+            hold = self._holds.get(req_id)
+            if hold is None or hold.expiry != expiry:
                 continue  # released or refreshed since
-            del holds[key]
-            if not holds:
-                del self._holds[req_id]
-            self._pool.unpin(key)
-            self._held -= 1
-            self._counters.holds_expired += 1
+            del self._holds[req_id]
+            if hold.keys:
+                self._unpin_hold(hold.keys)
+                self._counters.holds_expired += len(hold.keys)
 
     # ---- loads ------------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[BlockKey], ctx: RequestContext) -> LoadPlan:
@@ -504,11 +595,14 @@ class TieringManager:
             del self._request_pins[ctx.req_id]
 
     # ---- stores -----------------------------------------------------------------------------
-    def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext) -> StorePlan | None:
-        """Reserve slots for the keys the pool does not hold yet; None if they do not all fit.
+    def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext,
+                      mode: StoreMode = StoreMode.ALL) -> StorePlan | None:
+        """Reserve slots for the keys the pool does not hold yet.
 
-        Keys already held (resident, being promoted or being stored) are left out of ``.keys``
-        and are never evicted by this call.
+        ``StoreMode.ALL``: None if they do not all fit. ``StoreMode.PREFIX``: the leading new
+        keys that fit now, the rest in ``.deferred`` (never None). Keys already held (resident,
+        being promoted or being stored) are left out of ``.keys`` and are never evicted by this
+        call.
         """
         self._require_running("prepare_store")
         checked = validate_keys(keys)
@@ -522,9 +616,19 @@ class TieringManager:
             new_keys.append(key)
         if not new_keys:
             return StorePlan((), (), ())
-        reservations = pool.reserve_many(new_keys, protect=set(checked))
+        protect = set(checked)
+        deferred: list[BlockKey] = []
+        if mode is StoreMode.PREFIX:
+            fits = min(len(new_keys), pool.evictable_count(protect))
+            new_keys, deferred = new_keys[:fits], new_keys[fits:]
+            self._counters.stores_deferred += len(deferred)
+            if not new_keys:
+                return StorePlan((), (), (), tuple(deferred))
+        reservations = pool.reserve_many(new_keys, protect=protect)
         if reservations is None:
             self._counters.stores_rejected += 1
+            if mode is StoreMode.PREFIX:  # cannot happen after the count; stay consistent
+                return StorePlan((), (), (), tuple(new_keys + deferred))
             return None
         evicted: list[BlockKey] = []
         for reservation in reservations:
@@ -533,7 +637,8 @@ class TieringManager:
                 self._on_evicted(reservation.evicted, reservation.slot)
             self._store_filling.add(reservation.key)
         self._counters.stores_prepared += len(new_keys)
-        return StorePlan(tuple(new_keys), tuple(r.slot for r in reservations), tuple(evicted))
+        return StorePlan(tuple(new_keys), tuple(r.slot for r in reservations), tuple(evicted),
+                         tuple(deferred))
 
     def complete_store(self, keys: Sequence[BlockKey], ctx: RequestContext,
                        success: bool = True) -> None:
@@ -606,6 +711,7 @@ class TieringManager:
         for tier in self._tiers:
             tier.cleanup(ctx.req_id)
         self._release_holds(ctx.req_id)
+        self._promotion_rounds.pop(ctx.req_id, None)
         waits = self._request_waits.pop(ctx.req_id, None)
         if waits:
             for key in waits:
@@ -691,6 +797,10 @@ class TieringManager:
                 chunk_stores = stores[start : start + _TRANSFER_CHUNK_KEYS]
                 keys = [item.key for item in chunk_stores]
                 payloads = [item.payload for item in chunk_stores]
+                if not force and not tier.can_accept_store(
+                        sum(memoryview(p).nbytes for p in payloads)):
+                    self._wait_or_shed(index, stores[start:])
+                    break
                 if force:
                     nbytes = sum(memoryview(p).nbytes for p in payloads)
                     while not tier.can_accept_store(nbytes):
@@ -709,6 +819,25 @@ class TieringManager:
                 elif any(item.pinned for item in chunk_stores):
                     self._store_pins[(index, job.job_id)] = tuple(
                         item.pinned for item in chunk_stores)
+
+    def _wait_or_shed(self, tier_index: int, waiting: list[_QueuedStore]) -> None:
+        """Cascades a backlogged tier cannot take yet wait in the pool for the next step; the
+        oldest beyond the bound are shed (counted), so a dead tier never pins the whole pool."""
+        excess = len(waiting) - self._max_waiting_cascades
+        if excess > 0:
+            shed, waiting = waiting[:excess], waiting[excess:]
+            self._shed(tier_index, shed)
+        self._queued_stores[tier_index] = waiting
+        self._counters.cascades_waited += len(waiting)
+
+    def _shed(self, tier_index: int, shed: list[_QueuedStore]) -> None:
+        tier = self._tiers[tier_index]
+        for item in shed:
+            if item.pinned:
+                self._pool.unpin(item.key)
+        self._counters.cascades_shed += len(shed)
+        tier.count_shed(len(shed))
+        self._emit(StoreShed(tuple(item.key for item in shed), tier.name))
 
     # ---- events, stats, metrics -------------------------------------------------------------
     def _emit(self, event: ManagerEvent) -> None:
@@ -773,26 +902,8 @@ class TieringManager:
     def publish_metrics(self) -> None:
         """Push scheduler-side counters into the Prometheus metrics (on_schedule_end does this
         at most once a second, and shutdown once more)."""
-        metrics = self._metrics
-        if metrics is None:
-            return
-        counters, published = self._counters, self._published
-        for field_name, counter in (
-            ("lookups", metrics.lookups),
-            ("hits", metrics.hits),
-            ("evictions", metrics.evictions),
-            ("stores_completed", metrics.stores),
-        ):
-            delta = getattr(counters, field_name) - getattr(published, field_name)
-            if delta > 0:
-                counter.labels(tier=PRIMARY).inc(delta)
-            setattr(published, field_name, getattr(counters, field_name))
-        for tier in self._tiers:
-            metrics.publish_lookup_stats(tier.name, tier.lookup_stats)
-        if self._state is _ManagerState.RUNNING:
-            pool = self._pool
-            metrics.publish_primary(free=pool.free_slots, filling=pool.filling_slots,
-                                    resident=pool.resident_blocks, pinned=pool.pinned_slots)
+        if self._metrics is not None:
+            self._metrics.publish(manager_samples(self.get_stats(), self._namespace.block_size))
 
     # ---- waiting (tests, replay, benchmarks; never the engine's hot path) -------------------
     def wait_idle(self, timeout: float = 30.0) -> bool:
@@ -805,14 +916,18 @@ class TieringManager:
         for tier in self._tiers:
             remaining = max(0.0, deadline - time.monotonic())
             idle = tier.lookup_manager._wait_for_results(remaining) and idle
-        self._submit_queued()
-        for index, tier in enumerate(self._tiers):
-            remaining = max(0.0, deadline - time.monotonic())
-            for job in tier.get_finished_jobs(wait=True, timeout=remaining):
-                self._apply_job(index, job)
+        while True:  # cascades waiting for a backlogged tier go as its jobs land
+            self._submit_queued()
+            for index, tier in enumerate(self._tiers):
+                remaining = max(0.0, deadline - time.monotonic())
+                for job in tier.get_finished_jobs(wait=True, timeout=remaining):
+                    self._apply_job(index, job)
+            if not any(self._queued_stores) or time.monotonic() >= deadline:
+                break
+        for tier in self._tiers:
             idle = idle and tier.outstanding_jobs == 0
             tier.lookup_manager.drain_results()
-        return idle
+        return idle and not any(self._queued_stores)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _require_running(self, operation: str) -> None:
@@ -822,10 +937,17 @@ class TieringManager:
             )
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Flush write-back blocks, wait for transfers (up to ``timeout`` s each), stop every
-        thread, close backends and the pool. Idempotent."""
+        """Flush write-back blocks, wait for transfers, stop every thread, close backends and
+        the pool. Idempotent. Returns within ``timeout + tiers * SHUTDOWN_EXTRA_PER_TIER_S``
+        seconds (see :mod:`kvtier.deadlines`); transfers still stuck then are abandoned on
+        daemon threads, which never hold up interpreter exit. ``None``: wait without bound."""
         if self._state is _ManagerState.CLOSED:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         try:
             self._poll_jobs()
             if self._write_policy is WritePolicy.WRITE_BACK and self._unwritten:
@@ -837,13 +959,13 @@ class TieringManager:
                             queue_.append(_QueuedStore(key, pool.view(slot), True))
                         self._counters.write_backs += 1
                 self._unwritten.clear()
-            self._submit_queued(force=True, timeout=timeout)
-            self._poll_jobs(wait=True, timeout=timeout)
+            self._submit_queued(force=True, timeout=left())
+            self._poll_jobs(wait=True, timeout=left())
         finally:
             self._state = _ManagerState.CLOSED
             for index, tier in enumerate(self._tiers):
                 try:
-                    for job in tier.shutdown(timeout):
+                    for job in tier.shutdown(left()):
                         self._apply_job(index, job)
                 except Exception as exc:
                     _log.warning("tier %s: shutdown failed: %r", tier.name, exc)
@@ -853,6 +975,7 @@ class TieringManager:
             self._holds.clear()
             self._hold_expiries.clear()
             self._request_waits.clear()
+            self._promotion_rounds.clear()
             self._held = 0
             self.publish_metrics()
             if self._metrics is not None and self._owns_global_metrics:
@@ -912,6 +1035,7 @@ def open_manager(
                     max_pending_store_bytes=tier_cfg.max_pending_store_bytes,
                     max_pending_store_jobs=tier_cfg.max_pending_store_jobs,
                     metrics=metrics, clock=clock, lookup_factory=lookup_factory,
+                    load_timeout_s=tier_cfg.load_timeout_s,
                 ))
             except (ValueError, TypeError) as exc:
                 backend.close()

@@ -92,11 +92,23 @@ class LRUPolicy:
         self._order.pop(key, None)
 
     def victim(self, skip: SkipPredicate, incoming: BlockKey | None = None) -> BlockKey | None:
-        for key in self._order:
+        """The oldest unskipped key. A skipped (pinned or protected) key is in use right now, so
+        it counts as recently used and moves to the recent end: a long run of pinned keys at the
+        old end (a 10k-block prefix being loaded) is scanned once, not by every call."""
+        order = self._order
+        skipped: list[BlockKey] = []
+        found: BlockKey | None = None
+        for key in order:
             if not skip(key):
-                del self._order[key]
-                return key
-        return None
+                found = key
+                break
+            skipped.append(key)
+        if found is not None:
+            del order[found]
+        move_to_end = order.move_to_end
+        for key in skipped:
+            move_to_end(key)
+        return found
 
 
 class _ArcList(enum.Enum):

@@ -9,6 +9,13 @@ Thread ownership:
   tiers read or write a slot while the scheduler keeps it out of reach of eviction (a pin, or the
   ``FILLING`` state). The pool never touches the bytes itself.
 
+Arena ownership: a ``shared_memory`` or ``mmap_file`` arena is created exclusively
+(``O_CREAT|O_EXCL``, never an existing file or segment, never truncating one) and held under an
+exclusive ``flock`` for the pool's life, so a second manager given the same name or path is refused
+with :class:`ArenaError`. The pool removes what it created at :meth:`PrimaryPool.close`, and at
+interpreter exit if it was never closed (a ``weakref.finalize``); only ``kill -9`` (or a signal
+with no handler) can leave one behind, and the next manager then refuses the leftover by name.
+
 A slot is ``FREE``, ``FILLING`` (reserved for a key whose bytes are being written: not readable,
 not evictable) or ``RESIDENT`` (readable, evictable unless pinned). A full pool is not an error:
 ``reserve`` answers None when every slot is filling or pinned.
@@ -18,8 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
+import fcntl
 import mmap
 import os
+import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -30,6 +40,7 @@ import numpy.typing as npt
 
 from kvtier.keys import BlockKey
 from kvtier.policies import EvictionPolicy, PolicyName, make_policy
+from kvtier.settings import ConfigError
 
 
 class SlotState(enum.Enum):
@@ -52,6 +63,12 @@ class PoolError(RuntimeError):
 
 class PoolClosedError(PoolError):
     """The pool was closed."""
+
+
+class ArenaError(ConfigError):
+    """The arena cannot be created: the name or path is taken, refused, or too big for the
+    memory there is. A :class:`~kvtier.settings.ConfigError`, so ``open_manager`` callers and
+    the ``kvtier`` command report it as bad configuration naming the path."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,27 +113,29 @@ class PrimaryPool:
         self._mmap: mmap.mmap | None = None
         self._path = path
         self._array: npt.NDArray[np.uint8]
+        if self._backing is PrimaryBacking.HEAP and path is not None:
+            raise ValueError("primary path is only valid with shared_memory or mmap_file")
+        if self._backing is PrimaryBacking.MMAP_FILE and (not path or not os.path.isabs(path)):
+            raise ValueError(f"mmap_file backing needs an absolute file path, got {path!r}")
+        check_arena_fits(total, self._backing, path)
+        self._owned: _OwnedArena | None = None
         if self._backing is PrimaryBacking.HEAP:
-            if path is not None:
-                raise ValueError("primary path is only valid with shared_memory or mmap_file")
-            self._array = np.zeros(total, dtype=np.uint8)
+            try:
+                self._array = np.zeros(total, dtype=np.uint8)
+            except MemoryError:
+                raise ArenaError(f"primary pool of {total:,} bytes ({num_slots:,} slots of "
+                                 f"{block_bytes:,}): not enough memory") from None
         elif self._backing is PrimaryBacking.SHARED_MEMORY:
-            self._shm = shared_memory.SharedMemory(name=path, create=True, size=total)
+            self._shm, self._owned = _create_shared_memory(path, total)
             self._path = self._shm.name
             self._array = np.ndarray((total,), dtype=np.uint8, buffer=self._shm.buf)
         else:
-            if not path or not os.path.isabs(path):
-                raise ValueError(
-                    f"mmap_file backing needs an absolute file path, got {path!r}"
-                )
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                os.ftruncate(fd, total)
-                self._mmap = mmap.mmap(fd, total, mmap.MAP_SHARED,
-                                       mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
+            if path is None:  # checked above; narrows the type
+                raise ValueError("mmap_file backing needs an absolute file path, got None")
+            self._mmap, self._owned = _create_arena_file(path, total)
             self._array = np.ndarray((total,), dtype=np.uint8, buffer=self._mmap)
+        # Runs at close(), or at interpreter exit when the pool was never closed.
+        self._release_owned = weakref.finalize(self, _release_arena, self._owned)
         self._arena: memoryview | None = memoryview(self._array.data).cast("B")
         self._policy: EvictionPolicy = (
             make_policy(policy, num_slots) if isinstance(policy, (str, PolicyName)) else policy
@@ -332,11 +351,10 @@ class PrimaryPool:
         if self._shm is not None:
             with contextlib.suppress(BufferError):
                 self._shm.close()
-            with contextlib.suppress(FileNotFoundError):
-                self._shm.unlink()
         if self._mmap is not None:
             with contextlib.suppress(BufferError):
                 self._mmap.close()
+        self._release_owned()
 
     def __enter__(self) -> PrimaryPool:
         return self
@@ -421,3 +439,153 @@ def _untrack_shared_memory(segment: shared_memory.SharedMemory) -> None:
         resource_tracker.unregister(getattr(segment, "_name", "/" + segment.name),
                                     "shared_memory")
 
+
+
+# --------------------------------------------------------------------------- arena ownership
+
+@dataclass(slots=True)
+class _OwnedArena:
+    """What a pool created and must remove: a file (or /dev/shm segment) and its locked fd.
+
+    ``inode`` identifies our file, so a path that was replaced meanwhile is left alone.
+    """
+
+    path: str
+    fd: int
+    inode: tuple[int, int]
+    segment: shared_memory.SharedMemory | None = None
+
+
+def _release_arena(owned: _OwnedArena | None) -> None:
+    """Unlink the arena we created (if the path still names it) and drop the lock. Never
+    raises: it also runs at interpreter exit."""
+    if owned is None:
+        return
+    with contextlib.suppress(OSError):
+        info = os.lstat(owned.path)
+        if (info.st_dev, info.st_ino) == owned.inode:
+            if owned.segment is not None:
+                owned.segment.unlink()  # also tells Python's resource tracker
+            else:
+                os.unlink(owned.path)
+    with contextlib.suppress(OSError):
+        os.close(owned.fd)
+
+
+def _lock_exclusive(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _taken_message(what: str, path: str) -> str:
+    """Why an existing file or segment at ``path`` is refused (never adopted, never truncated)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        held = False
+    else:
+        try:
+            held = not _lock_exclusive(fd)
+        finally:
+            os.close(fd)
+    if held:
+        return (f"{what} {path!r} is the arena of another running kvtier manager (it holds the "
+                f"lock); two managers never share an arena: give each its own primary_path")
+    return (f"{what} {path!r} already exists and is not this manager's arena; kvtier never "
+            f"adopts or truncates an existing file: choose another primary_path, or remove it "
+            f"if it is left over from a kvtier process that was killed")
+
+
+def _create_arena_file(path: str, total: int) -> tuple[mmap.mmap, _OwnedArena]:
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        raise ArenaError(_taken_message("primary_path", path)) from None
+    except OSError as exc:
+        raise ArenaError(f"primary_path {path!r}: cannot create the arena file: "
+                         f"{exc.strerror or exc}") from None
+    info = os.fstat(fd)
+    owned = _OwnedArena(path, fd, (info.st_dev, info.st_ino))
+    try:
+        if not _lock_exclusive(fd):  # another process locked it between create and lock
+            raise ArenaError(_taken_message("primary_path", path))
+        os.ftruncate(fd, total)
+        arena = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        _release_arena(owned)
+        raise ArenaError(f"primary_path {path!r}: cannot size or map {total:,} bytes: "
+                         f"{exc.strerror or exc}") from None
+    except BaseException:
+        _release_arena(owned)
+        raise
+    return arena, owned
+
+
+def _create_shared_memory(name: str | None,
+                          total: int) -> tuple[shared_memory.SharedMemory, _OwnedArena]:
+    shown = name if name is not None else "(generated)"
+    try:
+        segment = shared_memory.SharedMemory(name=name, create=True, size=total)
+    except FileExistsError:
+        raise ArenaError(_taken_message("shared-memory segment",
+                                        _shm_path(name or ""))) from None
+    except (OSError, ValueError) as exc:
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        hint = " (a name is letters, digits, '-', '_', no '/')" if (
+            isinstance(exc, OSError) and exc.errno == errno.EINVAL) else ""
+        raise ArenaError(f"primary_path {shown!r}: cannot create a shared-memory segment of "
+                         f"{total:,} bytes: {detail}{hint}") from None
+    seg_path = _shm_path(segment.name)
+    fd = os.open(seg_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    info = os.fstat(fd)
+    owned = _OwnedArena(seg_path, fd, (info.st_dev, info.st_ino), segment=segment)
+    if not _lock_exclusive(fd):
+        segment.close()
+        _release_arena(owned)
+        raise ArenaError(_taken_message("shared-memory segment", seg_path))
+    return segment, owned
+
+
+def _shm_path(name: str) -> str:
+    return "/dev/shm/" + name.lstrip("/")
+
+
+def available_memory_bytes(backing: PrimaryBacking | str,
+                           path: str | None = None) -> int | None:
+    """Bytes an arena of ``backing`` can have now: ``MemAvailable`` for the heap, the free
+    space of ``/dev/shm`` or of ``path``'s filesystem for shared backings; None if unknown."""
+    kind = PrimaryBacking(backing)
+    try:
+        if kind is PrimaryBacking.HEAP:
+            with open("/proc/meminfo", encoding="ascii") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        where = "/dev/shm" if kind is PrimaryBacking.SHARED_MEMORY else os.path.dirname(
+            path or "/") or "/"
+        stat = os.statvfs(where)
+        if stat.f_blocks == 0:  # a pseudo filesystem (proc, sysfs) reports no size at all
+            return None
+        return stat.f_bavail * stat.f_frsize
+    except (OSError, ValueError):
+        return None
+
+
+def check_arena_fits(total: int, backing: PrimaryBacking | str, path: str | None = None) -> None:
+    """:class:`ArenaError` when an arena of ``total`` bytes cannot fit in the memory available
+    to ``backing`` now (checked up front: a heap allocation would raise MemoryError, a shared
+    mapping would crash the process with SIGBUS when the filesystem fills)."""
+    available = available_memory_bytes(backing, path)
+    if available is not None and total > available:
+        kind = PrimaryBacking(backing)
+        where = {PrimaryBacking.HEAP: "available memory (MemAvailable)",
+                 PrimaryBacking.SHARED_MEMORY: "free space in /dev/shm",
+                 PrimaryBacking.MMAP_FILE: f"free space next to {path!r}"}[kind]
+        raise ArenaError(f"a primary pool of {total:,} bytes does not fit in the {where}: "
+                         f"{available:,} bytes; lower primary_bytes (or --cpu-blocks / "
+                         f"--block-bytes)")

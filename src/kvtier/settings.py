@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "ENV_PREFIX",
     "ConfigError",
     "Kind",
     "Secret",
@@ -73,6 +74,8 @@ class Secret:
         return bool(self._value)
 
 
+ENV_PREFIX = "KVTIER_"
+
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
@@ -100,7 +103,9 @@ def parse_size(value: object, path: str, *, minimum: int = 0, maximum: int | Non
                 result = int(scaled)
     if result is None:
         raise ConfigError(f"{path}: expected {SIZE_HELP}, got {value!r}")
-    _check_bounds(result, path, minimum, maximum, strict_min=False, shown=repr(value))
+    if result < minimum or (maximum is not None and result > maximum):
+        bounds = _range_text(minimum, maximum, False).removeprefix("a value ")
+        raise ConfigError(f"{path}: expected a size {bounds} bytes, got {value!r}")
     return result
 
 
@@ -110,15 +115,6 @@ def format_size(num_bytes: int) -> str:
         if num_bytes and num_bytes % 1024**power == 0:
             return f"{num_bytes // 1024 ** power}{unit}"
     return str(num_bytes)
-
-
-def _check_bounds(number: float, path: str, minimum: float | None, maximum: float | None, *,
-                  strict_min: bool, shown: str) -> None:
-    low_ok = minimum is None or (number > minimum if strict_min else number >= minimum)
-    high_ok = maximum is None or number <= maximum
-    if not (low_ok and high_ok):
-        raise ConfigError(f"{path}: expected {_range_text(minimum, maximum, strict_min)}, "
-                          f"got {shown}")
 
 
 def _range_text(minimum: float | None, maximum: float | None, strict_min: bool) -> str:
@@ -146,6 +142,7 @@ class Setting:
     choices: tuple[str, ...] = ()
     nullable: bool = False
     env: str | None = None
+    required: bool = False  # no default: a config that omits it is an error
 
     def parse(self, value: object, path: str | None = None) -> Any:
         """The typed value of ``value`` (an object or a string), or :class:`ConfigError`."""
@@ -172,6 +169,17 @@ class Setting:
         noun = "an integer" if self.kind is Kind.INT else "a finite number"
         return f"{noun} {bounds}".strip() + (f" ({self.unit})" if self.unit else "")
 
+    def type_text(self) -> str:
+        """A short type for generated docs (``"int >= 1"``, ``"size"``, ``"`lru` | `arc`"``)."""
+        if self.kind is Kind.CHOICE:
+            return " \\| ".join(f"`{choice}`" for choice in self.choices)
+        noun = {Kind.INT: "int", Kind.FLOAT: "number", Kind.SIZE: "size", Kind.BOOL: "bool",
+                Kind.STR: "string", Kind.SECRET: "secret string"}[self.kind]
+        bounds = (_range_text(self.minimum, self.maximum, self.strict_min)
+                  .removeprefix("a value").strip())
+        unit = f" ({self.unit})" if self.unit else ""
+        return f"{noun} {bounds}".strip() + unit
+
     def shown(self, value: object) -> str:
         """``value`` as it may appear in a message or a report: never a secret."""
         if self.kind is Kind.SECRET and value is not None:
@@ -179,13 +187,23 @@ class Setting:
         return repr(value)
 
     def default_text(self) -> str:
+        if self.required:
+            return "required"
         if self.default is None:
             return "unset"
         if self.kind is Kind.SIZE:
             return format_size(self.default)
         if isinstance(self.default, bool):
             return "true" if self.default else "false"
+        if self.default == "":
+            return '""'
         return str(self.default)
+
+
+def _in_bounds(setting: Setting, number: float) -> bool:
+    low, high = setting.minimum, setting.maximum
+    low_ok = low is None or (number > low if setting.strict_min else number >= low)
+    return low_ok and (high is None or number <= high)
 
 
 def _parse_int(setting: Setting, value: object, where: str) -> int:
@@ -194,10 +212,8 @@ def _parse_int(setting: Setting, value: object, where: str) -> int:
         result = value
     elif isinstance(value, str) and _INT_RE.match(value):
         result = int(value)
-    if result is None:
+    if result is None or not _in_bounds(setting, result):
         raise ConfigError(f"{where}: expected {setting.expected()}, got {setting.shown(value)}")
-    _check_bounds(result, where, setting.minimum, setting.maximum,
-                  strict_min=setting.strict_min, shown=repr(value))
     return result
 
 
@@ -210,10 +226,8 @@ def _parse_float(setting: Setting, value: object, where: str) -> float:
             result = float(value)
         except ValueError:
             result = None
-    if result is None or not math.isfinite(result):
+    if result is None or not math.isfinite(result) or not _in_bounds(setting, result):
         raise ConfigError(f"{where}: expected {setting.expected()}, got {value!r}")
-    _check_bounds(result, where, setting.minimum, setting.maximum,
-                  strict_min=setting.strict_min, shown=repr(value))
     return result
 
 
@@ -275,6 +289,8 @@ class SettingsTable:
     __slots__ = ("_by_name", "component")
 
     def __init__(self, component: str, settings: Iterable[Setting]) -> None:
+        """``settings`` may reuse another table's :class:`Setting` objects (one declaration,
+        several components: the vLLM tier shares ``io_threads`` with the secondary tier)."""
         self.component = component
         self._by_name: dict[str, Setting] = {}
         for setting in settings:
@@ -306,6 +322,19 @@ class SettingsTable:
         parsed = self.defaults() if fill_defaults else {}
         for name, value in values.items():
             parsed[name] = self._by_name[name].parse(value, prefix + name)
+        if fill_defaults:
+            for setting in self:
+                if setting.required and parsed.get(setting.name) is None:
+                    raise ConfigError(f"{prefix}{setting.name}: missing; it is required "
+                                      f"({setting.help})")
+        return parsed
+
+    def parse_env(self, environ: Mapping[str, str], path: str = "") -> dict[str, Any]:
+        """Typed values of the settings ``environ`` sets; errors name the variable."""
+        parsed: dict[str, Any] = {}
+        for name, raw in self.from_env(environ).items():
+            setting = self._by_name[name]
+            parsed[name] = setting.parse(raw, f"{setting.env} ({path}{name})")
         return parsed
 
     def reject_unknown(self, values: Iterable[str], path: str = "") -> None:
@@ -325,6 +354,10 @@ class SettingsTable:
     def env_names(self) -> frozenset[str]:
         return frozenset(setting.env for setting in self if setting.env is not None)
 
+    def default(self, name: str) -> Any:
+        """The declared default of ``name`` (constructors take their defaults from here)."""
+        return self._by_name[name].default
+
     def markdown(self, names: Sequence[str] | None = None) -> str:
         """A Markdown table of the settings (the README's tables are generated from this)."""
         rows = ["| setting | type | default | env | meaning |", "|---|---|---|---|---|"]
@@ -332,6 +365,6 @@ class SettingsTable:
             if names is not None and setting.name not in names:
                 continue
             env = f"`{setting.env}`" if setting.env else ""
-            rows.append(f"| `{setting.name}` | {setting.expected()} | {setting.default_text()} "
-                        f"| {env} | {setting.help} |")
+            rows.append(f"| `{setting.name}` | {setting.type_text()} | {setting.default_text()} "
+                        f"| {env} | {setting.help} |".replace("  ", " "))
         return "\n".join(rows)

@@ -14,7 +14,9 @@ Thread ownership:
   ``error`` and ``seconds`` and post the job to ``_finished`` (a ``queue.SimpleQueue``). After
   posting they never touch the job again; before posting the scheduler never reads those fields.
 - **Probe worker** (inside the lookup manager) calls ``backend.probe``.
-- The backend is thread-safe by contract; the metrics are thread-safe (prometheus-client).
+- The backend is thread-safe by contract. The counters are the scheduler thread's and are
+  published by the manager (:mod:`kvtier.metrics`); only probe durations are observed on the
+  probe worker (thread-safe).
 
 A load job writes straight into caller-provided ``memoryview``s (primary slots that the manager
 keeps out of reach of eviction while the job runs); the backend verifies the frame (namespace,
@@ -39,18 +41,23 @@ import enum
 import itertools
 import logging
 import queue
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtier.backends.base import Backend, Buffer, RateLimitedLog
-from kvtier.config import LookupConfig
+from kvtier.config import TIER_SETTINGS, LookupConfig
+from kvtier.deadlines import IoThreadPool
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.lookup import AsyncLookupManager, LookupStats
-from kvtier.metrics import KvtierMetrics
+from kvtier.metrics import ProbeMetrics
+from kvtier.settings import Kind, Setting
+
+_MAX_KEYS_PER_CALL = Setting("max_keys_per_call", Kind.INT, None,
+                             "keys per backend get/put call (None: no limit)", minimum=1)
 
 _log = logging.getLogger("kvtier.tier")
 _PROBE_SHUTDOWN_WAIT_S = 2.0
@@ -62,13 +69,6 @@ LookupFactory = Callable[[str, Backend, Mapping[str, Any]], AsyncLookupManager]
 class JobKind(enum.Enum):
     LOAD = "load"
     STORE = "store"
-
-
-def require_int(what: str, value: object, minimum: int) -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum``, else a ValueError naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 class TierClosedError(RuntimeError):
@@ -96,6 +96,10 @@ class TransferJob:
     results: tuple[bool, ...] = ()
     error: str | None = None
     seconds: float = 0.0
+    suspects: tuple[int, ...] = ()  # store: positions whose load failed recently (read back)
+    verified: tuple[int, ...] = ()  # store: suspects whose read-back succeeded
+    deadline: float = float("inf")  # time.monotonic() past which a load job fails
+    settled: bool = False           # results are final (set once, under the tier's settle lock)
 
     @property
     def succeeded(self) -> list[BlockKey]:
@@ -108,14 +112,26 @@ class TransferJob:
 
 @dataclass(slots=True)
 class TierCounters:
+    """The tier's counters (scheduler thread); :mod:`kvtier.metrics` publishes them."""
+
+    lookup_answers: int = 0  # lookups answered present or absent (not "ask again")
+    lookup_hits: int = 0
     loads_submitted: int = 0
     load_keys: int = 0
+    loaded_keys: int = 0
     load_keys_failed: int = 0
     stores_submitted: int = 0
     store_keys: int = 0
+    stored_keys: int = 0
     store_keys_failed: int = 0
     stores_shed: int = 0
     store_keys_shed: int = 0
+    store_keys_read_back: int = 0
+    quarantines_lifted: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
     job_errors: int = 0
     invariant_violations: int = 0
 
@@ -127,13 +143,11 @@ class BackendLookupManager(AsyncLookupManager):
     manager counts the failure as a probe error, never caches it, and feeds its circuit breaker.
     """
 
-    def __init__(self, tier_name: str, backend: Backend, metrics: KvtierMetrics | None = None,
+    def __init__(self, tier_name: str, backend: Backend, metrics: ProbeMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  options: Mapping[str, Any] | None = None) -> None:
         self._backend = backend
-        self._probe_latency = (
-            None if metrics is None else metrics.probe_latency.labels(tier=tier_name)
-        )
+        self._observe_probe = None if metrics is None else metrics.probe_observer(tier_name)
         super().__init__(tier_name, clock=clock, **(options or {}))
 
     def batch_lookup(self, keys: list[BlockKey], req_context: RequestContext) -> Sequence[bool]:
@@ -141,18 +155,21 @@ class BackendLookupManager(AsyncLookupManager):
         try:
             return self._backend.probe(keys)
         finally:
-            if self._probe_latency is not None:
-                self._probe_latency.observe(time.perf_counter() - started)
+            if self._observe_probe is not None:
+                self._observe_probe(time.perf_counter() - started)
 
 
 class RecentLoadFailures:
     """Keys whose load from one tier failed recently; owned by the scheduler thread.
 
     ``put_many`` answers True both for "written" and for "already present", so a store of a key
-    whose load just failed proves nothing: the backend may be keeping the very object that could
-    not be loaded (a valid frame of another size, a file that stats but cannot be read). Lifting
-    the key's quarantine with ``note_stored`` then would restart the same doomed promotion for
-    every later request, the livelock class; such keys stay quarantined until it ends.
+    whose load just failed proves nothing by itself: the backend may be keeping the very object
+    that could not be loaded (a valid frame of another size, a file that stats but cannot be
+    read). Lifting the key's quarantine with ``note_stored`` then would restart the same doomed
+    promotion for every later request, the livelock class. So a store job of such a key reads
+    the object back on its I/O thread (a full, verified ``get``): when the read-back succeeds
+    the tier really holds a good block again and the quarantine is lifted (:meth:`discard`);
+    when it fails (the damaged object is still there) the key stays quarantined until it ends.
     """
 
     __slots__ = ("_clock", "_hold_s", "_max_keys", "_until")
@@ -189,6 +206,13 @@ class RecentLoadFailures:
             del self._until[oldest]
         return [key for key in keys if key not in self._until]
 
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._until
+
+    def discard(self, keys: Iterable[BlockKey]) -> None:
+        for key in keys:
+            self._until.pop(key, None)
+
 
 class SecondaryTier:
     """A backend + its :class:`AsyncLookupManager` + transfer jobs on I/O threads."""
@@ -199,25 +223,29 @@ class SecondaryTier:
         backend: Backend,
         *,
         lookup: LookupConfig | Mapping[str, Any] | None = None,
-        io_threads: int = 4,
-        max_pending_store_bytes: int = 256 * 1024**2,
-        max_pending_store_jobs: int = 1024,
-        metrics: KvtierMetrics | None = None,
+        io_threads: int = TIER_SETTINGS.default("io_threads"),
+        max_pending_store_bytes: int = TIER_SETTINGS.default("max_pending_store_bytes"),
+        max_pending_store_jobs: int = TIER_SETTINGS.default("max_pending_store_jobs"),
+        metrics: ProbeMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         lookup_factory: LookupFactory | None = None,
         max_keys_per_call: int | None = None,
+        load_timeout_s: float = TIER_SETTINGS.default("load_timeout_s"),
     ) -> None:
         """``lookup_factory(name, backend, options)`` replaces the default lookup manager (one
         ``backend.probe`` call per probe batch); ``options`` are the configured lookup settings
-        plus ``clock``. ``max_keys_per_call`` (None: no limit) splits each job's backend calls."""
+        plus ``clock``. ``max_keys_per_call`` (None: no limit) splits each job's backend calls.
+        Bad settings raise :class:`~kvtier.settings.ConfigError` (a ValueError) naming them.
+        A load job not finished ``load_timeout_s`` after submission fails for its keys."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"tier name must be a non-empty str, got {name!r}")
-        for label, value, minimum in (("io_threads", io_threads, 1),
-                                      ("max_pending_store_bytes", max_pending_store_bytes, 0),
-                                      ("max_pending_store_jobs", max_pending_store_jobs, 1)):
-            require_int(f"tier {name!r}: {label}", value, minimum)
+        for setting, value in (("io_threads", io_threads),
+                               ("max_pending_store_bytes", max_pending_store_bytes),
+                               ("max_pending_store_jobs", max_pending_store_jobs)):
+            TIER_SETTINGS[setting].parse(value, f"tier {name!r}: {setting}")
         if max_keys_per_call is not None:
-            require_int(f"tier {name!r}: max_keys_per_call", max_keys_per_call, 1)
+            _MAX_KEYS_PER_CALL.parse(max_keys_per_call, f"tier {name!r}: max_keys_per_call")
+        TIER_SETTINGS["load_timeout_s"].parse(load_timeout_s, f"tier {name!r}: load_timeout_s")
         if isinstance(lookup, LookupConfig):
             lookup_options: Mapping[str, Any] = lookup.as_kwargs()
         elif lookup is None:
@@ -226,7 +254,6 @@ class SecondaryTier:
             lookup_options = LookupConfig.from_dict(lookup, f"tier {name}: lookup").as_kwargs()
         self._name = name
         self._backend = backend
-        self._metrics = metrics
         self._lookup: AsyncLookupManager = (
             BackendLookupManager(name, backend, metrics, clock, lookup_options)
             if lookup_factory is None
@@ -236,8 +263,11 @@ class SecondaryTier:
         self._max_store_bytes = max_pending_store_bytes
         self._max_store_jobs = max_pending_store_jobs
         self._max_keys_per_call = max_keys_per_call
-        self._executor = ThreadPoolExecutor(max_workers=io_threads,
-                                            thread_name_prefix=f"kvtier-io-{name}")
+        self._executor = IoThreadPool(io_threads, f"kvtier-io-{name}")
+        self._load_timeout_s = float(load_timeout_s)
+        self._load_deadlines: deque[TransferJob] = deque()  # loads in submission order
+        self._settle_lock = threading.Lock()  # a job's results are settled exactly once
+        self._scratch = threading.local()  # per I/O thread: where loads land before the slot
         self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
         self._outstanding: dict[int, TransferJob] = {}
         self._ready_loads: deque[TransferJob] = deque()
@@ -269,7 +299,11 @@ class SecondaryTier:
 
     # ---- lookups (scheduler thread) -----------------------------------------------------------
     def lookup(self, key: BlockKey, req_context: RequestContext) -> bool | None:
-        return self._lookup.lookup(key, req_context)
+        verdict = self._lookup.lookup(key, req_context)
+        if verdict is not None:
+            self._counters.lookup_answers += 1
+            self._counters.lookup_hits += verdict
+        return verdict
 
     def flush(self) -> None:
         self._lookup.flush()
@@ -290,7 +324,9 @@ class SecondaryTier:
         if len(keys) != len(outs):
             raise ValueError(f"submit_load got {len(keys)} keys but {len(outs)} buffers")
         job = TransferJob(next(self._job_ids), JobKind.LOAD, tuple(keys), tuple(outs),
-                          sum(out.nbytes for out in outs))
+                          sum(out.nbytes for out in outs),
+                          deadline=time.monotonic() + self._load_timeout_s)
+        self._load_deadlines.append(job)
         self._counters.loads_submitted += 1
         self._counters.load_keys += len(keys)
         self._start(job)
@@ -312,17 +348,23 @@ class SecondaryTier:
         if not self.can_accept_store(nbytes):
             self._counters.stores_shed += 1
             self._counters.store_keys_shed += len(keys)
-            if self._metrics is not None:
-                self._metrics.shed_stores.labels(tier=self._name).inc(len(keys))
             return None
         job = TransferJob(next(self._job_ids), JobKind.STORE, tuple(keys), tuple(payloads),
                           nbytes)
+        if len(self._load_failures):
+            failures = self._load_failures
+            job.suspects = tuple(i for i, key in enumerate(job.keys) if failures.contains(key))
         self._store_bytes += nbytes
         self._store_jobs += 1
         self._counters.stores_submitted += 1
         self._counters.store_keys += len(keys)
         self._start(job)
         return job
+
+    def count_shed(self, keys: int) -> None:
+        """``keys`` cascades to this tier were shed by the manager before submission."""
+        self._counters.stores_shed += 1
+        self._counters.store_keys_shed += keys
 
     def _start(self, job: TransferJob) -> None:
         self._outstanding[job.job_id] = job
@@ -338,9 +380,8 @@ class SecondaryTier:
                         waiting = ready.popleft()
                     except IndexError:
                         break
-                    waiting.results = (False,) * len(waiting.keys)
-                    waiting.error = f"executor unavailable: {exc!r}"
-                    self._finished.put(waiting)
+                    self._settle(waiting, (False,) * len(waiting.keys),
+                                 f"executor unavailable: {exc!r}")
 
     def get_finished_jobs(self, *, wait: bool = False,
                           timeout: float | None = None) -> list[TransferJob]:
@@ -352,22 +393,56 @@ class SecondaryTier:
         """
         finished: list[TransferJob] = []
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._expire_loads()
         while True:
             try:
                 job = self._finished.get_nowait()
             except queue.Empty:
                 if not wait or not self._outstanding:
                     break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                now = time.monotonic()
+                if deadline is not None and deadline <= now:
                     break
+                # Wake up for the next load deadline too: an expired load is finished.
+                wake = min(deadline if deadline is not None else float("inf"),
+                           self._load_deadlines[0].deadline if self._load_deadlines
+                           else float("inf"))
                 try:
-                    job = self._finished.get(timeout=remaining)
+                    job = self._finished.get(timeout=None if wake == float("inf")
+                                             else max(0.0, wake - now))
                 except queue.Empty:
-                    break
+                    self._expire_loads()
+                    continue
             self._collect(job)
             finished.append(job)
         return finished
+
+    def _expire_loads(self) -> None:
+        """Fail every load job past its deadline (scheduler thread). The I/O thread running it
+        finds the job settled and drops what it read: a slot is never written after this."""
+        pending = self._load_deadlines
+        now = time.monotonic()
+        while pending and (pending[0].settled or pending[0].deadline <= now):
+            job = pending.popleft()
+            if self._settle(job, (False,) * len(job.keys),
+                            f"load timed out after {self._load_timeout_s:g} s"):
+                self._io_log.warning("tier %s: load job of %d keys timed out after %g s",
+                                     self._name, len(job.keys), self._load_timeout_s)
+
+    def _settle(self, job: TransferJob, results: tuple[bool, ...], error: str | None,
+                land: Callable[[], None] | None = None) -> bool:
+        """Make ``results`` final and post the job, unless it was already settled (then False).
+        ``land`` runs under the lock first (it copies a load's bytes into the slots)."""
+        with self._settle_lock:
+            if job.settled:
+                return False
+            if land is not None:
+                land()
+            job.results = results
+            job.error = error
+            job.settled = True
+        self._finished.put(job)
+        return True
 
     def _collect(self, job: TransferJob) -> None:
         if self._outstanding.pop(job.job_id, None) is None:
@@ -379,24 +454,35 @@ class SecondaryTier:
             job.results = (False,) * len(job.keys)
         if job.error is not None:
             self._counters.job_errors += 1
+        moved = sum(memoryview(buffer).nbytes
+                    for buffer, ok in zip(job.buffers, job.results, strict=True) if ok)
         if job.kind is JobKind.LOAD:
             failed = job.failed
+            self._counters.loaded_keys += len(job.keys) - len(failed)
+            self._counters.read_bytes += moved
+            self._counters.read_seconds += job.seconds
             if failed:
                 self._counters.load_keys_failed += len(failed)
                 if self._state is _TierState.RUNNING:
                     self._lookup.mark_miss(failed)
                     self._load_failures.add(failed)
-                if self._metrics is not None:
-                    self._metrics.failed_loads.labels(tier=self._name).inc(len(failed))
         else:
             self._store_bytes -= job.nbytes
             self._store_jobs -= 1
             stored = job.succeeded
+            if job.suspects:
+                self._counters.store_keys_read_back += sum(1 for p in job.suspects
+                                                           if job.results[p])
+            if job.verified:
+                good = [job.keys[position] for position in job.verified]
+                self._load_failures.discard(good)  # a verified new object: quarantine ends
+                self._counters.quarantines_lifted += len(good)
             if stored and self._state is _TierState.RUNNING:
                 self._lookup.note_stored(self._load_failures.without(stored))
+            self._counters.stored_keys += len(stored)
             self._counters.store_keys_failed += len(job.keys) - len(stored)
-            if self._metrics is not None and stored:
-                self._metrics.stores.labels(tier=self._name).inc(len(stored))
+            self._counters.write_bytes += moved
+            self._counters.write_seconds += job.seconds
 
     # ---- I/O thread ---------------------------------------------------------------------------
     def _run_next(self) -> None:
@@ -406,7 +492,8 @@ class SecondaryTier:
                 job = ready.popleft()
             except IndexError:
                 continue
-            self._run(job)
+            if not job.settled:  # else it expired while waiting
+                self._run(job)
             return
 
     def _run(self, job: TransferJob) -> None:
@@ -414,15 +501,13 @@ class SecondaryTier:
         results: list[bool] = []
         step = self._max_keys_per_call
         starts: Iterable[int] = [0] if step is None else range(0, len(job.keys), step)
-        calls = 0
+        error: str | None = None
         try:
             for start in starts:
                 end = len(job.keys) if step is None else start + step
                 keys = job.keys[start:end]
-                calls += 1
                 if job.kind is JobKind.LOAD:
-                    outs = [memoryview(out) for out in job.buffers[start:end]]
-                    raw = self._backend.get_many(keys, outs)
+                    raw = self._backend.get_many(keys, self._scratch_views(job, start, end))
                 else:
                     raw = self._backend.put_many(keys, job.buffers[start:end])
                 answers = [item is True for item in raw]
@@ -431,25 +516,62 @@ class SecondaryTier:
                                      f"{len(keys)} keys")
                 results.extend(answers)
         except Exception as exc:  # an I/O thread survives everything; the job fails safe
-            job.error = repr(exc)
+            error = repr(exc)
             self._io_log.warning("tier %s: %s job of %d keys failed: %r", self._name,
                                  job.kind.value, len(job.keys), exc)
         # Keys after a failed call are failed; keys moved by earlier calls stay moved.
-        job.results = tuple(results) + (False,) * (len(job.keys) - len(results))
+        final = tuple(results) + (False,) * (len(job.keys) - len(results))
+        if job.suspects:
+            job.results = final
+            self._read_back(job)
         job.seconds = time.perf_counter() - started
-        metrics = self._metrics
-        if metrics is not None:
-            moved = sum(memoryview(buffer).nbytes
-                        for buffer, ok in zip(job.buffers, job.results, strict=True) if ok)
-            if job.kind is JobKind.LOAD:
-                metrics.backend_calls.labels(tier=self._name, op="get").inc(calls)
-                metrics.bytes_read.labels(tier=self._name).inc(moved)
-                metrics.read_seconds.labels(tier=self._name).inc(job.seconds)
-            else:
-                metrics.backend_calls.labels(tier=self._name, op="put").inc(calls)
-                metrics.bytes_written.labels(tier=self._name).inc(moved)
-                metrics.write_seconds.labels(tier=self._name).inc(job.seconds)
-        self._finished.put(job)
+        land = (lambda: self._land_load(job, final)) if job.kind is JobKind.LOAD else None
+        if not self._settle(job, final, error, land):
+            return  # a load that timed out meanwhile: its keys already failed
+
+    def _scratch_views(self, job: TransferJob, start: int, end: int) -> list[memoryview]:
+        """This thread's private buffers for keys ``start:end`` of a load: the backend writes
+        there, and :meth:`_land_load` copies into the slots only if the job did not expire."""
+        need = job.nbytes
+        buffer: bytearray | None = getattr(self._scratch, "buffer", None)
+        if buffer is None or len(buffer) < need:
+            buffer = bytearray(need)
+            self._scratch.buffer = buffer
+        whole = memoryview(buffer)
+        offset = sum(memoryview(out).nbytes for out in job.buffers[:start])
+        views = []
+        for out in job.buffers[start:end]:
+            size = memoryview(out).nbytes
+            views.append(whole[offset : offset + size])
+            offset += size
+        return views
+
+    def _land_load(self, job: TransferJob, results: tuple[bool, ...]) -> None:
+        if not any(results):
+            return
+        whole = memoryview(self._scratch.buffer)
+        offset = 0
+        for out, ok in zip(job.buffers, results, strict=True):
+            target = memoryview(out).cast("B")
+            size = target.nbytes
+            if ok:
+                target[:] = whole[offset : offset + size]
+            offset += size
+
+    def _read_back(self, job: TransferJob) -> None:
+        """Store job, I/O thread: read back the stored keys whose load failed recently; the
+        ones that load (frame verified by the backend) are ``job.verified``."""
+        positions = [p for p in job.suspects if job.results[p]]
+        if not positions:
+            return
+        outs = [memoryview(bytearray(memoryview(job.buffers[p]).nbytes)) for p in positions]
+        try:
+            loaded = self._backend.get_many([job.keys[p] for p in positions], outs)
+        except Exception as exc:  # the quarantine simply stays
+            self._io_log.warning("tier %s: read-back of %d re-stored keys failed: %r",
+                                 self._name, len(positions), exc)
+            return
+        job.verified = tuple(p for p, ok in zip(positions, loaded, strict=False) if ok is True)
 
     # ---- introspection ------------------------------------------------------------------------
     @property
@@ -500,7 +622,7 @@ class SecondaryTier:
         probe_wait = _PROBE_SHUTDOWN_WAIT_S if timeout is None else min(timeout,
                                                                          _PROBE_SHUTDOWN_WAIT_S)
         self._lookup.shutdown(probe_wait)
-        self._executor.shutdown(wait=not self._outstanding, cancel_futures=True)
+        self._executor.shutdown(probe_wait if not self._outstanding else 0.0)
         if self._outstanding:
             _log.warning("tier %s: %d transfer jobs still running at shutdown; abandoned",
                          self._name, len(self._outstanding))

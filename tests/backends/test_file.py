@@ -346,8 +346,7 @@ def test_file_longer_than_its_padding_is_corrupt(tmp_path: Path) -> None:
     path = backend.path_for(key)
     path.write_bytes(path.read_bytes() + bytes(8192))
     out = sentinel_buffer(1000)
-    assert backend.get_many([key], [memoryview(out)]) == [False]
-    assert out == sentinel_buffer(1000)
+    assert backend.get_many([key], [memoryview(out)]) == [False]  # out: unspecified, unpublished
     assert backend.stats()["corrupt_objects"] == 1
     assert not path.exists()
 
@@ -433,23 +432,23 @@ def test_wrong_size_out_keeps_buffered_and_padded_files(
 def test_a_failed_stat_is_unknown_to_probe_and_false_to_exists(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An I/O error (EIO) on ``stat`` cannot be produced on demand by a real disk, so it is
-    injected with a mock ``os.stat``; a missing file (ENOENT) stays a plain "absent"."""
+    """An I/O error (EIO) on ``lstat`` cannot be produced on demand by a real disk, so it is
+    injected with a mock ``os.lstat``; a missing file (ENOENT) stays a plain "absent"."""
     backend = open_backend(f"file://{tmp_path}", fresh_namespace())
     present, absent = keys_for(2, "probe")
     assert backend.put_many([present], [payload_for(present, 64)]) == [True]
-    real_stat = os.stat
+    real_lstat = os.lstat
 
-    def failing_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+    def failing_lstat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
         if str(path).endswith(present.hex() + ".kvb"):
             raise OSError(errno.EIO, "injected I/O error", str(path))
-        return real_stat(path, *args, **kwargs)
+        return real_lstat(path, *args, **kwargs)
 
-    monkeypatch.setattr(os, "stat", failing_stat)
+    monkeypatch.setattr(os, "lstat", failing_lstat)
     assert backend.exists([present, absent]) == [False, False]
     with pytest.raises(BackendUnavailableError, match="1 of 2 existence check"):
         backend.probe([present, absent])
-    monkeypatch.setattr(os, "stat", real_stat)
+    monkeypatch.setattr(os, "lstat", real_lstat)
     assert backend.probe([present, absent]) == [True, False]
     backend.close()
 
@@ -493,8 +492,7 @@ def test_damaged_length_field_is_corrupt_not_a_wrong_size_read(
     damaged[9] ^= 0x01  # payload length 1000 -> 744: within the same O_DIRECT page
     path.write_bytes(bytes(damaged))
     out = sentinel_buffer(1000)
-    assert backend.get_many([key], [memoryview(out)]) == [False]
-    assert out == sentinel_buffer(1000)
+    assert backend.get_many([key], [memoryview(out)]) == [False]  # out: unspecified, unpublished
     assert backend.stats()["corrupt_objects"] == 1
     assert not path.exists()
 
@@ -519,11 +517,11 @@ def test_good_block_published_while_dropping_a_corrupt_one_is_kept(
     Path(path).write_bytes(bytes(bad))
     armed = threading.Event()
     raced = threading.Event()
-    real_decode, real_stat, real_rename = codec.decode_checked, os.stat, os.rename
+    real_verify, real_stat, real_rename = codec.FrameCodec.verify_in_place, os.stat, os.rename
 
-    def decode_then_arm(*args: Any) -> None:
+    def verify_then_arm(*args: Any) -> None:
         try:
-            real_decode(*args)
+            real_verify(*args)
         except codec.FrameError:
             armed.set()
             raise
@@ -546,13 +544,13 @@ def test_good_block_published_while_dropping_a_corrupt_one_is_kept(
         if armed.is_set() and os.fspath(source) == path:
             race()
 
-    monkeypatch.setattr(codec, "decode_checked", decode_then_arm)
+    monkeypatch.setattr(codec.FrameCodec, "verify_in_place", verify_then_arm)
     monkeypatch.setattr(os, "stat", stat_then_race)
     monkeypatch.setattr(os, "rename", rename_then_race)
     out = sentinel_buffer(len(payload))
     assert reader.get_many([key], [memoryview(out)]) == [False]
     monkeypatch.undo()
-    assert raced.is_set() and out == sentinel_buffer(len(payload))
+    assert raced.is_set()
     assert reader.stats()["corrupt_objects"] == 1
     assert Path(path).read_bytes() == good
     assert reader.get_many([key], [memoryview(out)]) == [True] and bytes(out) == payload

@@ -1,4 +1,5 @@
-"""open_backend URL dispatch and the shared option parsers: every bad input names itself."""
+"""open_backend URL dispatch, the scheme registry and the option tables: every bad input names
+itself."""
 
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ import pytest
 
 from backends.conftest import fresh_namespace
 from kvtier.backends import (
+    SCHEMES,
+    STANDARD_COUNTERS,
     Backend,
     RateLimitedLog,
+    backend_settings,
     open_backend,
-    parse_bool_option,
-    parse_float_option,
-    parse_int_option,
-    parse_size_option,
     redact_url,
+    register_scheme,
+    registered_schemes,
     split_url_options,
 )
 from kvtier.backends.file import FileBackend
 from kvtier.backends.memory import MemoryBackend
+from kvtier.keys import Namespace
+from kvtier.settings import ConfigError, Kind, Setting, SettingsTable
 
 
 def test_dispatch_by_scheme(tmp_path: Path) -> None:
@@ -49,15 +53,16 @@ def test_file_url_options_from_query_string(tmp_path: Path) -> None:
         ("", {}, ValueError, "has no scheme"),
         ("/just/a/path", {}, ValueError, "has no scheme"),
         ("ftp://host/x", {}, ValueError, "unknown backend URL scheme 'ftp://'"),
-        ("file://relative/path", {}, ValueError, "host part 'relative'"),
-        ("file://localhost/tmp/x", {}, ValueError, "host part 'localhost'"),
+        ("file://relative/path", {}, ValueError, "has a host part"),
+        ("file://localhost/tmp/x", {}, ValueError, "has a host part"),
         ("file:relative", {}, ValueError, "has no scheme"),
-        ("file:///tmp/x?max_bytes=lots", {}, ValueError, "max_bytes='lots'"),
-        ("file:///tmp/x?max_bytes=-5", {}, ValueError, "max_bytes='-5'"),
-        ("file:///tmp/x?fsync=maybe", {}, ValueError, "fsync='maybe'"),
-        ("file:///tmp/x", {"o_direct": 2}, ValueError, "o_direct=2"),
-        ("file:///tmp/x?capacity=1", {}, ValueError, r"unknown option\(s\) \['capacity'\]"),
-        ("file:///tmp/x", {"ttl_s": 5}, ValueError, r"unknown option\(s\) \['ttl_s'\]"),
+        ("file:///tmp/x?max_bytes=lots", {}, ConfigError, "file.max_bytes: .*got 'lots'"),
+        ("file:///tmp/x?max_bytes=-5", {}, ConfigError, "file.max_bytes: .*got '-5'"),
+        ("file:///tmp/x?fsync=maybe", {}, ConfigError, "file.fsync: .*got 'maybe'"),
+        ("file:///tmp/x", {"o_direct": 2}, ConfigError, "file.o_direct: .*got 2"),
+        ("file:///tmp/x?capacity=1", {}, ConfigError, r"setting\(s\) \['file.capacity'\]"),
+        ("file:///tmp/x", {"ttl_s": 5}, ConfigError, r"setting\(s\) \['file.ttl_s'\]"),
+        ("file:///tmp/x", {"auth_key": "short"}, ConfigError, "at least 16"),
         ("file:///tmp/x?fsync=1", {"fsync": True}, ValueError, "both in the URL"),
         ("file:///tmp/x?fsync=1&fsync=0", {}, ValueError, "appears twice"),
         ("file:///tmp/x#frag", {}, ValueError, "fragment"),
@@ -77,37 +82,50 @@ def test_wrong_argument_types() -> None:
         open_backend("memory://", "model")  # type: ignore[arg-type]
 
 
-def test_option_parsers() -> None:
-    assert [parse_bool_option("b", v) for v in (True, "yes", "ON", "1", False, "no", "0")] == [
-        True,
-        True,
-        True,
-        True,
-        False,
-        False,
-        False,
-    ]
-    assert parse_size_option("s", 10) == 10
-    assert parse_size_option("s", "4096") == 4096
-    assert parse_size_option("s", "512MiB") == 512 << 20
-    assert parse_size_option("s", "4G") == 4 << 30
-    assert parse_size_option("s", "1.5GB") == 1_500_000_000
-    assert parse_size_option("s", "2kb") == 2000
-    assert parse_int_option("n", "-3") == -3
-    assert parse_float_option("f", "0.25") == 0.25
-    for bad_call in (
-        lambda: parse_bool_option("flag", "maybe"),
-        lambda: parse_size_option("size", True),
-        lambda: parse_size_option("size", "1.5"),
-        lambda: parse_size_option("size", 5, minimum=10),
-        lambda: parse_int_option("count", "1.0"),
-        lambda: parse_int_option("count", 0, minimum=1),
-        lambda: parse_int_option("count", 9, maximum=8),
-        lambda: parse_float_option("ttl", "nan"),
-        lambda: parse_float_option("ttl", -1, minimum=0),
-    ):
-        with pytest.raises(ValueError, match=r"option (flag|size|count|ttl)="):
-            bad_call()
+def test_every_builtin_scheme_declares_its_options_in_a_table() -> None:
+    for scheme in SCHEMES:
+        table = backend_settings(scheme)
+        assert isinstance(table, SettingsTable)
+        assert "auth_key" in table and table["auth_key"].kind is Kind.SECRET
+        assert "auth_key_file" in table
+    assert backend_settings("redis://")["password"].kind is Kind.SECRET
+    assert "shared_dir" in backend_settings("file")
+    with pytest.raises(ValueError, match="unknown backend URL scheme 'nope://'"):
+        backend_settings("nope")
+
+
+def test_a_scheme_registered_from_outside_is_opened_and_validated() -> None:
+    table = SettingsTable("tape backend", (Setting("max_bytes", Kind.SIZE, 0, help="cap"),))
+    opened: list[tuple[str, dict[str, object]]] = []
+
+    def factory(url: str, namespace: Namespace, options: dict[str, object]) -> Backend:
+        parsed = table.parse(options, "tape")
+        opened.append((url, parsed))
+        return MemoryBackend(namespace, max_bytes=parsed["max_bytes"])
+
+    register_scheme("tape+test", factory, table)
+    register_scheme("tape+test", factory, table)  # the same factory again: a no-op
+    assert "tape+test" in registered_schemes()
+    assert backend_settings("tape+test") is table
+    backend = open_backend("TAPE+TEST://drive0", fresh_namespace(), max_bytes="1KiB")
+    assert opened == [("TAPE+TEST://drive0", {"max_bytes": 1024})]
+    key = b"k" * 16
+    assert backend.put_many([key], [b"x" * 10]) == [True]
+    out = bytearray(10)
+    assert backend.get_many([key], [memoryview(out)]) == [True] and out == b"x" * 10
+    assert set(STANDARD_COUNTERS) <= set(backend.stats())
+    with pytest.raises(ValueError, match="already registered"):
+        register_scheme("tape+test", lambda *_args: backend)
+    with pytest.raises(ValueError, match="built in"):
+        register_scheme("file", factory)
+    with pytest.raises(ValueError, match="without '://'"):
+        register_scheme("bad://", factory)
+    with pytest.raises(TypeError, match="callable"):
+        register_scheme("tape2", "not a factory")  # type: ignore[arg-type]
+
+    register_scheme("notabackend", lambda *_args: object())  # type: ignore[arg-type,return-value]
+    with pytest.raises(TypeError, match="not a kvtier Backend"):
+        open_backend("notabackend://x", fresh_namespace())
 
 
 def test_split_url_options_merges_query_and_keywords() -> None:

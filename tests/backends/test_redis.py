@@ -113,11 +113,15 @@ def test_url_defaults_and_parts() -> None:
 
 def test_url_credentials_are_decoded_and_redacted() -> None:
     config = parse_redis_url("redis://al%40ice:p%3Ass@h:1/2", {})
-    assert (config.username, config.password) == ("al@ice", "p:ss")
+    assert config.username == "al@ice"
+    assert config.password is not None and config.password.reveal() == "p:ss"
+    assert "p:ss" not in repr(config)
     assert config.url == "redis://al%40ice:***@h:1/2"
     assert "p:ss" not in config.url and "p%3Ass" not in config.url
     by_option = parse_redis_url("redis://h:1", {"username": "bob", "password": "hunter2"})
-    assert (by_option.username, by_option.password) == ("bob", "hunter2")
+    assert by_option.username == "bob"
+    assert by_option.password is not None and by_option.password.reveal() == "hunter2"
+    assert "hunter2" not in repr(by_option) and "p:ss" not in repr(config)
     assert by_option.url == "redis://bob:***@h:1/0"
 
 
@@ -151,19 +155,22 @@ def test_tls_options(tmp_path: Path) -> None:
         ("redis://h:1/0/1", {}, "'0/1'"),
         ("redis+cluster://h:1/2", {}, "db '2'"),
         ("redis://h:1/0#frag", {}, "fragment"),
-        ("redis://h:1/0", {"ttl": 5}, "'ttl'"),
-        ("redis://h:1/0?bogus=1", {}, "'bogus'"),
+        ("redis://h:1/0", {"ttl": 5}, "'redis.ttl'"),
+        ("redis://h:1/0?bogus=1", {}, "'redis.bogus'"),
         ("redis://h:1/0?ttl_s=1", {"ttl_s": 2}, "'ttl_s'"),
         ("redis://u:p@h:1/0", {"password": "q"}, "password is given both"),
         ("redis://h:1/0", {"ssl_ca_certs": "/x.pem"}, "rediss://"),
         ("rediss://h:1/0", {"ssl_ca_certs": "/no/such/ca.pem"}, "/no/such/ca.pem"),
-        ("redis://h:1/0", {"ttl_s": 0}, "ttl_s=0"),
-        ("redis://h:1/0", {"ttl_s": -3}, "ttl_s=-3"),
-        ("redis://h:1/0", {"ttl_s": "soon"}, "ttl_s='soon'"),
-        ("redis://h:1/0", {"socket_timeout_s": 0}, "socket_timeout_s=0"),
-        ("redis://h:1/0", {"max_connections": 0}, "max_connections=0"),
+        ("redis://h:1/0", {"ttl_s": 0}, "ttl_s: expected a finite number >= 0.001 (s), got 0"),
+        ("redis://h:1/0", {"ttl_s": -3}, "ttl_s: expected a finite number >= 0.001 (s), got -3"),
+        ("redis://h:1/0", {"ttl_s": "soon"},
+         "ttl_s: expected a finite number >= 0.001 (s), got 'soon'"),
+        ("redis://h:1/0", {"socket_timeout_s": 0},
+         "redis.socket_timeout_s: expected a finite number > 0 (s), got 0"),
+        ("redis://h:1/0", {"max_connections": 0},
+         "redis.max_connections: expected an integer >= 1, got 0"),
         ("redis+cluster://h:1", {"max_connections": 4}, "max_connections is only supported"),
-        ("redis://h:1/0", {"password": 123}, "option password"),
+        ("redis://h:1/0", {"password": 123}, "redis.password: expected a string, got int '***'"),
     ],
 )
 def test_bad_url_or_option_names_the_bad_part(
@@ -410,7 +417,7 @@ def test_good_block_stored_after_the_corrupt_read_is_not_deleted(
 ) -> None:
     """A reader finds a corrupt object; before it deletes it, another reader removes it and a
     writer stores the good block (SET NX succeeds on the free name). The first reader's delete
-    must spare that good block. The wrapper around ``codec.decode_into`` only pins that
+    must spare that good block. The wrapper around ``codec.FrameCodec.decode`` only pins that
     interleaving (a real server cannot be paused between two of our commands); the servers,
     objects and deletes are real."""
     fixture = "redis_server" if topology == "standalone" else "redis_cluster"
@@ -422,17 +429,17 @@ def test_good_block_stored_after_the_corrupt_read_is_not_deleted(
     with server.client() as raw:
         raw.set(name, _flip_payload_byte(codec.encode(namespace.digest, keys[0], payloads[0]),
                                          namespace, keys[0]))
-        real_decode = codec.decode_into
+        real_decode = codec.FrameCodec.decode
 
-        def decode_then_race(frame: Any, digest: bytes, key: bytes, out: memoryview) -> None:
+        def decode_then_race(self: Any, frame: Any, key: bytes, out: memoryview, **kw: Any) -> None:
             try:
-                real_decode(frame, digest, key, out)
+                real_decode(self, frame, key, out, **kw)
             except codec.FrameError:
                 raw.delete(name)  # someone else dropped the bad object ...
                 assert writer.put_many(keys, payloads) == [True]  # ... and the block came back
                 raise
 
-        monkeypatch.setattr(codec, "decode_into", decode_then_race)
+        monkeypatch.setattr(codec.FrameCodec, "decode", decode_then_race)
         outs = sentinel_outs(1)
         assert reader.get_many(keys, outs) == [False] and untouched(outs[0])
         monkeypatch.undo()

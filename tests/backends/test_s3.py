@@ -109,20 +109,23 @@ def test_options_as_keywords(s3_server: SeaweedServer) -> None:
         ("s3://Bad_Bucket!", {}, "'Bad_Bucket!'"),
         ("s3://bucket:9000/p", {}, "has a port"),
         ("s3://AKIA:hunter2@bucket/p", {}, "must not carry credentials"),
-        ("s3://bucket/p?colour=blue", {}, "'colour'"),
-        ("s3://bucket/p", {"colour": "blue"}, "'colour'"),
-        ("s3://bucket/p?aws_secret_access_key=hunter2", {}, "'aws_secret_access_key'"),
+        ("s3://bucket/p?colour=blue", {}, "'s3.colour'"),
+        ("s3://bucket/p", {"colour": "blue"}, "'s3.colour'"),
+        ("s3://bucket/p?aws_secret_access_key=hunter2", {}, "'s3.aws_secret_access_key'"),
         ("s3://bucket/p?region=x&region=y", {}, "twice"),
         ("s3://bucket/p?region=x", {"region": "y"}, "both"),
         ("s3://bucket/p?endpoint_url=ftp://host:21", {}, "'ftp'"),
         ("s3://bucket/p?endpoint_url=http://u:hunter2@host:1", {}, "must not carry credentials"),
         ("s3://bucket/p?endpoint_url=http://host:99999", {}, "endpoint_url"),
         ("s3://bucket/p?endpoint_url=http://host/path", {}, "must not have a path"),
-        ("s3://bucket/p?max_concurrency=0", {}, "max_concurrency='0'"),
-        ("s3://bucket/p?max_concurrency=many", {}, "max_concurrency='many'"),
-        ("s3://bucket/p?timeout_s=-1", {}, "timeout_s='-1'"),
-        ("s3://bucket/p?timeout_s=0", {}, "timeout_s='0'"),
-        ("s3://bucket/p?put_mode=sometimes", {}, "put_mode='sometimes'"),
+        ("s3://bucket/p?max_concurrency=0", {},
+         "max_concurrency: expected an integer >= 1 and <= 1024, got '0'"),
+        ("s3://bucket/p?max_concurrency=many", {},
+         "expected an integer >= 1 and <= 1024, got 'many'"),
+        ("s3://bucket/p?timeout_s=-1", {}, "timeout_s: expected a finite number > 0 (s), got '-1'"),
+        ("s3://bucket/p?timeout_s=0", {}, "timeout_s: expected a finite number > 0 (s), got '0'"),
+        ("s3://bucket/p?put_mode=sometimes", {},
+         "put_mode: expected one of 'if-none-match', 'head-then-put', got 'sometimes'"),
         ("s3://bucket/p?region=eu%20west", {}, "region='eu west'"),
         ("s3://bucket/a/../b", {}, "'..'"),
         ("s3://bucket/a//b", {}, "empty"),
@@ -159,7 +162,7 @@ def test_round_trip_exists_delete(backend: S3Backend, s3_server: SeaweedServer) 
     assert backend.exists(keys) == [False] * 4 + [True] * 8
     stats = backend.stats()
     assert stats["errors"] == 0
-    assert stats["bytes_written"] == sum(codec.frame_size(len(p)) for p in payloads)
+    assert stats["bytes_written"] == sum(len(p) for p in payloads)  # payload bytes
     # 12 HEAD + 12 PUT + 13 HEAD + 12 GET + 1 bulk DELETE + 12 HEAD
     assert stats["round_trips"] == 62
 
@@ -282,7 +285,7 @@ def test_good_block_stored_after_the_corrupt_read_is_not_deleted(
 ) -> None:
     """A reader GETs a corrupt object; before it deletes it, another reader removes it and a
     writer stores the good block (the conditional PUT succeeds on the free name). The first
-    reader's delete must spare that good block. The wrapper around ``codec.decode_into`` only
+    reader's delete must spare that good block. The wrapper around ``codec.FrameCodec.decode`` only
     pins that interleaving (a real server cannot be paused between our GET and DELETE); server,
     objects and deletes are real."""
     keys, payloads = _keys(1), _payloads(1, size=1024)
@@ -291,17 +294,17 @@ def test_good_block_stored_after_the_corrupt_read_is_not_deleted(
     good = bytes(codec.encode(backend.namespace.digest, keys[0], payloads[0]))
     raw.put_object(Bucket=s3_server.bucket, Key=name, Body=_flip_payload_byte(good, b""))
     writer = _open(s3_server.url("kvtier-tests"), backend.namespace, timeout_s=3)
-    real_decode = codec.decode_into
+    real_decode = codec.FrameCodec.decode
 
-    def decode_then_race(frame: Any, digest: bytes, key: bytes, out: memoryview) -> None:
+    def decode_then_race(self: Any, frame: Any, key: bytes, out: memoryview, **kw: Any) -> None:
         try:
-            real_decode(frame, digest, key, out)
+            real_decode(self, frame, key, out, **kw)
         except codec.FrameError:
             raw.delete_object(Bucket=s3_server.bucket, Key=name)  # someone dropped it ...
             assert writer.put_many(keys, payloads) == [True]  # ... and the block came back
             raise
 
-    monkeypatch.setattr(codec, "decode_into", decode_then_race)
+    monkeypatch.setattr(codec.FrameCodec, "decode", decode_then_race)
     try:
         outs = _outs(payloads)
         assert backend.get_many(keys, outs) == [False]
@@ -326,7 +329,7 @@ def test_put_never_overwrites(s3_server: SeaweedServer, put_mode: str) -> None:
             Bucket=s3_server.bucket, Key=opened.object_name(key)
         )["ETag"]
         assert opened.put_many([key], [second]) == [True]
-        assert opened.stats()["already_present"] == 1
+        assert opened.stats()["puts_existing"] == 1
         assert (
             s3_server.raw_client().head_object(
                 Bucket=s3_server.bucket, Key=opened.object_name(key)
@@ -359,7 +362,7 @@ def test_racing_conditional_puts_store_exactly_one_block(s3_server: SeaweedServe
         for thread in threads:
             thread.join(timeout=60)
         assert results == [[True]] * writers
-        already = sum(b.stats()["already_present"] for b in backends)
+        already = sum(b.stats()["puts_existing"] for b in backends)
         assert already == writers - 1
         out = memoryview(bytearray(len(payloads[0]) + writers))
         stored = [b for b in payloads if backends[0].get_many([key], [out[: len(b)]]) == [True]]

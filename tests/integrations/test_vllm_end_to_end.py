@@ -252,7 +252,7 @@ def test_redis_tier_reuse_across_processes_and_damage(
     [promoted] = first.generate(PROMPT_A)
     assert promoted["num_cached_tokens"] == 96  # primary was emptied: promoted from Redis
     assert_same_output(promoted, expected)
-    assert first.metrics()["vllm:kvtier_blocks_loaded"] == 3
+    assert first.metrics()["vllm:kvtier_loaded_blocks"] == 3
     first.close()
 
     # A fresh process (new engine, empty primary) reloads the prefix from Redis.
@@ -272,7 +272,7 @@ def test_redis_tier_reuse_across_processes_and_damage(
     assert partial["num_cached_tokens"] == 32
     assert_same_output(partial, expected)
     metrics = second.metrics()
-    assert metrics["vllm:kvtier_blocks_load_failed"] >= 1
+    assert metrics["vllm:kvtier_load_failed_blocks"] >= 1
     assert metrics["vllm:kvtier_backend_corrupt_objects"] >= 1
     # The recompute stored the block again (the corrupt object was dropped on detection).
     wait_until(lambda: redis_key(chunk_keys[1]) is not None, STORE_DEADLINE_S,
@@ -301,12 +301,12 @@ def test_small_primary_evicts_to_file_tier_and_promotes_back_across_restart(
         assert_same_output(cold, reference[prompt])
     wait_until(lambda: len(list(root.rglob("*.kvb"))) == 12, STORE_DEADLINE_S,
                "12 block files (one per block)")
-    loaded_before = runner.metrics().get("vllm:kvtier_blocks_loaded", 0.0)
+    loaded_before = runner.metrics().get("vllm:kvtier_loaded_blocks", 0.0)
     for prompt in TURN_PROMPTS:
         [again] = runner.generate(prompt)
         assert again["num_cached_tokens"] == 128
         assert_same_output(again, reference[prompt])
-    loaded = runner.metrics()["vllm:kvtier_blocks_loaded"] - loaded_before
+    loaded = runner.metrics()["vllm:kvtier_loaded_blocks"] - loaded_before
     print(f"round two promoted {loaded:.0f} of 12 blocks from the file tier")
     # At most 6 of the 12 chunks can still be in the primary tier after round one.
     assert loaded >= 6

@@ -61,8 +61,8 @@ def test_fresh_server_gets_prompt_tokens_from_kvtier_with_identical_outputs(
 
     for result in (baseline, first, restarted):
         assert result.requests == settings.requests and result.failed == 0, result.name
-    assert first.kvtier_counters.get("blocks_stored_total", 0) > 0, first.kvtier_counters
-    loaded = restarted.kvtier_counters.get("blocks_loaded_total", 0)
+    assert sb.kvtier_stored_blocks(first) > 0, first.kvtier_counters
+    loaded = sb.kvtier_loaded_blocks(restarted)
     assert loaded > 0, restarted.kvtier_counters
     # A fresh engine and CPU tier: every cached prompt token came through kvtier's tier.
     assert 0 < restarted.cached_prompt_tokens <= 32 * loaded

@@ -1,38 +1,12 @@
-"""Helpers for the replay tests: trace records and the location of the shared traces."""
+"""Helpers for the replay tests: trace records (the published traces are the bundled copies)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 TraceWriter = Callable[..., Path]
-
-
-def shared_traces_dir() -> Path:
-    """``../shared/traces`` relative to the repository root (CI keeps a copy there).
-
-    ``KVTIER_TRACES_DIR`` overrides it. Fails (never skips) with a message saying where it
-    looked, because the published-number validation must run in CI.
-    """
-    candidates = []
-    override = os.environ.get("KVTIER_TRACES_DIR")
-    if override:
-        candidates.append(Path(override))
-    candidates.append(REPO_ROOT.parent / "shared" / "traces")
-    for candidate in candidates:
-        if (candidate / "mooncake-fast25" / "synthetic_trace.jsonl").is_file():
-            return candidate
-    pytest.fail(
-        "the shared traces are missing: looked for mooncake-fast25/synthetic_trace.jsonl under "
-        + ", ".join(str(c) for c in candidates)
-        + " (CI copies shared/ next to the repository; or set KVTIER_TRACES_DIR)"
-    )
 
 
 def record(timestamp: float, input_length: int, hash_ids: Sequence[int],

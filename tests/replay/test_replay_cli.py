@@ -187,3 +187,36 @@ def test_console_script_entry_point(small_trace: Path, tmp_path: Path) -> None:
     assert "ideal (infinite cache)" in done.stdout
 
 
+
+
+def test_replay_a_directory_of_sessions(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    for name in ("a", "b"):
+        turns = [{"t": 2.0 * t, "in": 64 * (2 + t) + 7, "out": 64, "hash_ids": list(range(2 + t))}
+                 for t in range(3)]
+        (sessions / f"{name}.json").write_text(json.dumps(
+            {"block_size": 64, "hash_id_scope": "local", "requests": turns}))
+    out_json = tmp_path / "r.json"
+    code, out, err = _run(["replay", str(sessions), "--tier", (tmp_path / "t").as_uri(),
+                           "--json", str(out_json), "--seed", "3", *FAST], capsys)
+    assert code == 0, err
+    assert "session causality" in out and "floor" in out
+    result = json.loads(out_json.read_text())["results"][0]
+    assert (result["requests"], result["sessions"], result["requests_rejected"]) == (6, 2, 0)
+    assert result["block_hits"] == result["ideal_block_hits"] == 2 * (2 + 3)
+    assert result["hash_convention"] == "floor"
+
+
+def test_hash_convention_flag(write_trace: TraceWriter, tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    floor_trace = write_trace([{"timestamp": 0, "input_length": 1100, "output_length": 1,
+                                "hash_ids": [1, 2]}])
+    code, _, err = _run(["replay", str(floor_trace), "--hash-convention", "ceil", *FAST], capsys)
+    assert code == 2
+    assert "the line follows the other convention; try --hash-convention auto" in err
+    code, out, err = _run(["replay", str(floor_trace), "--tier", (tmp_path / "t").as_uri(),
+                           "--hash-convention", "floor", *FAST], capsys)
+    assert code == 0, err
+    assert "arrival order" in out

@@ -7,12 +7,12 @@ import pytest
 from kvtier.replay import reference
 from kvtier.replay.trace import read_trace
 
-from ._traces import TraceWriter, full, record, shared_traces_dir
+from ._traces import TraceWriter, full, record
 
 
 def test_lru_on_synthetic_trace_matches_published_numbers() -> None:
-    """The issue's check: LRU 10,000 and 100,000 blocks on ../shared/traces synthetic_trace."""
-    trace = read_trace(shared_traces_dir() / "mooncake-fast25" / "synthetic_trace.jsonl")
+    """LRU 10,000 and 100,000 blocks on the bundled synthetic trace (the published file)."""
+    trace = read_trace("builtin:synthetic")
     published = {10_000: 0.4235, 100_000: 0.6396}
     for capacity, expected in published.items():
         result = reference.lru(trace, capacity)
@@ -24,7 +24,7 @@ def test_lru_on_synthetic_trace_matches_published_numbers() -> None:
 
 
 def test_conversation_trace_matches_published_numbers() -> None:
-    trace = read_trace(shared_traces_dir() / "mooncake-fast25" / "conversation_trace.jsonl")
+    trace = read_trace("builtin:conversation")
     lru_10k = reference.lru(trace, 10_000)
     assert lru_10k.block_hit_ratio == pytest.approx(0.2112, abs=0.01)
     assert (lru_10k.inserts, lru_10k.evictions) == (227_579, 217_579)

@@ -328,14 +328,37 @@ def _cluster_info(client: redis.Redis) -> dict[str, str]:
 
 
 class ValkeyCluster:
-    """Three (or more) cluster-enabled masters on loopback, slots split evenly, no replicas."""
+    """Three (or more) cluster-enabled masters on loopback, slots split evenly, and
+    ``replicas`` replicas per master (``nodes[:masters]`` are the masters at start, replica
+    ``j`` of master ``i`` is ``nodes[masters + i * replicas + j]``). ``node_timeout_ms`` is how
+    long a master must be unreachable before its replica is promoted; ``full_coverage=False``
+    keeps the cluster serving the slots it still has when a master dies without a replica."""
 
-    def __init__(self, masters: int = 3) -> None:
+    def __init__(self, masters: int = 3, *, replicas: int = 0, node_timeout_ms: int = 5000,
+                 full_coverage: bool = True) -> None:
         if masters < 1:
             raise ValueError(f"masters must be >= 1, got {masters}")
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
         self._masters = masters
+        self._replicas = replicas
+        self._node_timeout_ms = node_timeout_ms
+        self._full_coverage = full_coverage
         self.nodes: list[ValkeyServer] = []
         self._bus_ports: list[int] = []
+
+    @property
+    def node_timeout_s(self) -> float:
+        return self._node_timeout_ms / 1000
+
+    @property
+    def masters(self) -> list[ValkeyServer]:
+        """The nodes that were masters at start."""
+        return self.nodes[: self._masters]
+
+    def replicas_of(self, master: int) -> list[ValkeyServer]:
+        start = self._masters + master * self._replicas
+        return self.nodes[start : start + self._replicas]
 
     @property
     def ports(self) -> list[int]:
@@ -356,14 +379,15 @@ class ValkeyCluster:
         return redis.cluster.RedisCluster(host=HOST, port=self.nodes[0].port, **options)
 
     def start(self) -> None:
-        for _ in range(self._masters):
+        for _ in range(self._masters * (1 + self._replicas)):
             bus_port = free_port()
             node = ValkeyServer(
                 (
                     "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", "5000",
+                    "--cluster-node-timeout", str(self._node_timeout_ms),
                     "--cluster-port", str(bus_port),
+                    "--cluster-require-full-coverage", "yes" if self._full_coverage else "no",
                 )
             )
             self.nodes.append(node)
@@ -379,13 +403,15 @@ class ValkeyCluster:
         clients = [node.client() for node in self.nodes]
         try:
             per_node = _CLUSTER_SLOTS // self._masters
-            for index, client in enumerate(clients):
+            for index, client in enumerate(clients[: self._masters]):
                 first = index * per_node
                 last = _CLUSTER_SLOTS - 1 if index == self._masters - 1 else first + per_node - 1
                 client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)  # type: ignore[no-untyped-call]
             # The bus port is explicit (not port + 10000, which may not exist or be taken).
             for node, bus_port in zip(self.nodes[1:], self._bus_ports[1:], strict=True):
                 clients[0].execute_command("CLUSTER", "MEET", HOST, node.port, bus_port)  # type: ignore[no-untyped-call]
+            if self._replicas:
+                self._attach_replicas(clients)
             deadline = time.monotonic() + _READY_TIMEOUT_S
             while not all(self._node_ready(client) for client in clients):
                 if time.monotonic() > deadline:
@@ -396,13 +422,34 @@ class ValkeyCluster:
             for client in clients:
                 client.close()
 
+    def _attach_replicas(self, clients: list[redis.Redis]) -> None:
+        ids = [client.execute_command("CLUSTER", "MYID") for client in clients]  # type: ignore[no-untyped-call]
+        ids = [raw.decode() if isinstance(raw, bytes) else str(raw) for raw in ids]
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        for master in range(self._masters):
+            for offset in range(self._replicas):
+                index = self._masters + master * self._replicas + offset
+                while True:  # the replica must have heard of its master through the bus first
+                    try:
+                        clients[index].execute_command("CLUSTER", "REPLICATE", ids[master])  # type: ignore[no-untyped-call]
+                        break
+                    except redis.ResponseError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.05)
+
     def _node_ready(self, client: redis.Redis) -> bool:
         info = _cluster_info(client)
-        return (
+        ready = (
             info.get("cluster_state") == "ok"
-            and info.get("cluster_known_nodes") == str(self._masters)
+            and info.get("cluster_known_nodes") == str(len(self.nodes))
             and info.get("cluster_slots_ok") == str(_CLUSTER_SLOTS)
         )
+        if ready and self._replicas:
+            replication = client.info("replication")
+            if replication.get("role") == "slave":
+                ready = replication.get("master_link_status") == "up"
+        return ready
 
     def close(self) -> None:
         for node in self.nodes:
@@ -417,6 +464,24 @@ class ValkeyCluster:
 
     def __repr__(self) -> str:
         return f"ValkeyCluster(ports={[node._port for node in self.nodes]})"
+
+
+@pytest.fixture
+def redis_cluster_factory() -> Iterator[Callable[..., ValkeyCluster]]:
+    """Start private clusters (``ValkeyCluster`` arguments); all stopped after the test."""
+    started: list[ValkeyCluster] = []
+
+    def make(**kwargs: Any) -> ValkeyCluster:
+        cluster = ValkeyCluster(**kwargs)
+        started.append(cluster)
+        cluster.start()
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in started:
+            cluster.close()
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,51 +17,61 @@ Options come from keyword arguments or from the URL's query string (not both for
 from __future__ import annotations
 
 import importlib
+import threading
 import urllib.parse
-from collections.abc import Mapping
-from typing import Any, cast
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from kvtier.backends.base import (
+    STANDARD_COUNTERS,
     Backend,
     BackendClosedError,
     BackendStats,
     BackendUnavailableError,
     Buffer,
+    Fetched,
+    Outcome,
     RateLimitedLog,
+    StoredFrame,
     check_get_args,
     check_keys,
     check_put_args,
-    parse_bool_option,
-    parse_float_option,
-    parse_int_option,
     parse_size_option,
-    reject_unknown_options,
 )
 from kvtier.keys import Namespace
+from kvtier.settings import SettingsTable
 
 __all__ = [
     "REMOTE_SCHEMES",
     "SCHEMES",
+    "STANDARD_COUNTERS",
     "Backend",
     "BackendClosedError",
+    "BackendFactory",
     "BackendStats",
     "BackendUnavailableError",
     "Buffer",
+    "Fetched",
+    "Outcome",
     "RateLimitedLog",
+    "StoredFrame",
+    "backend_settings",
     "check_get_args",
     "check_keys",
     "check_put_args",
     "open_backend",
-    "parse_bool_option",
-    "parse_float_option",
-    "parse_int_option",
     "parse_size_option",
     "redact_url",
-    "reject_unknown_options",
+    "redacted_options",
+    "register_scheme",
+    "registered_schemes",
     "split_url_options",
 ]
 
-_SCHEME_MODULES: dict[str, str] = {
+BackendFactory = Callable[[str, Namespace, dict[str, Any]], Backend]
+"""``factory(url, namespace, options)``: opens a backend; raises ``ValueError`` for bad input."""
+
+_BUILTIN_MODULES: dict[str, str] = {
     "memory": "kvtier.backends.memory",
     "file": "kvtier.backends.file",
     "redis": "kvtier.backends.redis",
@@ -70,10 +80,74 @@ _SCHEME_MODULES: dict[str, str] = {
     "rediss+cluster": "kvtier.backends.redis",
     "s3": "kvtier.backends.s3",
 }
-SCHEMES: tuple[str, ...] = tuple(_SCHEME_MODULES)
-"""Every backend URL scheme :func:`open_backend` accepts."""
+SCHEMES: tuple[str, ...] = tuple(_BUILTIN_MODULES)
+"""The built-in backend URL schemes (see :func:`registered_schemes` for all of them)."""
 REMOTE_SCHEMES: frozenset[str] = frozenset(SCHEMES) - {"memory", "file"}
-"""The schemes whose backend is shared over the network (the others live on this host)."""
+"""The built-in schemes whose backend is shared over the network (the others live on this host)."""
+
+
+class _Registration:
+    """A scheme registered from outside: its factory and its settings table."""
+
+    __slots__ = ("factory", "settings")
+
+    def __init__(self, factory: BackendFactory, settings: SettingsTable) -> None:
+        self.factory = factory
+        self.settings = settings
+
+
+# Written by register_scheme under _registry_lock (any thread, usually at import time); read
+# without the lock (a dict lookup of an immutable registration).
+_registry: dict[str, _Registration] = {}
+_registry_lock = threading.Lock()
+
+
+def register_scheme(scheme: str, factory: BackendFactory,
+                    settings: SettingsTable | None = None) -> None:
+    """Make ``open_backend`` open ``scheme://...`` URLs with ``factory``.
+
+    ``settings`` declares the scheme's options (an empty table if omitted); config loaders
+    validate against it through :func:`backend_settings`. A built-in scheme cannot be replaced,
+    and registering one scheme twice is an error unless it is the same factory.
+    """
+    if not isinstance(scheme, str) or not scheme or not all(
+        char.isalnum() or char in "+-." for char in scheme
+    ) or not scheme[0].isalpha():
+        raise ValueError(f"backend scheme {scheme!r}: expected letters, digits, '+', '-', '.' "
+                         "starting with a letter (without '://')")
+    if not callable(factory):
+        raise TypeError(f"factory must be callable, got {type(factory).__name__}")
+    name = scheme.lower()
+    if name in _BUILTIN_MODULES:
+        raise ValueError(f"backend scheme {name!r} is built in and cannot be replaced")
+    table = settings if settings is not None else SettingsTable(f"{name} backend", ())
+    with _registry_lock:
+        existing = _registry.get(name)
+        if existing is not None and existing.factory is not factory:
+            raise ValueError(f"backend scheme {name!r} is already registered")
+        _registry[name] = _Registration(factory, table)
+
+
+def registered_schemes() -> tuple[str, ...]:
+    """Every scheme :func:`open_backend` accepts now: the built-in ones and the registered ones."""
+    return (*SCHEMES, *sorted(_registry))
+
+
+def backend_settings(scheme: str) -> SettingsTable:
+    """The options table of ``scheme`` (``ValueError`` for an unknown scheme).
+
+    Importing a built-in scheme's table imports its backend module (and its client library).
+    """
+    name = scheme.lower().removesuffix("://")
+    module_name = _BUILTIN_MODULES.get(name)
+    if module_name is not None:
+        table: SettingsTable = importlib.import_module(module_name).SETTINGS
+        return table
+    registration = _registry.get(name)
+    if registration is None:
+        raise ValueError(f"unknown backend URL scheme {name + '://'!r}; expected one of "
+                         f"{[s + '://' for s in registered_schemes()]}")
+    return registration.settings
 
 
 def _scheme_of(url: str) -> str:
@@ -81,7 +155,7 @@ def _scheme_of(url: str) -> str:
     if not separator or not scheme:
         raise ValueError(
             f"backend URL {redact_url(url)!r} has no scheme; expected one of "
-            f"{[s + '://' for s in _SCHEME_MODULES]}"
+            f"{[s + '://' for s in registered_schemes()]}"
         )
     return scheme.lower()
 
@@ -97,14 +171,22 @@ def open_backend(url: str, namespace: Namespace, **options: Any) -> Backend:
     if not isinstance(namespace, Namespace):
         raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
     scheme = _scheme_of(url)
-    module_name = _SCHEME_MODULES.get(scheme)
-    if module_name is None:
-        raise ValueError(
-            f"unknown backend URL scheme {scheme + '://'!r} in {redact_url(url)!r}; expected one "
-            f"of {[s + '://' for s in _SCHEME_MODULES]}"
-        )
-    module = importlib.import_module(module_name)
-    return cast(Backend, module.from_url(url, namespace, dict(options)))
+    module_name = _BUILTIN_MODULES.get(scheme)
+    if module_name is not None:
+        factory: BackendFactory = importlib.import_module(module_name).from_url
+    else:
+        registration = _registry.get(scheme)
+        if registration is None:
+            raise ValueError(
+                f"unknown backend URL scheme {scheme + '://'!r} in {redact_url(url)!r}; expected "
+                f"one of {[s + '://' for s in registered_schemes()]}"
+            )
+        factory = registration.factory
+    backend = factory(url, namespace, dict(options))
+    if not isinstance(backend, Backend):
+        raise TypeError(f"the factory of {scheme}:// returned {type(backend).__name__}, "
+                        "not a kvtier Backend")
+    return backend
 
 
 def split_url_options(
@@ -112,8 +194,8 @@ def split_url_options(
 ) -> tuple[urllib.parse.SplitResult, dict[str, Any]]:
     """Split ``url`` and merge its query-string options with the keyword ``options``.
 
-    Query values arrive as strings (parse them with the ``parse_*_option`` helpers). A name given
-    both ways, or twice in the query, raises ``ValueError``.
+    Query values arrive as strings (the scheme's :class:`SettingsTable` parses both). A name
+    given both ways, or twice in the query, raises ``ValueError``.
     """
     parts = urllib.parse.urlsplit(url)
     merged: dict[str, Any] = dict(options)
@@ -151,3 +233,9 @@ def redact_url(url: str) -> str:
 def _is_secret(name: str) -> bool:
     lowered = name.lower()
     return any(word in lowered for word in ("password", "secret", "token", "key_id", "auth"))
+
+
+def redacted_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with the value of every credential-like name replaced by ``'***'``."""
+    return {name: "***" if _is_secret(name) and value is not None else value
+            for name, value in options.items()}

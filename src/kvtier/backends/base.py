@@ -1,11 +1,29 @@
-"""The ``Backend`` protocol and the helpers every backend shares.
+"""The :class:`Backend` template: every rule of the backend contract, once, over per-medium hooks.
 
-State owned here lives inside helper objects that each backend instance creates for itself:
+A backend medium (memory, file, redis, s3, or one registered from outside) subclasses
+:class:`Backend` and implements a handful of small hooks that each return one
+:class:`Outcome` per key. The public methods here own everything else:
+
+- argument validation (``TypeError`` / ``ValueError`` before any I/O);
+- the lifecycle (any call after ``close()`` raises :class:`BackendClosedError`);
+- one counter vocabulary (:data:`STANDARD_COUNTERS`, identical keys in every backend;
+  ``bytes_read`` / ``bytes_written`` count payload bytes of successful transfers only);
+- frame encoding and verification (:class:`kvtier.codec.FrameCodec`, keyed or not), and the
+  conditional removal of every corrupt or unauthenticated object so the owner's next store
+  replaces it;
+- rate-limited logging of failures.
+
+The load contract: ``get_many`` answers True where ``out`` now holds the verified block. Where it
+answers False the contents of ``out`` are unspecified (a medium may read straight into it before
+verifying); callers publish a destination only after a True answer.
+
+State and owners:
 
 - :class:`BackendStats` counters: written by any thread calling into the backend, guarded by the
   object's own lock.
 - :class:`RateLimitedLog` timestamps: any thread, guarded by the object's own lock.
 - :class:`Lifecycle` state: any thread; ``close()`` flips it once, under its lock.
+- everything else a medium owns is described in its own module docstring.
 
 Backends are synchronous and thread-safe. A batch call never raises for an I/O error (the
 affected keys answer False, the error is counted and logged); it raises ``TypeError`` /
@@ -16,33 +34,40 @@ from __future__ import annotations
 
 import enum
 import logging
-import re
+import os
+import stat
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
+from kvtier import codec
 from kvtier.codec import Buffer, as_byte_view, check_key
 from kvtier.keys import BlockKey, Namespace
+from kvtier.settings import ConfigError, Kind, Secret, Setting
 
 __all__ = [
+    "COMMON_SETTINGS",
+    "STANDARD_COUNTERS",
     "Backend",
     "BackendClosedError",
     "BackendStats",
     "BackendUnavailableError",
     "Buffer",
-    "ExistenceChecks",
+    "Fetched",
     "Lifecycle",
+    "Outcome",
     "RateLimitedLog",
+    "StoredFrame",
     "check_get_args",
     "check_keys",
     "check_put_args",
-    "parse_bool_option",
-    "parse_float_option",
-    "parse_int_option",
+    "load_auth_key",
     "parse_size_option",
-    "reject_unknown_options",
 ]
+
+_log = logging.getLogger(__name__)
 
 
 class BackendClosedError(RuntimeError):
@@ -57,67 +82,74 @@ class BackendUnavailableError(RuntimeError):
     """
 
 
-@runtime_checkable
-class Backend(Protocol):
-    """A synchronous, thread-safe block store bound to one :class:`Namespace`."""
+class Outcome(enum.Enum):
+    """What a medium hook found for one key."""
 
-    @property
-    def namespace(self) -> Namespace: ...
-
-    @property
-    def url(self) -> str:
-        """The backend's URL with credentials redacted."""
-        ...
-
-    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """True where the block is stored; False where absent or where the check failed."""
-        ...
-
-    def probe(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Like :meth:`exists`, but raises :class:`BackendUnavailableError` if any check failed."""
-        ...
-
-    def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
-        """True where stored or already present (never overwritten); False where it failed."""
-        ...
-
-    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
-        """True where ``out`` now holds the block; ``out`` untouched where False."""
-        ...
-
-    def delete(self, keys: Sequence[BlockKey]) -> None: ...
-
-    def close(self) -> None: ...
-
-    def stats(self) -> dict[str, int]: ...
+    OK = "ok"            # present / stored / read
+    PRESENT = "present"  # a store found the block already there (never overwritten)
+    MISSING = "missing"  # no object under the key
+    CORRUPT = "corrupt"  # an object that cannot be a frame (wrong type, not a regular file, ...)
+    FAILED = "failed"    # an I/O error (already logged by the medium through ``_fail``)
 
 
-class ExistenceChecks:
-    """``exists`` and ``probe`` for a backend that implements ``_exists``.
+class Verdict(enum.Enum):
+    """What the template's verification made of a fetched frame."""
 
-    ``_exists(keys)`` returns one answer per key (False where the check failed) and the number
-    of checks that failed; the failures are already counted and logged by the backend.
+    VALID = "valid"
+    CORRUPT = "corrupt"          # counted in corrupt_objects, removed
+    UNAUTHENTIC = "unauthentic"  # counted in auth_failures, removed
+    WRONG_SIZE = "wrong_size"    # a valid frame, but not the caller's size: kept
+
+
+class Fetched(NamedTuple):
+    """What a medium read for one key.
+
+    With ``outcome`` OK, exactly one of:
+
+    - ``frame``: a whole stored frame (header + payload) in the medium's memory; the template
+      verifies it and copies the payload into ``out``;
+    - ``header``: the frame's ``HEADER_BYTES`` header, the payload already read into ``out``
+      (``payload_bytes`` is how many bytes the object carried after the header); the template
+      verifies in place.
+
+    ``token`` identifies the object that was read (an inode, a SHA-1, an ETag) so that a
+    conditional delete removes that object and never a good block stored since. ``trusted``
+    means the medium guarantees these bytes are a frame this very instance encoded and nobody
+    else can have written (the private memory store): the checksum pass is skipped, the header
+    is still checked. (A named tuple: one is built per key on the load path, and a tuple is the
+    cheapest immutable record to build.)
     """
 
-    __slots__ = ()
+    outcome: Outcome
+    frame: memoryview | None = None
+    header: bytes | bytearray | memoryview | None = None
+    payload_bytes: int = 0
+    token: object = None
+    trusted: bool = False
+
+
+MISSING_FETCH = Fetched(Outcome.MISSING)
+FAILED_FETCH = Fetched(Outcome.FAILED)
+CORRUPT_FETCH = Fetched(Outcome.CORRUPT)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredFrame:
+    """One frame to store: the encoded header and the caller's payload (not copied)."""
+
+    key: BlockKey
+    header: bytes
+    payload: memoryview
 
     @property
-    def url(self) -> str:
-        raise NotImplementedError
+    def nbytes(self) -> int:
+        return len(self.header) + self.payload.nbytes
 
-    def _exists(self, keys: Sequence[BlockKey]) -> tuple[list[bool], int]:
-        raise NotImplementedError
-
-    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
-        return self._exists(keys)[0]
-
-    def probe(self, keys: Sequence[BlockKey]) -> list[bool]:
-        answers, failed = self._exists(keys)
-        if failed:
-            raise BackendUnavailableError(
-                f"{self.url}: {failed} of {len(answers)} existence check(s) failed"
-            )
-        return answers
+    def joined(self) -> bytearray:
+        """Header + payload in one buffer (one copy), for media that need a contiguous value."""
+        frame = bytearray(self.header)
+        frame += self.payload
+        return frame
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -159,18 +191,22 @@ class Lifecycle:
 
 
 STANDARD_COUNTERS = (
-    "corrupt_objects",
-    "errors",
-    "bytes_read",
-    "bytes_written",
-    "round_trips",
     "puts",
+    "puts_existing",
     "gets",
     "hits",
     "misses",
     "exists_calls",
     "deletes",
+    "bytes_read",
+    "bytes_written",
+    "corrupt_objects",
+    "size_mismatches",
+    "auth_failures",
+    "errors",
+    "round_trips",
 )
+"""Counters every backend reports under these exact names."""
 
 
 class BackendStats:
@@ -240,13 +276,26 @@ class RateLimitedLog:
 # --------------------------------------------------------------------------- argument checks
 
 
+def _is_flat_sequence(value: object) -> bool:
+    return isinstance(value, Sequence) and not isinstance(
+        value, (bytes, bytearray, memoryview, str)
+    )
+
+
 def check_keys(keys: Sequence[BlockKey], argument: str = "keys") -> list[BlockKey]:
     """``keys`` as a list, raising naming the first key that is not 1..255 bytes."""
-    if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Sequence):
+    if not _is_flat_sequence(keys):
         raise TypeError(
             f"{argument} must be a sequence of BlockKey (bytes), got {type(keys).__name__}"
         )
     return [check_key(key, f"{argument}[{index}]") for index, key in enumerate(keys)]
+
+
+def _check_same_length(name: str, values: Sequence[object], keys: list[BlockKey]) -> None:
+    if len(values) != len(keys):
+        raise ValueError(
+            f"len({name}) must equal len(keys): got {len(values)} {name} for {len(keys)} keys"
+        )
 
 
 def check_put_args(
@@ -254,15 +303,9 @@ def check_put_args(
 ) -> tuple[list[BlockKey], list[memoryview]]:
     """Validated keys and flat byte views of the payloads (no copy)."""
     key_list = check_keys(keys)
-    if isinstance(payloads, (bytes, bytearray, memoryview, str)) or not isinstance(
-        payloads, Sequence
-    ):
+    if not _is_flat_sequence(payloads):
         raise TypeError(f"payloads must be a sequence of buffers, got {type(payloads).__name__}")
-    if len(payloads) != len(key_list):
-        raise ValueError(
-            f"len(payloads) must equal len(keys): got {len(payloads)} payloads "
-            f"for {len(key_list)} keys"
-        )
+    _check_same_length("payloads", payloads, key_list)
     views = [as_byte_view(payload, f"payloads[{index}]") for index, payload in enumerate(payloads)]
     return key_list, views
 
@@ -272,12 +315,9 @@ def check_get_args(
 ) -> tuple[list[BlockKey], list[memoryview]]:
     """Validated keys and flat, writable byte views of the output buffers."""
     key_list = check_keys(keys)
-    if isinstance(outs, (bytes, bytearray, memoryview, str)) or not isinstance(outs, Sequence):
+    if not _is_flat_sequence(outs):
         raise TypeError(f"outs must be a sequence of memoryview, got {type(outs).__name__}")
-    if len(outs) != len(key_list):
-        raise ValueError(
-            f"len(outs) must equal len(keys): got {len(outs)} outs for {len(key_list)} keys"
-        )
+    _check_same_length("outs", outs, key_list)
     views: list[memoryview] = []
     for index, out in enumerate(outs):
         if not isinstance(out, memoryview):
@@ -291,93 +331,300 @@ def check_get_args(
 
 # --------------------------------------------------------------------------- option parsing
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
-_SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-
-
-def parse_bool_option(name: str, value: object) -> bool:
-    """A bool from a bool or one of 1/0, true/false, yes/no, on/off (case-insensitive)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        lowered = value.strip().lower()
-        if lowered in _TRUE:
-            return True
-        if lowered in _FALSE:
-            return False
-    raise ValueError(f"option {name}={value!r}: expected a boolean (true/false, 1/0, yes/no)")
 
 
 def parse_size_option(name: str, value: object, *, minimum: int = 0) -> int:
-    """Bytes from an int or a string like ``"512MiB"``, ``"4G"``, ``"1.5GB"``, ``"4096"``.
+    """Bytes from an int or a binary size (``"512MiB"``, ``"4G"``, ``"4096"``): the one size rule
+    of kvtier (:func:`kvtier.settings.parse_size`; ``"1.5GB"`` is ambiguous and rejected)."""
+    from kvtier.settings import parse_size  # a ConfigError is a ValueError
 
-    Binary (KiB, MiB, ...) and decimal (KB, MB, ...) units are honoured; a bare K/M/G/T is
-    binary, as in most storage tools. The result must be a whole number of bytes. This is the
-    one size syntax of kvtier: backend options, the config file and the command line.
+    return parse_size(value, f"option {name}={value!r}", minimum=minimum)
+
+
+# --------------------------------------------------------------------------- common options
+
+
+COMMON_SETTINGS: tuple[Setting, ...] = (
+    Setting("auth_key", Kind.SECRET, None, nullable=True,
+            help="secret key: every frame carries an HMAC-SHA256 tag over header and payload; "
+                 "frames without a valid tag are never served"),
+    Setting("auth_key_file", Kind.STR, None, nullable=True,
+            help="file holding the auth key (read once at open; trailing newline stripped; "
+                 "must not be readable by group or others)"),
+)
+"""Options every backend scheme accepts (merged into each scheme's table)."""
+
+_MIN_AUTH_KEY_BYTES = 16
+
+
+def load_auth_key(options: Mapping[str, Any], where: str) -> bytes | None:
+    """The auth key from the parsed ``auth_key`` / ``auth_key_file`` options, or None.
+
+    The key file is read once; a trailing newline is stripped. A key file readable by group or
+    others is refused (``chmod 600`` it). The key itself never appears in a message.
     """
-    result: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        result = value
-    elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if match:
-            number, prefix, binary, byte_suffix = match.groups()
-            base = 1000 if (prefix and byte_suffix and not binary) else 1024
-            scaled = float(number) * base ** _SIZE_POWERS[prefix.lower()]
-            if scaled.is_integer():  # a whole number of bytes (never inf)
-                result = int(scaled)
-    if result is None:
-        raise ValueError(
-            f"option {name}={value!r}: expected a size in bytes (e.g. 1073741824, '512MiB', '4G')"
+    secret: Secret | None = options.get("auth_key")
+    path: str | None = options.get("auth_key_file")
+    if secret is not None and path is not None:
+        raise ConfigError(f"{where}: give auth_key or auth_key_file, not both")
+    if path is not None:
+        key = _read_key_file(path, where)
+    elif secret is not None:
+        key = secret.reveal().encode()
+    else:
+        return None
+    if len(key) < _MIN_AUTH_KEY_BYTES:
+        raise ConfigError(
+            f"{where}: the auth key is {len(key)} bytes; expected at least "
+            f"{_MIN_AUTH_KEY_BYTES} (e.g. 32 random bytes, hex-encoded)"
         )
-    if result < minimum:
-        raise ValueError(f"option {name}={value!r}: must be >= {minimum} bytes")
-    return result
+    return key
 
 
-def parse_int_option(
-    name: str, value: object, *, minimum: int | None = None, maximum: int | None = None
-) -> int:
-    """An int from an int or a decimal string, with optional bounds."""
-    result: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        result = value
-    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-        result = int(value)
-    if result is None:
-        raise ValueError(f"option {name}={value!r}: expected an integer")
-    if minimum is not None and result < minimum:
-        raise ValueError(f"option {name}={value!r}: must be >= {minimum}")
-    if maximum is not None and result > maximum:
-        raise ValueError(f"option {name}={value!r}: must be <= {maximum}")
-    return result
+def _read_key_file(path: str, where: str) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ConfigError(f"{where}: auth_key_file {path!r}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{where}: auth_key_file {path!r} is not a regular file")
+        if info.st_mode & 0o077:
+            raise ConfigError(
+                f"{where}: auth_key_file {path!r} has mode {stat.S_IMODE(info.st_mode):o}; "
+                "it must not be accessible by group or others (chmod 600)"
+            )
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            data = handle.read(1 << 16)
+    finally:
+        os.close(fd)
+    return data.rstrip(b"\r\n")
 
 
-def parse_float_option(name: str, value: object, *, minimum: float | None = None) -> float:
-    """A finite float from a number or a decimal string, with an optional lower bound."""
-    result: float | None = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        result = float(value)
-    elif isinstance(value, str):
+# --------------------------------------------------------------------------- the template
+
+
+class Backend:
+    """A synchronous, thread-safe block store bound to one :class:`Namespace`.
+
+    Subclasses implement the ``_m_*`` hooks (one :class:`Outcome` / :class:`Fetched` per key,
+    never raising for I/O: they log through :meth:`_fail` and answer FAILED) and call
+    ``super().__init__``. Everything public is implemented here, once.
+    """
+
+    EXTRA_COUNTERS: tuple[str, ...] = ()
+    """Medium-specific counters reported besides :data:`STANDARD_COUNTERS`."""
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        *,
+        name: str,
+        logger: logging.Logger,
+        auth_key: bytes | None = None,
+    ) -> None:
+        if not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+        self._namespace = namespace
+        self._digest = namespace.digest
+        self._codec = codec.FrameCodec(namespace.digest, auth_key)
+        self._stats = BackendStats(extra=self.EXTRA_COUNTERS)
+        self._error_log = RateLimitedLog(logger)
+        self._lifecycle = Lifecycle(name)
+
+    # ------------------------------------------------------------------ identity
+
+    @property
+    def namespace(self) -> Namespace:
+        return self._namespace
+
+    @property
+    def url(self) -> str:
+        """The backend's URL with credentials redacted."""
+        raise NotImplementedError
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether frames carry (and must carry) a keyed MAC."""
+        return self._codec.keyed
+
+    # ------------------------------------------------------------------ public API
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """True where the block is stored; False where absent or where the check failed."""
+        return [outcome is Outcome.OK for outcome in self._check_exists(keys)]
+
+    def probe(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Like :meth:`exists`, but raises :class:`BackendUnavailableError` if any check failed."""
+        outcomes = self._check_exists(keys)
+        failed = sum(outcome is Outcome.FAILED for outcome in outcomes)
+        if failed:
+            raise BackendUnavailableError(
+                f"{self.url}: {failed} of {len(outcomes)} existence check(s) failed"
+            )
+        return [outcome is Outcome.OK for outcome in outcomes]
+
+    def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
+        """True where stored or already present (never overwritten); False where it failed."""
+        key_list, views = check_put_args(keys, payloads)
+        self._lifecycle.check_open()
+        if not key_list:
+            return []
+        encode = self._codec.encode_header
+        frames = [StoredFrame(key, encode(key, view), view)
+                  for key, view in zip(key_list, views, strict=True)]
+        outcomes = self._checked(self._m_store(frames), len(frames), "store")
+        written = sum(frame.payload.nbytes for frame, outcome in zip(frames, outcomes, strict=True)
+                      if outcome is Outcome.OK)
+        existing = sum(outcome is Outcome.PRESENT for outcome in outcomes)
+        self._stats.add_many({"puts": len(key_list), "puts_existing": existing,
+                              "bytes_written": written})
+        return [outcome in (Outcome.OK, Outcome.PRESENT) for outcome in outcomes]
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
+        """True where ``out`` now holds the verified block; where False, ``out`` is unspecified."""
+        key_list, views = check_get_args(keys, outs)
+        self._lifecycle.check_open()
+        if not key_list:
+            return []
+        results: list[bool] = []
+        doomed: list[tuple[BlockKey, Fetched]] = []
+        counts = dict.fromkeys(("bytes_read", "corrupt_objects", "auth_failures",
+                                "size_mismatches"), 0)
+        # One item at a time: a medium may reuse a scratch buffer for the next key.
+        for key, out, item in zip(key_list, views, self._m_fetch(key_list, views), strict=False):
+            verdict = self._judge(key, out, item)
+            results.append(verdict is Verdict.VALID)
+            if verdict is Verdict.VALID:
+                counts["bytes_read"] += out.nbytes
+            elif verdict is Verdict.WRONG_SIZE:
+                counts["size_mismatches"] += 1
+            elif verdict is not None:
+                counts["auth_failures" if verdict is Verdict.UNAUTHENTIC
+                       else "corrupt_objects"] += 1
+                doomed.append((key, item))
+        if len(results) != len(key_list):
+            self._fail("fetch", len(key_list),
+                       RuntimeError(f"{len(results)} answers for {len(key_list)} keys"))
+            results += [False] * (len(key_list) - len(results))
+        if doomed:
+            self._m_remove_bad(doomed)
+        hits = sum(results)
+        self._stats.add_many({"gets": len(key_list), "hits": hits,
+                              "misses": len(key_list) - hits, **counts})
+        return results
+
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        """Remove the blocks (absent keys are fine)."""
+        key_list = check_keys(keys)
+        self._lifecycle.check_open()
+        self._stats.add("deletes", len(key_list))
+        if key_list:
+            self._m_delete(list(dict.fromkeys(key_list)))
+
+    def close(self) -> None:
+        """Release the medium's resources; later calls raise :class:`BackendClosedError`."""
+        if self._lifecycle.close():
+            self._m_close()
+
+    def stats(self) -> dict[str, int]:
+        snapshot = self._stats.snapshot()
+        snapshot.update(self._m_extra_stats())
+        return snapshot
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url}, namespace={self._namespace.digest_hex})"
+
+    # ------------------------------------------------------------------ shared helpers
+
+    def _fail(self, operation: str, what: object, exc: BaseException) -> Outcome:
+        """Count and log (rate-limited) one failure; answers FAILED for the hooks' convenience."""
+        self._stats.add("errors")
+        detail = what.hex() if isinstance(what, bytes) else str(what)
+        self._error_log.warning("%s: %s of %s failed: %s: %s", self.url, operation, detail,
+                                type(exc).__name__, _first_line(exc))
+        return Outcome.FAILED
+
+    def _check_exists(self, keys: Sequence[BlockKey]) -> list[Outcome]:
+        key_list = check_keys(keys)
+        self._lifecycle.check_open()
+        self._stats.add("exists_calls")
+        if not key_list:
+            return []
+        return self._checked(self._m_exists(key_list), len(key_list), "exists")
+
+    def _checked(self, outcomes: list[Outcome], expected: int, operation: str) -> list[Outcome]:
+        if len(outcomes) != expected:
+            self._fail(operation, expected,
+                       RuntimeError(f"{len(outcomes)} answers for {expected} keys"))
+            return [Outcome.FAILED] * expected
+        return outcomes
+
+    def _judge(self, key: BlockKey, out: memoryview, item: Fetched) -> Verdict | None:
+        """The verdict on one fetched object; None where nothing was read (missing / failed)."""
+        if item.outcome is Outcome.CORRUPT:
+            return Verdict.CORRUPT
+        if item.outcome is not Outcome.OK:
+            return None
         try:
-            result = float(value)
-        except ValueError:
-            result = None
-    if result is None or result != result or result in (float("inf"), float("-inf")):
-        raise ValueError(f"option {name}={value!r}: expected a finite number")
-    if minimum is not None and result < minimum:
-        raise ValueError(f"option {name}={value!r}: must be >= {minimum}")
-    return result
+            if item.frame is not None:
+                self._codec.decode(item.frame, key, out, trusted=item.trusted)
+            elif item.header is not None:
+                self._codec.verify_in_place(item.header, key, out, item.payload_bytes)
+            else:
+                raise codec.TruncatedFrame("the medium returned neither a frame nor a header")
+        except codec.OutputSizeMismatch:
+            return Verdict.WRONG_SIZE
+        except codec.AuthenticationError as exc:
+            self._error_log.warning("%s: removing unauthenticated block %s: %s",
+                                    self.url, key.hex(), exc)
+            return Verdict.UNAUTHENTIC
+        except codec.FrameError as exc:
+            self._error_log.warning("%s: removing corrupt block %s: %s", self.url, key.hex(), exc)
+            return Verdict.CORRUPT
+        return Verdict.VALID
+
+    # ------------------------------------------------------------------ medium hooks
+
+    def _m_exists(self, keys: list[BlockKey]) -> list[Outcome]:
+        """OK / MISSING / FAILED per key."""
+        raise NotImplementedError
+
+    def _m_store(self, frames: list[StoredFrame]) -> list[Outcome]:
+        """Store each frame unless its key is present: OK (written) / PRESENT / FAILED."""
+        raise NotImplementedError
+
+    def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> Iterable[Fetched]:
+        """One :class:`Fetched` per key, in order; may read payloads straight into ``outs``.
+
+        The template verifies each item before asking for the next, so a generator may reuse
+        one scratch buffer. ``frame`` / ``header`` must stay valid only until then.
+        """
+        raise NotImplementedError
+
+    def _m_remove_bad(self, bad: list[tuple[BlockKey, Fetched]]) -> None:
+        """Remove each bad object only if it is still the one read (``Fetched.token``)."""
+        raise NotImplementedError
+
+    def _m_delete(self, keys: list[BlockKey]) -> None:
+        raise NotImplementedError
+
+    def _m_close(self) -> None:
+        """Release resources (called once)."""
+
+    def _m_extra_stats(self) -> dict[str, int]:
+        """Gauges computed at ``stats()`` time (blocks held, bytes used, ...)."""
+        return {}
 
 
-def reject_unknown_options(scheme: str, options: Mapping[str, Any], allowed: Sequence[str]) -> None:
-    """Raise ``ValueError`` naming every option the backend does not know."""
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {unknown} for {scheme}:// backends; "
-            f"expected some of {sorted(allowed)}"
-        )
-
+def _first_line(exc: BaseException) -> str:
+    """The first line of an error: some clients put a multi-line debug dump in their messages."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""

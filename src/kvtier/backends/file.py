@@ -32,6 +32,20 @@ State and owners (any caller thread):
 
 On open the directory is scanned: every ``.kvb`` file is indexed (LRU order by mtime) and
 temp files left by crashed processes (whose pid is gone) are removed.
+
+Hygiene. At open, the root and the namespace directory must be directories owned by this user
+(or root) and must not be world-writable without the sticky bit: anyone who can write there could
+plant or swap blocks. ``shared_dir=true`` accepts such a directory on purpose (then use
+``auth_key``). Block files are opened with ``O_NONBLOCK | O_NOFOLLOW`` and only regular files are
+read: a FIFO, symlink, directory, socket or device at a block path is never read (so it can never
+hang a load), ``exists`` says no for it, and it is moved aside and removed (counted as corrupt) so
+the key can be stored again. The root and namespace directory are created only at open: if they
+are deleted under a running backend, writes fail and are counted; they are never re-created.
+
+Reads. A buffered read goes straight into the caller's buffer: one ``preadv`` into a small header
+buffer and ``out``, then one verification pass over ``out`` (on failure ``out`` holds unspecified
+bytes and the answer is False). With ``o_direct`` the frame is read into a page-aligned per-thread
+buffer (O_DIRECT needs aligned buffers and offsets) and copied after verification.
 """
 
 from __future__ import annotations
@@ -47,30 +61,41 @@ import stat
 import threading
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kvtier import codec
-from kvtier.backends import split_url_options
+from kvtier.backends import redact_url, split_url_options
 from kvtier.backends.base import (
-    BackendStats,
+    COMMON_SETTINGS,
+    CORRUPT_FETCH,
+    FAILED_FETCH,
+    MISSING_FETCH,
+    Backend,
     Buffer,
-    ExistenceChecks,
-    Lifecycle,
-    RateLimitedLog,
-    check_get_args,
-    check_keys,
-    check_put_args,
-    parse_bool_option,
-    parse_size_option,
-    reject_unknown_options,
+    Fetched,
+    Outcome,
+    StoredFrame,
+    load_auth_key,
 )
 from kvtier.keys import BlockKey, Namespace
+from kvtier.settings import ConfigError, Kind, Setting, SettingsTable
 
 _log = logging.getLogger(__name__)
 
-_OPTIONS = ("max_bytes", "fsync", "o_direct")
+SETTINGS = SettingsTable("file backend", (
+    Setting("max_bytes", Kind.SIZE, 0,
+            help="bound on the bytes this process keeps under the directory, LRU eviction "
+                 "(0 = unlimited)"),
+    Setting("fsync", Kind.BOOL, False, help="fsync every block and its directory on store"),
+    Setting("o_direct", Kind.BOOL, False,
+            help="O_DIRECT reads and writes (bypass the page cache; falls back if refused)"),
+    Setting("shared_dir", Kind.BOOL, False,
+            help="accept a root or namespace directory owned by another user or world-writable "
+                 "without the sticky bit (use with auth_key)"),
+    *COMMON_SETTINGS,
+))
 _SUFFIX = ".kvb"
 _TEMP_PREFIX = ".tmp-"
 _ALIGN = 4096
@@ -80,6 +105,12 @@ _DIR_MODE = 0o700
 _FILE_MODE = 0o600
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_READ_FLAGS = os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | _O_NONBLOCK
+# open() of a non-regular file at a block path: a symlink (ELOOP with O_NOFOLLOW), a socket
+# (ENXIO), a FIFO without a writer never blocks thanks to O_NONBLOCK.
+_NOT_REGULAR_ERRNOS = {errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV, errno.EMLINK}
 _NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
 _MISSING_ERRNOS = {errno.ENOENT, errno.ENOTDIR}
 # Temp-file sequence numbers, shared by every instance in this process (next() is atomic).
@@ -128,6 +159,14 @@ def _rename_noreplace(temp: str, final: str) -> None:
         raise OSError(code, os.strerror(code), final)
 
 
+def _claimed_length(header: Buffer) -> int:
+    """The payload length a header claims (-1 if it is not even a frame header)."""
+    try:
+        return codec.payload_length(header)
+    except codec.FrameError:
+        return -1
+
+
 def _round_up(size: int) -> int:
     return (size + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -161,47 +200,49 @@ class _Scratch(threading.local):
     def get(self, size: int) -> memoryview:
         view = self.view
         if view is None or view.nbytes < size:
-            if view is not None:
-                view.release()
-            if self.buffer is not None:
-                self.buffer.close()
+            # The old buffer is dropped, not closed: a caller may still hold a view of it.
             capacity = max(_ALIGN, 1 << (size - 1).bit_length())
             self.buffer = mmap.mmap(-1, capacity)
             self.view = view = memoryview(self.buffer)
         return view
 
 
-class FileBackend(ExistenceChecks):
+class FileBackend(Backend):
     """A thread-safe block store on a local directory (see module docstring)."""
+
+    EXTRA_COUNTERS = ("evictions", "stray_temp_files_removed", "o_direct_fallbacks",
+                      "put_rejected")
 
     def __init__(
         self,
         root: str | os.PathLike[str],
         namespace: Namespace,
         *,
-        max_bytes: int = 0,
-        fsync: bool = False,
-        o_direct: bool = False,
+        max_bytes: int | str = 0,
+        fsync: bool | str = False,
+        o_direct: bool | str = False,
+        shared_dir: bool | str = False,
+        auth_key: bytes | None = None,
     ) -> None:
-        if not isinstance(namespace, Namespace):
-            raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
         root_path = Path(root)
         if not root_path.is_absolute():
             raise ValueError(f"file backend root must be an absolute path, got {str(root)!r}")
-        self._namespace = namespace
-        self._digest = namespace.digest
+        digest_hex = namespace.digest_hex if isinstance(namespace, Namespace) else ""
+        self._dir = root_path / digest_hex
+        self._dir_str = str(self._dir)
         self._root = root_path
-        self._max_bytes = parse_size_option("max_bytes", max_bytes)
-        self._fsync = parse_bool_option("fsync", fsync)
-        wants_direct = parse_bool_option("o_direct", o_direct)
+        super().__init__(namespace, name=f"file backend at {self._dir_str}", logger=_log,
+                         auth_key=auth_key)
+        self._max_bytes: int = SETTINGS["max_bytes"].parse(max_bytes)
+        self._fsync: bool = SETTINGS["fsync"].parse(fsync)
+        wants_direct: bool = SETTINGS["o_direct"].parse(o_direct)
+        self._shared_dir: bool = SETTINGS["shared_dir"].parse(shared_dir)
         if wants_direct and not _O_DIRECT:
             _log.warning("file backend: O_DIRECT is not available on this OS; using buffered I/O")
         self._direct_io = DirectIO.ACTIVE if wants_direct and _O_DIRECT else DirectIO.OFF
         self._link_mode = (
             _LinkMode.HARD_LINK if _renameat2 is None else _LinkMode.RENAME_NOREPLACE
         )
-        self._dir = root_path / namespace.digest_hex
-        self._dir_str = str(self._dir)
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockKey, int] = OrderedDict()
         self._used_bytes = 0
@@ -209,26 +250,20 @@ class FileBackend(ExistenceChecks):
         # Process-wide: two instances on one directory must never pick the same temp name.
         self._temp_counter = _TEMP_COUNTER
         self._pid = os.getpid()
+        self._uid = os.geteuid()
         self._scratch = _Scratch()
-        self._stats = BackendStats(
-            extra=("evictions", "stray_temp_files_removed", "o_direct_fallbacks", "put_rejected")
-        )
-        self._error_log = RateLimitedLog(_log)
-        self._lifecycle = Lifecycle(f"file backend at {self._dir_str}")
         try:
-            self._make_dirs(self._root)
-            self._make_dirs(self._dir)
+            self._make_root(self._root)
+            self._check_private(self._root, "root")
+            self._make_root(self._dir)
+            self._check_private(self._dir, "namespace directory")
             self._scan()
         except OSError as exc:
             raise ValueError(
                 f"file backend root {str(root)!r} cannot be used: {exc.strerror or exc}"
             ) from exc
 
-    # ------------------------------------------------------------------ public API
-
-    @property
-    def namespace(self) -> Namespace:
-        return self._namespace
+    # ------------------------------------------------------------------ identity
 
     @property
     def url(self) -> str:
@@ -247,88 +282,113 @@ class FileBackend(ExistenceChecks):
         parts, name = _key_location(codec.check_key(key).hex())
         return self._dir.joinpath(*parts, name)
 
-    def _exists(self, keys: Sequence[BlockKey]) -> tuple[list[bool], int]:
-        key_list = check_keys(keys)
-        self._lifecycle.check_open()
-        results: list[bool] = []
-        errors = 0
-        for key in key_list:
+    def _m_extra_stats(self) -> dict[str, int]:
+        with self._lock:
+            gauges = {"blocks": len(self._index), "used_bytes": self._used_bytes,
+                      "max_bytes": self._max_bytes}
+        gauges["o_direct_active"] = int(self._direct_io is DirectIO.ACTIVE)
+        return gauges
+
+    # ------------------------------------------------------------------ directory hygiene
+
+    def _check_private(self, path: Path, what: str) -> None:
+        """Refuse a directory others could plant blocks in, unless ``shared_dir`` is set."""
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) and what != "root":
+            raise ConfigError(f"file backend {what} {str(path)!r} is not a directory")
+        if what == "root":
+            info = os.stat(path)  # the root itself may be a symlink to the real directory
+            if not stat.S_ISDIR(info.st_mode):
+                raise ConfigError(f"file backend root {str(path)!r} is not a directory")
+        if self._shared_dir:
+            return
+        mode = stat.S_IMODE(info.st_mode)
+        if info.st_uid not in (self._uid, 0):
+            raise ConfigError(
+                f"file backend {what} {str(path)!r} is owned by uid {info.st_uid}, not by this "
+                f"user (uid {self._uid}); another user could plant blocks there. Use a directory "
+                "of your own, or set shared_dir=true (with auth_key) if it is shared on purpose"
+            )
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            raise ConfigError(
+                f"file backend {what} {str(path)!r} is world-writable (mode {mode:o}) without "
+                "the sticky bit; anyone could plant or swap blocks there. chmod o-w it, or set "
+                "shared_dir=true (with auth_key) if it is shared on purpose"
+            )
+
+    def _make_root(self, path: Path) -> None:
+        """Create the root or namespace directory at open (0700); never called later."""
+        try:
+            os.makedirs(path, _DIR_MODE)
+        except FileExistsError:
+            return
+        os.chmod(path, _DIR_MODE)  # the umask may have removed bits we need
+
+    def _make_dirs(self, directory: str) -> None:
+        """Create the missing fan-out directories of ``directory`` below the namespace directory.
+
+        The namespace directory itself is never re-created: if it was deleted under a running
+        backend, this raises FileNotFoundError and the write fails (counted), as it should.
+        """
+        if directory == self._dir_str:
+            raise FileNotFoundError(errno.ENOENT, "the tier's namespace directory is gone",
+                                    directory)
+        if not directory.startswith(self._dir_str + os.sep):
+            raise FileNotFoundError(errno.ENOENT, "outside the namespace directory", directory)
+        try:
+            os.mkdir(directory, _DIR_MODE)
+        except FileExistsError:
+            return
+        except FileNotFoundError:
+            self._make_dirs(os.path.dirname(directory))
             try:
-                os.stat(self._path_str(key))
+                os.mkdir(directory, _DIR_MODE)
+            except FileExistsError:
+                return
+        os.chmod(directory, _DIR_MODE)
+
+    # ------------------------------------------------------------------ existence
+
+    def _m_exists(self, keys: list[BlockKey]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for key in keys:
+            try:
+                info = os.lstat(self._path_str(key))
             except OSError as exc:
-                if exc.errno not in _MISSING_ERRNOS:
-                    errors += 1
-                    self._report("exists", key, exc)
-                results.append(False)
+                outcomes.append(Outcome.MISSING if exc.errno in _MISSING_ERRNOS
+                                else self._fail("exists", key, exc))
             else:
-                results.append(True)
-        self._stats.add_many({"exists_calls": 1, "errors": errors})
-        return results, errors
-
-    def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
-        key_list, views = check_put_args(keys, payloads)
-        self._lifecycle.check_open()
-        results = [self._put_one(key, view) for key, view in zip(key_list, views, strict=True)]
-        self._stats.add("puts", len(key_list))
-        return results
-
-    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
-        key_list, views = check_get_args(keys, outs)
-        self._lifecycle.check_open()
-        get_one = self._get_one
-        results = [get_one(key, out) for key, out in zip(key_list, views, strict=True)]
-        hits = sum(results)
-        read = sum(out.nbytes for out, hit in zip(views, results, strict=True) if hit)
-        counts = {"gets": len(key_list), "hits": hits, "misses": len(key_list) - hits}
-        self._stats.add_many({**counts, "bytes_read": read})
-        return results
-
-    def delete(self, keys: Sequence[BlockKey]) -> None:
-        key_list = check_keys(keys)
-        self._lifecycle.check_open()
-        with self._lock:
-            for key in key_list:
-                size = self._index.pop(key, None)
-                if size is not None:
-                    self._used_bytes -= size
-        for key in key_list:
-            self._unlink_quietly(self._path_str(key), key)
-        self._stats.add("deletes", len(key_list))
-
-    def close(self) -> None:
-        self._lifecycle.close()
-
-    def stats(self) -> dict[str, int]:
-        snapshot = self._stats.snapshot()
-        with self._lock:
-            snapshot["blocks"] = len(self._index)
-            snapshot["used_bytes"] = self._used_bytes
-            snapshot["max_bytes"] = self._max_bytes
-        snapshot["o_direct_active"] = int(self._direct_io is DirectIO.ACTIVE)
-        return snapshot
+                # A FIFO, symlink or directory is not a block (a read removes it).
+                outcomes.append(Outcome.OK if stat.S_ISREG(info.st_mode) else Outcome.MISSING)
+        return outcomes
 
     # ------------------------------------------------------------------ writes
 
-    def _put_one(self, key: BlockKey, view: memoryview) -> bool:
-        frame_len = codec.HEADER_BYTES + view.nbytes
+    def _m_store(self, frames: list[StoredFrame]) -> list[Outcome]:
+        return [self._put_one(frame) for frame in frames]
+
+    def _put_one(self, frame: StoredFrame) -> Outcome:
+        key, header, view = frame.key, frame.header, frame.payload
         direct = self._direct_io is DirectIO.ACTIVE
-        file_size = _round_up(frame_len) if direct else frame_len
+        file_size = _round_up(frame.nbytes) if direct else frame.nbytes
         final = self._path_str(key)
         directory = os.path.dirname(final)
         try:
-            existing = os.lstat(final).st_size
+            info = os.lstat(final)
         except OSError:
             pass  # absent (or unreadable: the write below reports the real error)
         else:
-            self._adopt(key, existing)  # the size on disk, whoever wrote it
-            return True
+            if stat.S_ISREG(info.st_mode):
+                self._adopt(key, info.st_size)  # the size on disk, whoever wrote it
+                return Outcome.PRESENT
+            # Not a block: set it aside so the key can be stored.
+            self._stats.add("corrupt_objects")
+            self._drop_bad(key, final, None, "not a regular file")
         reserved = file_size
         if not self._reserve(reserved):
             self._stats.add("put_rejected")
-            return False
-        header = codec.encode_header(self._digest, key, view)
+            return Outcome.FAILED
         temp = f"{directory}/{_TEMP_PREFIX}{self._pid}-{next(self._temp_counter)}"
-        published = False
         try:
             try:
                 written = self._write_temp(temp, header, view, direct)
@@ -340,13 +400,9 @@ class FileBackend(ExistenceChecks):
             self._release(reserved, key=None)
             if os.path.lexists(temp):
                 self._unlink_quietly(temp, key)
-            self._stats.add("errors")
-            self._report("put", key, exc)
-            return False
+            return self._fail("put", key, exc)
         self._release(reserved, key=key, stored=written)
-        if published:
-            self._stats.add("bytes_written", view.nbytes)
-        return True
+        return Outcome.OK if published else Outcome.PRESENT
 
     def _write_temp(self, temp: str, header: bytes, view: memoryview, direct: bool) -> int:
         """Write the frame to ``temp``; returns the file size. Raises OSError."""
@@ -433,115 +489,143 @@ class FileBackend(ExistenceChecks):
 
     # ------------------------------------------------------------------ reads
 
-    def _get_one(self, key: BlockKey, out: memoryview) -> bool:
+    def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> Iterator[Fetched]:
+        for key, out in zip(keys, outs, strict=True):
+            yield self._fetch_one(key, out)
+
+    def _fetch_one(self, key: BlockKey, out: memoryview) -> Fetched:
         path = self._path_str(key)
         direct = self._direct_io is DirectIO.ACTIVE
-        expected = codec.HEADER_BYTES + out.nbytes
-        padded = _round_up(expected)
-        # Room for one block more than the largest valid file: a file that fills it is too long.
-        capacity = padded + _ALIGN
         try:
-            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if direct else 0))
+            fd = os.open(path, _READ_FLAGS | (_O_DIRECT if direct else 0))
         except OSError as exc:
             if exc.errno in _MISSING_ERRNOS:
-                return False
+                return MISSING_FETCH
+            if exc.errno in _NOT_REGULAR_ERRNOS:
+                return CORRUPT_FETCH  # a symlink or socket at the block path
             if direct and exc.errno == errno.EINVAL:
                 self._disable_direct_io(exc)
-                return self._get_one(key, out)
-            self._stats.add("errors")
-            self._report("get", key, exc)
-            return False
+                return self._fetch_one(key, out)
+            self._fail("get", key, exc)
+            return FAILED_FETCH
         try:
-            buffer = self._scratch.get(capacity)
-            size = os.readv(fd, [buffer[:capacity]])
-            if not direct and size not in (expected, padded) and 0 < size < capacity:
-                # Local files only read short at end of file; confirm before judging the size.
-                size += _read_all(fd, buffer[size:capacity])
-            frame = buffer[: expected if size in (expected, padded) else size]
-            try:
-                codec.decode_checked(frame, self._digest, key, out)
-            except codec.OutputSizeMismatch:
-                return False  # wrong-size out: keep the object
-            except codec.FrameError:
-                if self._valid_with_other_size(fd, frame, key, out.nbytes):
-                    return False  # wrong-size out: keep the valid object
-                raise
-        except codec.FrameError as exc:
-            self._drop_corrupt(key, path, os.fstat(fd).st_ino, exc)
-            return False
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):  # a FIFO, directory or device: never read
+                return Fetched(Outcome.CORRUPT, token=info.st_ino)
+            if direct:
+                fetched = self._read_direct(fd, info, out)
+            else:
+                fetched = self._read_in_place(fd, info, out)
         except OSError as exc:
-            self._stats.add("errors")
-            self._report("get", key, exc)
-            return False
+            if direct and exc.errno == errno.EINVAL:
+                self._disable_direct_io(exc)
+                os.close(fd)
+                fd = -1
+                return self._fetch_one(key, out)
+            self._fail("get", key, exc)
+            return FAILED_FETCH
         finally:
-            os.close(fd)
-        if self._max_bytes:
-            self._adopt(key, size)
-        return True
+            if fd >= 0:
+                os.close(fd)
+        if self._max_bytes and fetched.outcome is Outcome.OK:
+            self._adopt(key, info.st_size)
+        return fetched
 
-    def _valid_with_other_size(
-        self, fd: int, head: memoryview, key: BlockKey, out_size: int
-    ) -> bool:
-        """Whether the open file is a whole, valid frame whose payload is not ``out_size`` bytes.
+    def _read_in_place(self, fd: int, info: os.stat_result, out: memoryview) -> Fetched:
+        """Header into a small buffer, payload straight into ``out``: no scratch, no copy."""
+        expected = codec.HEADER_BYTES + out.nbytes
+        size = info.st_size
+        if size != expected and size != _round_up(expected):
+            return self._read_whole(fd, info)
+        header = bytearray(codec.HEADER_BYTES)
+        if os.preadv(fd, [header, out], 0) != expected:  # the file shrank under us
+            return self._read_whole(fd, os.fstat(fd))
+        if size != expected and _claimed_length(header) != out.nbytes:
+            return self._read_whole(fd, info)  # a padded frame of another size, same pages
+        return Fetched(Outcome.OK, header=header, payload_bytes=out.nbytes, token=info.st_ino)
 
-        Only on the (rare) frame-error path of a read: the header's length field alone cannot be
-        trusted (a flipped bit there would make a corrupt file look like a wrong-size read
-        forever), so the claimed frame is read and verified, checksum included.
+    def _read_direct(self, fd: int, info: os.stat_result, out: memoryview) -> Fetched:
+        """O_DIRECT: the whole padded frame into the page-aligned per-thread buffer."""
+        expected = codec.HEADER_BYTES + out.nbytes
+        padded = _round_up(expected)
+        if info.st_size not in (expected, padded):
+            return self._read_whole(fd, info)
+        buffer = self._scratch.get(padded)
+        size = os.preadv(fd, [buffer[:padded]], 0)
+        if size < expected or _claimed_length(buffer[: codec.HEADER_BYTES]) != out.nbytes:
+            return self._read_whole(fd, os.fstat(fd))
+        return Fetched(Outcome.OK, frame=buffer[:expected], token=info.st_ino)
+
+    def _read_whole(self, fd: int, info: os.stat_result) -> Fetched:
+        """The rare path: a file whose size is not the caller's frame size.
+
+        It may be a valid block of another size (the caller's mistake: kept) or a damaged one.
+        The header's length field alone cannot be trusted, so a file whose size matches its
+        header is read whole and verified by the template; any other size is corrupt.
         """
-        if len(head) < codec.HEADER_BYTES:
-            return False
+        head = self._scratch.get(_ALIGN)[: _ALIGN]
+        count = os.preadv(fd, [head], 0)
         try:
-            length = codec.payload_length(head)
+            length = codec.payload_length(head[:count])
         except codec.FrameError:
-            return False
+            return Fetched(Outcome.CORRUPT, token=info.st_ino)
         frame_len = codec.HEADER_BYTES + length
-        if length == out_size or os.fstat(fd).st_size not in (frame_len, _round_up(frame_len)):
-            return False
-        # Page-aligned and page-sized, so that an O_DIRECT descriptor can read into it too.
-        with mmap.mmap(-1, _round_up(max(frame_len, 1))) as scratch:
-            view = memoryview(scratch)
-            try:
-                if os.preadv(fd, [view], 0) < frame_len:
-                    return False
-                codec.verify_frame(view[:frame_len], self._digest, key)
-            except codec.FrameError:
-                return False
-            finally:
-                view.release()
-        return True
+        if info.st_size not in (frame_len, _round_up(frame_len)):
+            return Fetched(Outcome.CORRUPT, token=info.st_ino)
+        buffer = self._scratch.get(_round_up(max(frame_len, 1)))
+        if os.preadv(fd, [buffer[: _round_up(max(frame_len, 1))]], 0) < frame_len:
+            return Fetched(Outcome.CORRUPT, token=info.st_ino)
+        return Fetched(Outcome.OK, frame=buffer[:frame_len], token=info.st_ino)
 
-    def _drop_corrupt(self, key: BlockKey, path: str, inode: int, exc: Exception) -> None:
-        """Remove the corrupt file we read (inode ``inode``), and only that file.
+    def _m_remove_bad(self, bad: list[tuple[BlockKey, Fetched]]) -> None:
+        for key, item in bad:
+            token = item.token if isinstance(item.token, int) else None
+            self._drop_bad(key, self._path_str(key), token, "corrupt or unauthenticated")
+
+    def _drop_bad(self, key: BlockKey, path: str, inode: int | None, why: str) -> None:
+        """Remove the bad object we saw at ``path`` (inode ``inode``; None: any non-regular file).
 
         Between our read and now, another reader may have removed it and a writer published the
         good block under the same name. "stat, then unlink if same inode" would still delete that
         block if it lands between the two calls; instead the name is first renamed aside
-        (atomic), then the file that was moved is checked, and put back if it is not ours.
+        (atomic), then what was moved is checked, and put back if it is a block we did not read.
         """
-        self._stats.add("corrupt_objects")
-        self._error_log.warning("file backend: dropping corrupt block %s: %s", path, exc)
         directory = os.path.dirname(path)
         aside = os.path.join(directory, f"{_TEMP_PREFIX}{self._pid}-{next(self._temp_counter)}")
-        removed = False
         try:
             os.rename(path, aside)
         except OSError as error:
-            removed = error.errno in _MISSING_ERRNOS  # someone else already removed it
+            if error.errno not in _MISSING_ERRNOS:  # else someone else already removed it
+                self._fail("remove bad block", key, error)
+                return
         else:
             try:
-                if os.lstat(aside).st_ino == inode:
-                    os.unlink(aside)
-                    removed = True
-                else:  # a good block published meanwhile: give it its name back
+                moved = os.lstat(aside)
+                ours = moved.st_ino == inode if inode is not None else not stat.S_ISREG(
+                    moved.st_mode)
+                if not ours:  # a good block published meanwhile: give it its name back
                     self._publish(aside, path, directory)
+                    return
+                if stat.S_ISDIR(moved.st_mode):
+                    os.rmdir(aside)  # a non-empty planted directory stays aside, out of the way
+                else:
+                    os.unlink(aside)
             except OSError as error:
-                self._stats.add("errors")
-                self._report("drop corrupt", key, error)
-        if removed:
-            with self._lock:
+                self._fail("remove bad block", key, error)
+        self._error_log.warning("file backend: removed %s block %s", why, path)
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used_bytes -= size
+
+    def _m_delete(self, keys: list[BlockKey]) -> None:
+        with self._lock:
+            for key in keys:
                 size = self._index.pop(key, None)
                 if size is not None:
                     self._used_bytes -= size
+        for key in keys:
+            self._unlink_quietly(self._path_str(key), key)
 
     # ------------------------------------------------------------------ capacity index
 
@@ -606,7 +690,7 @@ class FileBackend(ExistenceChecks):
                 if key is None:
                     continue
                 try:
-                    info = os.stat(path)
+                    info = os.lstat(path)
                 except OSError:
                     continue
                 if stat.S_ISREG(info.st_mode):
@@ -669,24 +753,6 @@ class FileBackend(ExistenceChecks):
         parts, name = _key_location(key_hex)
         return os.path.join(self._dir_str, *parts, name)
 
-    def _make_dirs(self, path: str | Path) -> None:
-        """Create ``path`` and its missing parents with mode 0700 (existing ones untouched)."""
-        directory = os.fspath(path)
-        try:
-            os.mkdir(directory, _DIR_MODE)
-        except FileExistsError:
-            return
-        except FileNotFoundError:
-            parent = os.path.dirname(directory)
-            if parent == directory:
-                raise
-            self._make_dirs(parent)
-            try:
-                os.mkdir(directory, _DIR_MODE)
-            except FileExistsError:
-                return
-        os.chmod(directory, _DIR_MODE)  # the umask may have removed bits we need
-
     def _disable_direct_io(self, exc: OSError) -> None:
         with self._lock:
             if self._direct_io is not DirectIO.ACTIVE:
@@ -704,17 +770,7 @@ class FileBackend(ExistenceChecks):
             os.unlink(path)
         except OSError as exc:
             if exc.errno not in _MISSING_ERRNOS:
-                self._stats.add("errors")
-                self._report("unlink", key, exc)
-
-    def _report(self, operation: str, key: BlockKey | None, exc: OSError) -> None:
-        self._error_log.warning(
-            "file backend %s: %s of block %s failed: %s",
-            self._dir,
-            operation,
-            key.hex() if key is not None else "-",
-            exc,
-        )
+                self._fail("unlink", key if key is not None else path, exc)
 
 
 def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
@@ -731,44 +787,37 @@ def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
             remaining[0] = remaining[0][written:]
 
 
-def _read_all(fd: int, buffer: memoryview) -> int:
-    """Read until ``buffer`` is full or end of file; returns the bytes read."""
-    total = 0
-    while total < buffer.nbytes:
-        count = os.readv(fd, [buffer[total:]])
-        if count == 0:
-            break
-        total += count
-    return total
-
-
 def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBackend:
     """Build a :class:`FileBackend` from ``file:///abs/path``.
 
-    Options (keyword or query string): ``max_bytes`` (0 = unlimited), ``fsync``, ``o_direct``.
+    Options (keyword or query string): see :data:`SETTINGS` (``max_bytes``, ``fsync``,
+    ``o_direct``, ``shared_dir``, ``auth_key``, ``auth_key_file``).
     """
     parts, merged = split_url_options(url, options)
+    shown = redact_url(url)
     if parts.scheme != "file":
-        raise ValueError(f"file backend URL must start with file://, got {url!r}")
+        raise ValueError(f"file backend URL must start with file://, got {shown!r}")
     if parts.netloc:
         raise ValueError(
-            f"file backend URL {url!r} has a host part {parts.netloc!r}; expected "
-            f"file:///absolute/path (three slashes)"
+            f"file backend URL {shown!r} has a host part; expected file:///absolute/path "
+            "(three slashes)"
         )
     path = urllib.parse.unquote(parts.path)
     if not path.startswith("/"):
         raise ValueError(
-            f"file backend URL {url!r} needs an absolute path; expected file:///absolute/path"
+            f"file backend URL {shown!r} needs an absolute path; expected file:///absolute/path"
         )
     if parts.fragment:
-        raise ValueError(f"file backend URL {url!r} has a fragment; expected none")
+        raise ValueError(f"file backend URL {shown!r} has a fragment; expected none")
     if "\x00" in path:
-        raise ValueError(f"file backend URL {url!r} contains a NUL byte in its path")
-    reject_unknown_options("file", merged, _OPTIONS)
-    return FileBackend(  # the constructor parses the options
+        raise ValueError(f"file backend URL {shown!r} contains a NUL byte in its path")
+    parsed = SETTINGS.parse(merged, "file")
+    return FileBackend(
         path,
         namespace,
-        max_bytes=merged.get("max_bytes", 0),
-        fsync=merged.get("fsync", False),
-        o_direct=merged.get("o_direct", False),
+        max_bytes=parsed["max_bytes"],
+        fsync=parsed["fsync"],
+        o_direct=parsed["o_direct"],
+        shared_dir=parsed["shared_dir"],
+        auth_key=load_auth_key(parsed, "file"),
     )

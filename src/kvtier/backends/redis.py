@@ -45,49 +45,35 @@ import logging
 import os
 import threading
 import urllib.parse
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Final
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
 
 import redis
 import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvtier import codec
 from kvtier.backends import redact_url, split_url_options
 from kvtier.backends.base import (
-    BackendStats,
-    Buffer,
-    ExistenceChecks,
-    Lifecycle,
-    RateLimitedLog,
-    check_get_args,
-    check_keys,
-    check_put_args,
-    parse_bool_option,
-    parse_float_option,
-    parse_int_option,
-    reject_unknown_options,
+    COMMON_SETTINGS,
+    CORRUPT_FETCH,
+    FAILED_FETCH,
+    MISSING_FETCH,
+    Backend,
+    Fetched,
+    Outcome,
+    StoredFrame,
+    load_auth_key,
 )
 from kvtier.keys import BlockKey, Namespace
+from kvtier.settings import Kind, Secret, Setting, SettingsTable
 
-__all__ = ["RedisBackend", "RedisConfig", "RedisTopology", "from_url"]
+__all__ = ["SETTINGS", "RedisBackend", "RedisConfig", "RedisTopology", "from_url"]
 
 _log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
-_OPTIONS: Final = (
-    "username",
-    "password",
-    "ssl_ca_certs",
-    "ssl_certfile",
-    "ssl_keyfile",
-    "ssl_check_hostname",
-    "ttl_s",
-    "socket_timeout_s",
-    "connect_timeout_s",
-    "max_connections",
-)
 _TLS_OPTIONS: Final = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
 _SCHEMES: Final = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 _DEFAULT_PORT: Final = 6379
@@ -131,7 +117,7 @@ class RedisConfig:
     port: int
     db: int
     username: str | None
-    password: str | None
+    password: Secret | None
     ssl_ca_certs: str | None
     ssl_certfile: str | None
     ssl_keyfile: str | None
@@ -140,6 +126,7 @@ class RedisConfig:
     socket_timeout_s: float
     connect_timeout_s: float
     max_connections: int | None
+    auth_key: bytes | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -159,6 +146,31 @@ class RedisConfig:
 # --------------------------------------------------------------------------- URL parsing
 
 
+SETTINGS = SettingsTable("redis backend", (
+    Setting("username", Kind.STR, None, nullable=True,
+            help="ACL user (or user@ in the URL)"),
+    Setting("password", Kind.SECRET, None, nullable=True,
+            help="password (or :password@ in the URL); never shown"),
+    Setting("ssl_ca_certs", Kind.STR, None, nullable=True,
+            help="CA bundle that signs the server certificate (rediss only)"),
+    Setting("ssl_certfile", Kind.STR, None, nullable=True,
+            help="client certificate, with ssl_keyfile (rediss only)"),
+    Setting("ssl_keyfile", Kind.STR, None, nullable=True,
+            help="client certificate key, with ssl_certfile (rediss only)"),
+    Setting("ssl_check_hostname", Kind.BOOL, True,
+            help="check the server certificate's host name (rediss only)"),
+    Setting("ttl_s", Kind.FLOAT, None, nullable=True, minimum=0.001, unit="s",
+            help="expiry of every block; a read pushes it forward (unset = no expiry)"),
+    Setting("socket_timeout_s", Kind.FLOAT, _DEFAULT_SOCKET_TIMEOUT_S, minimum=0,
+            strict_min=True, unit="s", help="per-command socket timeout"),
+    Setting("connect_timeout_s", Kind.FLOAT, _DEFAULT_CONNECT_TIMEOUT_S, minimum=0,
+            strict_min=True, unit="s", help="connect timeout"),
+    Setting("max_connections", Kind.INT, None, nullable=True, minimum=1,
+            help="bound on pooled connections; callers wait for a free one (standalone only)"),
+    *COMMON_SETTINGS,
+))
+
+
 def parse_redis_url(url: str, options: dict[str, Any]) -> RedisConfig:
     """Parse and validate a redis URL plus options; ``ValueError`` names the bad part."""
     shown = redact_url(url)
@@ -174,10 +186,42 @@ def parse_redis_url(url: str, options: dict[str, Any]) -> RedisConfig:
         )
     if parts.fragment:
         raise ValueError(f"redis backend URL {shown!r}: unexpected fragment '#...'")
-    reject_unknown_options(scheme, merged, _OPTIONS)
+    parsed = SETTINGS.parse(merged, "redis")
     topology = RedisTopology.CLUSTER if scheme.endswith("+cluster") else RedisTopology.STANDALONE
     tls = scheme.startswith("rediss")
+    host, port = _host_and_port(parts, scheme, shown)
+    username = _url_or_option("username", parts.username, parsed["username"], shown)
+    password_text = _url_or_option("password", parts.password, parsed["password"], shown)
+    _check_tls_options(merged, parsed, tls, topology, shown)
+    if parsed["max_connections"] is not None and topology is RedisTopology.CLUSTER:
+        # A cluster pipeline holds one connection per node at once; bounded per-node pools let
+        # two threads deadlock on each other's nodes until the pool timeout.
+        raise ValueError(
+            f"redis backend URL {shown!r}: option max_connections is only supported for "
+            "standalone servers, not redis+cluster://"
+        )
+    ttl_s = parsed["ttl_s"]
+    return RedisConfig(
+        topology=topology,
+        tls=tls,
+        host=host,
+        port=port,
+        db=_parse_db(parts.path, topology, shown),
+        username=username,
+        password=None if password_text is None else Secret(password_text),
+        ssl_ca_certs=parsed["ssl_ca_certs"],
+        ssl_certfile=parsed["ssl_certfile"],
+        ssl_keyfile=parsed["ssl_keyfile"],
+        ssl_check_hostname=parsed["ssl_check_hostname"],
+        ttl_ms=None if ttl_s is None else round(ttl_s * 1000),
+        socket_timeout_s=parsed["socket_timeout_s"],
+        connect_timeout_s=parsed["connect_timeout_s"],
+        max_connections=parsed["max_connections"],
+        auth_key=load_auth_key(parsed, "redis"),
+    )
 
+
+def _host_and_port(parts: urllib.parse.SplitResult, scheme: str, shown: str) -> tuple[str, int]:
     host = parts.hostname
     if not host:
         raise ValueError(
@@ -194,76 +238,25 @@ def parse_redis_url(url: str, options: dict[str, Any]) -> RedisConfig:
         port = _DEFAULT_PORT
     if not 1 <= port <= 65535:
         raise ValueError(f"redis backend URL {shown!r}: bad port {port}; expected 1..65535")
+    return host, port
 
-    db = _parse_db(parts.path, topology, shown)
 
-    username = _url_or_option("username", parts.username, merged, shown)
-    password = _url_or_option("password", parts.password, merged, shown)
-
+def _check_tls_options(merged: dict[str, Any], parsed: dict[str, Any], tls: bool,
+                       topology: RedisTopology, shown: str) -> None:
     tls_given = [name for name in _TLS_OPTIONS if name in merged]
     if tls_given and not tls:
         raise ValueError(
             f"redis backend URL {shown!r}: option(s) {tls_given} need TLS; use "
             f"{'rediss+cluster' if topology is RedisTopology.CLUSTER else 'rediss'}://"
         )
-    ssl_files: dict[str, str | None] = {}
     for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-        value = merged.get(name)
-        if value is not None:
-            if not isinstance(value, (str, os.PathLike)):
-                raise ValueError(f"option {name}={value!r}: expected a file path")
-            path = os.fspath(value)
-            if not os.path.isfile(path):
-                raise ValueError(f"option {name}={path!r}: no such file")
-            value = path
-        ssl_files[name] = value
-    if (ssl_files["ssl_certfile"] is None) != (ssl_files["ssl_keyfile"] is None):
+        path = parsed[name]
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"option {name}={path!r}: no such file")
+    if (parsed["ssl_certfile"] is None) != (parsed["ssl_keyfile"] is None):
         raise ValueError(
             "options ssl_certfile and ssl_keyfile go together (client certificate and its key)"
         )
-
-    ttl_ms: int | None = None
-    if merged.get("ttl_s") is not None:
-        ttl_s = parse_float_option("ttl_s", merged["ttl_s"], minimum=0.0)
-        ttl_ms = round(ttl_s * 1000)
-        if ttl_ms < 1:
-            raise ValueError(
-                f"option ttl_s={merged['ttl_s']!r}: must be >= 0.001 seconds (omit it for no "
-                "expiry)"
-            )
-    max_connections = (
-        None
-        if merged.get("max_connections") is None
-        else parse_int_option("max_connections", merged["max_connections"], minimum=1)
-    )
-    if max_connections is not None and topology is RedisTopology.CLUSTER:
-        # A cluster pipeline holds one connection per node at once; bounded per-node pools let
-        # two threads deadlock on each other's nodes until the pool timeout.
-        raise ValueError(
-            f"redis backend URL {shown!r}: option max_connections is only supported for "
-            "standalone servers, not redis+cluster://"
-        )
-    return RedisConfig(
-        topology=topology,
-        tls=tls,
-        host=host,
-        port=port,
-        db=db,
-        username=username,
-        password=password,
-        ssl_ca_certs=ssl_files["ssl_ca_certs"],
-        ssl_certfile=ssl_files["ssl_certfile"],
-        ssl_keyfile=ssl_files["ssl_keyfile"],
-        ssl_check_hostname=parse_bool_option(
-            "ssl_check_hostname", merged.get("ssl_check_hostname", True)
-        ),
-        ttl_ms=ttl_ms,
-        socket_timeout_s=_positive_seconds(merged, "socket_timeout_s", _DEFAULT_SOCKET_TIMEOUT_S),
-        connect_timeout_s=_positive_seconds(
-            merged, "connect_timeout_s", _DEFAULT_CONNECT_TIMEOUT_S
-        ),
-        max_connections=max_connections,
-    )
 
 
 def _parse_db(path: str, topology: RedisTopology, shown: str) -> int:
@@ -285,26 +278,15 @@ def _parse_db(path: str, topology: RedisTopology, shown: str) -> int:
     return int(text)
 
 
-def _url_or_option(
-    name: str, from_url: str | None, merged: dict[str, Any], shown: str
-) -> str | None:
-    option = merged.get(name)
-    if option is not None and not isinstance(option, str):
-        raise ValueError(f"option {name}: expected a string, got {type(option).__name__}")
+def _url_or_option(name: str, from_url: str | None, option: str | Secret | None,
+                   shown: str) -> str | None:
     if from_url is not None and from_url != "":
         if option is not None:
             raise ValueError(
                 f"redis backend URL {shown!r}: {name} is given both in the URL and as an option"
             )
         return urllib.parse.unquote(from_url)
-    return option
-
-
-def _positive_seconds(merged: dict[str, Any], name: str, default: float) -> float:
-    value = parse_float_option(name, merged.get(name, default), minimum=0.0)
-    if value <= 0:
-        raise ValueError(f"option {name}={merged.get(name)!r}: must be > 0 seconds")
-    return value
+    return option.reveal() if isinstance(option, Secret) else option
 
 
 # --------------------------------------------------------------------------- zero-copy sending
@@ -385,22 +367,17 @@ _ZERO_COPY_SUPPORTED: Final = _frame_packer_works()
 # --------------------------------------------------------------------------- the backend
 
 
-class RedisBackend(ExistenceChecks):
+class RedisBackend(Backend):
     """Blocks of one namespace in Redis / Valkey (see module docstring)."""
 
     def __init__(self, namespace: Namespace, config: RedisConfig) -> None:
-        if not isinstance(namespace, Namespace):
-            raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
         if not isinstance(config, RedisConfig):
             raise TypeError(f"config must be a RedisConfig, got {type(config).__name__}")
-        self._namespace = namespace
-        self._digest = namespace.digest
         self._config = config
+        super().__init__(namespace, name=f"redis backend {config.url}", logger=_log,
+                         auth_key=config.auth_key)
         self._prefix = _KEY_PREFIX + namespace.digest_hex.encode() + b":"
         self._zero_copy = _ZERO_COPY_SUPPORTED and not config.tls
-        self._stats = BackendStats(extra=("puts_existing", "size_mismatches"))
-        self._errors = RateLimitedLog(_log)
-        self._lifecycle = Lifecycle(f"redis backend {config.url}")
         self._client_lock = threading.Lock()
         self._standalone_client: redis.Redis | None = None
         self._cluster_client: redis.cluster.RedisCluster | None = None
@@ -420,7 +397,7 @@ class RedisBackend(ExistenceChecks):
         config = self._config
         kwargs: dict[str, Any] = {
             "username": config.username,
-            "password": config.password,
+            "password": None if config.password is None else config.password.reveal(),
             "socket_timeout": config.socket_timeout_s,
             "socket_connect_timeout": config.connect_timeout_s,
             "max_connections": config.max_connections,
@@ -511,11 +488,7 @@ class RedisBackend(ExistenceChecks):
         return self._prefix + key.hex().encode()
 
     def _count_error(self, operation: str, keys: int, exc: BaseException) -> None:
-        self._stats.add("errors")
-        self._errors.warning(
-            "redis backend %s: %s of %d key(s) failed: %s: %s",
-            self._config.url, operation, keys, type(exc).__name__, exc,
-        )
+        self._fail(operation, f"{keys} key(s)", exc)
 
     def _execute(self, pipe: Any, operation: str, keys: int) -> list[Any] | None:
         """Run a pipeline; its replies (errors as exception objects), or None if it failed."""
@@ -534,11 +507,19 @@ class RedisBackend(ExistenceChecks):
             return None
         return replies
 
-    # -- Backend protocol ---------------------------------------------------------------------
+    def _run(self, operation: str, items: Sequence[_T],
+             add: Callable[[Any, _T], object]) -> list[Any] | None:
+        """One pipeline with one command per item; the replies, or None if it failed."""
+        try:
+            pipe = self._pipeline()
+        except _IO_ERRORS as exc:
+            self._count_error(operation, len(items), exc)
+            return None
+        for item in items:
+            add(pipe, item)
+        return self._execute(pipe, operation, len(items))
 
-    @property
-    def namespace(self) -> Namespace:
-        return self._namespace
+    # -- identity -----------------------------------------------------------------------------
 
     @property
     def url(self) -> str:
@@ -548,169 +529,95 @@ class RedisBackend(ExistenceChecks):
     def config(self) -> RedisConfig:
         return self._config
 
-    def _exists(self, keys: Sequence[BlockKey]) -> tuple[list[bool], int]:
-        key_list = check_keys(keys)
-        self._lifecycle.check_open()
-        self._stats.add("exists_calls")
-        if not key_list:
-            return [], 0
-        try:
-            pipe = self._pipeline()
-        except _IO_ERRORS as exc:
-            self._count_error("exists", len(key_list), exc)
-            return [False] * len(key_list), len(key_list)
-        for key in key_list:
-            pipe.exists(self._name(key))
-        replies = self._execute(pipe, "exists", len(key_list))
+    # -- medium hooks -------------------------------------------------------------------------
+
+    def _m_exists(self, keys: list[BlockKey]) -> list[Outcome]:
+        replies = self._run("exists", keys, lambda pipe, key: pipe.exists(self._name(key)))
         if replies is None:
-            return [False] * len(key_list), len(key_list)
-        results: list[bool] = []
-        failed = 0
+            return [Outcome.FAILED] * len(keys)
+        outcomes: list[Outcome] = []
         for reply in replies:
             if isinstance(reply, Exception):
-                self._count_error("exists", 1, reply)
-                results.append(False)
-                failed += 1
+                outcomes.append(self._fail("exists", "1 key", reply))
             else:
-                results.append(reply == 1)
-        return results, failed
+                outcomes.append(Outcome.OK if reply == 1 else Outcome.MISSING)
+        return outcomes
 
-    def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
-        key_list, views = check_put_args(keys, payloads)
-        self._lifecycle.check_open()
-        self._stats.add("puts", len(key_list))
-        if not key_list:
-            return []
-        try:
-            pipe = self._pipeline()
-        except _IO_ERRORS as exc:
-            self._count_error("put", len(key_list), exc)
-            return [False] * len(key_list)
+    def _m_store(self, frames: list[StoredFrame]) -> list[Outcome]:
         ttl_ms = self._config.ttl_ms
-        for key, view in zip(key_list, views, strict=True):
-            value: _FramedValue | bytearray
-            if self._zero_copy:
-                value = _FramedValue(codec.encode_header(self._digest, key, view), view)
-            else:
-                value = codec.encode(self._digest, key, view)
-            pipe.set(self._name(key), value, nx=True, px=ttl_ms)
-        replies = self._execute(pipe, "put", len(key_list))
+
+        def add(pipe: Any, frame: StoredFrame) -> None:
+            value = (_FramedValue(frame.header, frame.payload) if self._zero_copy
+                     else frame.joined())
+            pipe.set(self._name(frame.key), value, nx=True, px=ttl_ms)
+
+        replies = self._run("put", frames, add)
         if replies is None:
-            return [False] * len(key_list)
-        results: list[bool] = []
-        written = existing = 0
-        for reply, view in zip(replies, views, strict=True):
+            return [Outcome.FAILED] * len(frames)
+        outcomes: list[Outcome] = []
+        for reply in replies:
             if isinstance(reply, Exception):
-                self._count_error("put", 1, reply)
-                results.append(False)
-            elif reply:
-                written += view.nbytes
-                results.append(True)
-            else:  # SET NX answered nil: the block is already stored and is never overwritten
-                existing += 1
-                results.append(True)
-        self._stats.add_many({"bytes_written": written, "puts_existing": existing})
-        return results
+                outcomes.append(self._fail("put", "1 key", reply))
+            else:  # SET NX answers nil when the block is already stored: never overwritten
+                outcomes.append(Outcome.OK if reply else Outcome.PRESENT)
+        return outcomes
 
-    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
-        key_list, views = check_get_args(keys, outs)
-        self._lifecycle.check_open()
-        if not key_list:
-            return []
-        try:
-            pipe = self._pipeline()
-        except _IO_ERRORS as exc:
-            self._count_error("get", len(key_list), exc)
-            self._stats.add_many({"gets": len(key_list), "misses": len(key_list)})
-            return [False] * len(key_list)
+    def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> list[Fetched]:
         ttl_ms = self._config.ttl_ms
-        for key in key_list:
+
+        def add(pipe: Any, key: BlockKey) -> None:
             if ttl_ms is None:
                 pipe.get(self._name(key))
             else:
                 pipe.getex(self._name(key), px=ttl_ms)
-        replies = self._execute(pipe, "get", len(key_list))
+
+        replies = self._run("get", keys, add)
         if replies is None:
-            self._stats.add_many({"gets": len(key_list), "misses": len(key_list)})
-            return [False] * len(key_list)
-        results: list[bool] = []
-        corrupt: list[tuple[BlockKey, str]] = []  # (key, SHA-1 of the bad value or "")
-        read = size_mismatches = 0
-        for key, out, reply in zip(key_list, views, replies, strict=True):
+            return [FAILED_FETCH] * len(keys)
+        fetched: list[Fetched] = []
+        for reply in replies:
             if reply is None:
-                results.append(False)
+                fetched.append(MISSING_FETCH)
             elif isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
                 # Something that is not a string sits under our block's name: not our block.
-                corrupt.append((key, ""))
-                _log.warning(
-                    "redis backend %s: deleting foreign object under block %s: %s",
-                    self._config.url, key.hex(), reply,
-                )
-                results.append(False)
+                fetched.append(CORRUPT_FETCH)
             elif isinstance(reply, Exception):
-                self._count_error("get", 1, reply)
-                results.append(False)
+                self._fail("get", "1 key", reply)
+                fetched.append(FAILED_FETCH)
             else:
-                try:
-                    codec.decode_into(reply, self._digest, key, out)
-                except codec.OutputSizeMismatch:
-                    size_mismatches += 1
-                    results.append(False)
-                except codec.FrameError as exc:
-                    corrupt.append((key, hashlib.sha1(reply, usedforsecurity=False).hexdigest()))
-                    _log.warning(
-                        "redis backend %s: deleting corrupt block %s: %s",
-                        self._config.url, key.hex(), exc,
-                    )
-                    results.append(False)
-                else:
-                    read += out.nbytes
-                    results.append(True)
-        if corrupt:
-            self._delete_corrupt(corrupt)
-        hits = sum(results)
-        self._stats.add_many(
-            {
-                "gets": len(key_list),
-                "hits": hits,
-                "misses": len(key_list) - hits,
-                "bytes_read": read,
-                "corrupt_objects": len(corrupt),
-                "size_mismatches": size_mismatches,
-            }
-        )
-        return results
+                fetched.append(Fetched(Outcome.OK, frame=memoryview(reply)))
+        return fetched
 
-    def delete(self, keys: Sequence[BlockKey]) -> None:
-        key_list = check_keys(keys)
-        self._lifecycle.check_open()
-        self._stats.add("deletes", len(key_list))
-        if key_list:
-            self._unlink(key_list, "delete")
+    def _m_delete(self, keys: list[BlockKey]) -> None:
+        self._unlink(keys, "delete")
 
-    def _delete_corrupt(self, corrupt: list[tuple[BlockKey, str]]) -> None:
+    def _m_remove_bad(self, bad: list[tuple[BlockKey, Fetched]]) -> None:
         """Delete each bad object only if it is unchanged (one pipelined round trip).
 
         Between our GET and this delete, another reader may have removed the bad object and a
         writer stored the good block under the same name (``SET NX`` succeeds once the name is
-        free); a plain UNLINK would drop that good block. The script compares first.
+        free); a plain UNLINK would drop that good block. The script compares first: a string
+        whose SHA-1 is the one we read, or ("" digest) a value of a non-string type.
         """
-        try:
-            pipe = self._pipeline()
-        except _IO_ERRORS as exc:
-            self._count_error("delete corrupt", len(corrupt), exc)
-            return
-        for key, digest in corrupt:
+        targets = [
+            (key, "" if item.frame is None
+             else hashlib.sha1(item.frame, usedforsecurity=False).hexdigest())
+            for key, item in bad
+        ]
+        keys = [key for key, _digest in targets]
+        replies = self._run(
+            "delete corrupt", targets,
             # execute_command: redis-py's ClusterPipeline refuses .eval(), not EVAL itself.
-            pipe.execute_command("EVAL", _DELETE_IF_UNCHANGED, 1, self._name(key), digest)
-        replies = self._execute(pipe, "delete corrupt", len(corrupt))
+            lambda pipe, target: pipe.execute_command(
+                "EVAL", _DELETE_IF_UNCHANGED, 1, self._name(target[0]), target[1]),
+        )
         refused: list[BlockKey] = []
-        for (key, _digest), reply in zip(corrupt, replies or (), strict=False):
+        for key, reply in zip(keys, replies or (), strict=False):
             if isinstance(reply, redis.ResponseError):
                 # Scripting disabled or denied by an ACL (NOPERM): a plain UNLINK still gets rid
                 # of the bad object, with the small race described above.
                 refused.append(key)
-                self._errors.warning(
+                self._error_log.warning(
                     "redis backend %s: compare-and-delete refused (%s); using UNLINK",
                     self._config.url, reply,
                 )
@@ -720,22 +627,14 @@ class RedisBackend(ExistenceChecks):
             self._unlink(refused, "delete corrupt")
 
     def _unlink(self, key_list: list[BlockKey], operation: str) -> None:
-        try:
-            pipe = self._pipeline()
-        except _IO_ERRORS as exc:
-            self._count_error(operation, len(key_list), exc)
-            return
-        for key in key_list:
-            # One UNLINK per key: a multi-key command would be CROSSSLOT on a Cluster.
-            pipe.unlink(self._name(key))
-        replies = self._execute(pipe, operation, len(key_list))
+        # One UNLINK per key: a multi-key command would be CROSSSLOT on a Cluster.
+        replies = self._run(operation, key_list, lambda pipe, key: pipe.unlink(self._name(key)))
         for reply in replies or ():
             if isinstance(reply, Exception):
                 self._count_error(operation, 1, reply)
 
-    def close(self) -> None:
-        if self._lifecycle.close():
-            self._client_close()
+    def _m_close(self) -> None:
+        self._client_close()
 
     def _client_close(self) -> None:
         with self._client_lock:
@@ -744,12 +643,6 @@ class RedisBackend(ExistenceChecks):
                 self._standalone_client.connection_pool.disconnect()
             if self._cluster_client is not None:
                 self._cluster_client.close()
-
-    def stats(self) -> dict[str, int]:
-        return self._stats.snapshot()
-
-    def __repr__(self) -> str:
-        return f"RedisBackend({self._config.url}, namespace={self._namespace.digest_hex})"
 
     # Test hooks: raw access to the stored objects, used by the contract suite to inject faults.
     def _raw_client(self) -> Any:
@@ -769,11 +662,8 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> RedisBa
     """Build a :class:`RedisBackend` from a ``redis://``, ``rediss://``, ``redis+cluster://``
     or ``rediss+cluster://`` URL.
 
-    Options (keywords, or the URL query string; not both for one name): ``username``,
-    ``password`` (or ``user:pass@`` in the URL), ``ssl_ca_certs``, ``ssl_certfile`` +
-    ``ssl_keyfile``, ``ssl_check_hostname`` (TLS only), ``ttl_s``, ``socket_timeout_s`` (5),
-    ``connect_timeout_s`` (2), ``max_connections`` (standalone only; callers then wait for a free
-    connection). Raises ``ValueError`` naming the bad URL part or option, or a failed login.
+    Options (keywords, or the URL query string; not both for one name): see :data:`SETTINGS`.
+    Raises ``ValueError`` naming the bad URL part or option, or a failed login.
     """
     if not isinstance(namespace, Namespace):
         raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")

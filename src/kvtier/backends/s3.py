@@ -43,16 +43,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import functools
 import logging
 import math
 import re
 import threading
 import urllib.parse
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 try:
     import obstore
@@ -66,27 +67,25 @@ except ImportError as _missing:  # pragma: no cover - depends on the install
 from kvtier import codec
 from kvtier.backends import redact_url, split_url_options
 from kvtier.backends.base import (
-    BackendStats,
-    Buffer,
-    ExistenceChecks,
-    Lifecycle,
-    RateLimitedLog,
-    check_get_args,
-    check_keys,
-    check_put_args,
-    parse_float_option,
-    parse_int_option,
-    reject_unknown_options,
+    COMMON_SETTINGS,
+    FAILED_FETCH,
+    MISSING_FETCH,
+    Backend,
+    Fetched,
+    Outcome,
+    StoredFrame,
+    load_auth_key,
 )
 from kvtier.keys import BlockKey, Namespace
+from kvtier.settings import Kind, Setting, SettingsTable
 
-__all__ = ["PutMode", "S3Backend", "S3Settings", "from_url"]
+__all__ = ["SETTINGS", "PutMode", "S3Backend", "S3Settings", "from_url"]
 
 _log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
-_OPTIONS = ("endpoint_url", "region", "max_concurrency", "timeout_s", "put_mode")
 _DEFAULT_MAX_CONCURRENCY = 32
 _MAX_CONCURRENCY_LIMIT = 1024
 _DEFAULT_TIMEOUT_S = 5.0
@@ -97,13 +96,6 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
 _REGION_RE = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 _NOT_FOUND = (NotFoundError, FileNotFoundError)
 _ALREADY_EXISTS = (AlreadyExistsError, PreconditionError)
-_EXTRA_COUNTERS = (
-    "timeouts",
-    "skipped",
-    "already_present",
-    "size_mismatches",
-    "peak_in_flight",
-)
 
 
 class PutMode(enum.Enum):
@@ -114,6 +106,21 @@ class PutMode(enum.Enum):
 
     HEAD_THEN_PUT = "head-then-put"
     """HEAD, then a plain PUT on 404; a racing writer may replace an identical block."""
+
+
+SETTINGS = SettingsTable("s3 backend", (
+    Setting("endpoint_url", Kind.STR, None, nullable=True,
+            help="http(s)://host[:port] of an S3-compatible store (default: AWS)"),
+    Setting("region", Kind.STR, None, nullable=True, help="region name such as 'us-east-1'"),
+    Setting("max_concurrency", Kind.INT, _DEFAULT_MAX_CONCURRENCY, minimum=1,
+            maximum=_MAX_CONCURRENCY_LIMIT, help="requests in flight per backend"),
+    Setting("timeout_s", Kind.FLOAT, _DEFAULT_TIMEOUT_S, minimum=0, strict_min=True, unit="s",
+            help="per request, retries included"),
+    Setting("put_mode", Kind.CHOICE, PutMode.IF_NONE_MATCH.value,
+            choices=tuple(mode.value for mode in PutMode),
+            help="if-none-match (conditional PUT, race-free) or head-then-put"),
+    *COMMON_SETTINGS,
+))
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +134,7 @@ class S3Settings:
     max_concurrency: int = _DEFAULT_MAX_CONCURRENCY
     timeout_s: float = _DEFAULT_TIMEOUT_S
     put_mode: PutMode = PutMode.IF_NONE_MATCH
+    auth_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket, str) or not _BUCKET_RE.match(self.bucket):
@@ -143,23 +151,13 @@ class S3Settings:
             raise ValueError(
                 f"option region={self.region!r}: expected a region name such as 'us-east-1'"
             )
-        object.__setattr__(
-            self,
-            "max_concurrency",
-            parse_int_option(
-                "max_concurrency",
-                self.max_concurrency,
-                minimum=1,
-                maximum=_MAX_CONCURRENCY_LIMIT,
-            ),
-        )
-        timeout_s = parse_float_option("timeout_s", self.timeout_s)
-        if timeout_s <= 0:
-            raise ValueError(f"option timeout_s={self.timeout_s!r}: must be > 0 seconds")
-        object.__setattr__(self, "timeout_s", timeout_s)
+        for name in ("max_concurrency", "timeout_s"):
+            object.__setattr__(self, name, SETTINGS[name].parse(getattr(self, name),
+                                                                f"s3.{name}"))
         mode: object = self.put_mode  # strings arrive from URLs and config files
         if not isinstance(mode, PutMode):
-            object.__setattr__(self, "put_mode", _parse_put_mode(mode))
+            parsed = SETTINGS["put_mode"].parse(mode, "s3.put_mode")
+            object.__setattr__(self, "put_mode", PutMode(parsed))
 
     @property
     def url(self) -> str:
@@ -172,15 +170,6 @@ class S3Settings:
             query.append(("region", self.region))
         suffix = "?" + urllib.parse.urlencode(query) if query else ""
         return f"s3://{self.bucket}{path}{suffix}"
-
-
-def _parse_put_mode(value: object) -> PutMode:
-    for mode in PutMode:
-        if value == mode.value:
-            return mode
-    raise ValueError(
-        f"option put_mode={value!r}: expected one of {[mode.value for mode in PutMode]}"
-    )
 
 
 def _check_prefix(prefix: object) -> str:
@@ -237,43 +226,31 @@ def _check_endpoint(endpoint_url: object) -> str:
 class _BatchState(enum.Enum):
     ACTIVE = "active"
     FAILING = "failing"  # a request failed: the ones not yet sent are skipped
-    ABANDONED = "abandoned"  # the caller returned: nothing more is sent or written
+    ABANDONED = "abandoned"  # the caller returned: nothing more is sent or read
 
 
 @dataclass(slots=True)
-class _Batch:
-    """One batch call: results filled in by the loop thread, read by the caller."""
+class _Batch(Generic[_R]):
+    """One batch call: answers filled in by the loop thread, read by the caller."""
 
-    size: int
-    results: list[bool] = field(init=False)
+    results: list[_R]
     state: _BatchState = _BatchState.ACTIVE
-    answered: int = 0  # requests that got a definite answer (found or not found)
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        self.results = [False] * self.size
 
     @property
     def accepting(self) -> bool:
         return self.state is _BatchState.ACTIVE
 
-    def abandon(self) -> list[bool]:
-        """Called by the caller when it stops waiting: freeze and return the results so far."""
-        return self.abandon_counted()[0]
+    def answer(self, index: int, result: _R) -> None:
+        with self.lock:
+            if self.state is not _BatchState.ABANDONED:
+                self.results[index] = result
 
-    def abandon_counted(self) -> tuple[list[bool], int]:
-        """Like :meth:`abandon`, also returning how many requests got a definite answer."""
+    def abandon(self) -> list[_R]:
+        """Called by the caller when it stops waiting: freeze and return the answers so far."""
         with self.lock:
             self.state = _BatchState.ABANDONED
-            return list(self.results), self.answered
-
-
-class _Outcome(enum.Enum):
-    """What one request found, before it is turned into a bool."""
-
-    OK = "ok"
-    MISSING = "missing"
-    FAILED = "failed"
+            return list(self.results)
 
 
 # --------------------------------------------------------------------------- event loop
@@ -325,7 +302,7 @@ class _LoopThread:
 # --------------------------------------------------------------------------- backend
 
 
-class S3Backend(ExistenceChecks):
+class S3Backend(Backend):
     """A thread-safe block store on an S3-compatible object store (see module docstring).
 
     Credentials come from the standard environment (``AWS_ACCESS_KEY_ID``,
@@ -333,20 +310,17 @@ class S3Backend(ExistenceChecks):
     credentials), never from the URL.
     """
 
+    EXTRA_COUNTERS = ("timeouts", "skipped", "peak_in_flight")
+
     def __init__(self, namespace: Namespace, settings: S3Settings) -> None:
-        if not isinstance(namespace, Namespace):
-            raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
         if not isinstance(settings, S3Settings):
             raise TypeError(f"settings must be S3Settings, got {type(settings).__name__}")
-        self._namespace = namespace
-        self._digest = namespace.digest
         self._settings = settings
+        super().__init__(namespace, name=f"s3 backend {settings.url}", logger=_log,
+                         auth_key=settings.auth_key)
         base = f"{settings.prefix}/" if settings.prefix else ""
         self._object_prefix = f"{base}{namespace.digest_hex}/"
         self._store = _make_store(settings)
-        self._stats = BackendStats(extra=_EXTRA_COUNTERS)
-        self._warn = RateLimitedLog(_log)
-        self._lifecycle = Lifecycle(f"s3 backend {settings.url}")
         timeout = settings.timeout_s
         # Only a safety net: requests time out on their own and a failing batch stops sending.
         # A head-then-put slot makes two requests.
@@ -359,11 +333,7 @@ class S3Backend(ExistenceChecks):
         # A backend dropped without close() must not leave its loop thread running forever.
         self._finalizer = weakref.finalize(self, self._loop.stop, 0.0)
 
-    # -- public API ---------------------------------------------------------------------------
-
-    @property
-    def namespace(self) -> Namespace:
-        return self._namespace
+    # -- identity -----------------------------------------------------------------------------
 
     @property
     def url(self) -> str:
@@ -377,92 +347,59 @@ class S3Backend(ExistenceChecks):
         """The object key (inside the bucket) that holds ``key``'s block."""
         return self._object_prefix + codec.check_key(key).hex()
 
-    def _exists(self, keys: Sequence[BlockKey]) -> tuple[list[bool], int]:
-        key_list = check_keys(keys)
-        self._lifecycle.check_open()
-        self._stats.add("exists_calls")
-        if not key_list:
-            return [], 0
-        names = [self._object_prefix + key.hex() for key in key_list]
-        batch = self._run_batch(len(names), lambda batch: self._exists_batch(batch, names))
-        results, answered = batch.abandon_counted()
-        return results, len(results) - answered
+    # -- medium hooks (caller side) -----------------------------------------------------------
 
-    def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
-        key_list, views = check_put_args(keys, payloads)
-        self._lifecycle.check_open()
-        self._stats.add("puts", len(key_list))
-        if not key_list:
-            return []
-        return self._run(len(key_list), lambda batch: self._put_batch(batch, key_list, views))
+    def _m_exists(self, keys: list[BlockKey]) -> list[Outcome]:
+        names = [self._object_prefix + key.hex() for key in keys]
+        return self._run(_Batch([Outcome.FAILED] * len(names)),
+                         lambda batch: self._exists_batch(batch, names))
 
-    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
-        key_list, views = check_get_args(keys, outs)
-        self._lifecycle.check_open()
-        if not key_list:
-            return []
-        results = self._run(len(key_list), lambda batch: self._get_batch(batch, key_list, views))
-        hits = sum(results)
-        self._stats.add_many({"gets": len(key_list), "hits": hits, "misses": len(results) - hits})
-        return results
+    def _m_store(self, frames: list[StoredFrame]) -> list[Outcome]:
+        return self._run(_Batch([Outcome.FAILED] * len(frames)),
+                         lambda batch: self._put_batch(batch, frames))
 
-    def delete(self, keys: Sequence[BlockKey]) -> None:
-        key_list = check_keys(keys)
-        self._lifecycle.check_open()
-        if not key_list:
-            return
-        names = list(dict.fromkeys(self._object_prefix + key.hex() for key in key_list))
-        self._run(len(names), lambda batch: self._delete_names(batch, names))
-        self._stats.add("deletes", len(key_list))
+    def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> list[Fetched]:
+        # The loop thread only downloads; the template verifies and copies on this thread, so
+        # a caller's buffer is never touched by another thread.
+        return self._run(_Batch([FAILED_FETCH] * len(keys)),
+                         lambda batch: self._get_batch(batch, keys))
 
-    def close(self) -> None:
-        if self._lifecycle.close():
-            self._finalizer.detach()
-            self._loop.stop(_CLOSE_JOIN_S)
+    def _m_remove_bad(self, bad: list[tuple[BlockKey, Fetched]]) -> None:
+        targets = [(self._object_prefix + key.hex(),
+                    item.token if isinstance(item.token, str) else None) for key, item in bad]
+        self._run(_Batch([Outcome.FAILED] * len(targets)),
+                  lambda batch: self._delete_unchanged(batch, targets))
 
-    def stats(self) -> dict[str, int]:
-        return self._stats.snapshot()
+    def _m_delete(self, keys: list[BlockKey]) -> None:
+        names = [self._object_prefix + key.hex() for key in keys]
+        self._run(_Batch([Outcome.FAILED] * len(names)),
+                  lambda batch: self._delete_names(batch, names))
 
-    def __enter__(self) -> S3Backend:
-        return self
+    def _m_close(self) -> None:
+        self._finalizer.detach()
+        self._loop.stop(_CLOSE_JOIN_S)
 
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
-
-    # -- caller side --------------------------------------------------------------------------
-
-    def _run(self, size: int, make: Callable[[_Batch], Coroutine[Any, Any, None]]) -> list[bool]:
+    def _run(self, batch: _Batch[_R], make: Callable[[_Batch[_R]], Coroutine[Any, Any, None]]
+             ) -> list[_R]:
         """Run one batch on the loop thread; never raises for I/O, never waits forever."""
-        return self._run_batch(size, make).abandon()
-
-    def _run_batch(
-        self, size: int, make: Callable[[_Batch], Coroutine[Any, Any, None]]
-    ) -> _Batch:
-        """Run one batch; the caller reads it with ``abandon`` (it may still be settling)."""
-        batch = _Batch(size)
-        waves = math.ceil(size / self._settings.max_concurrency)
+        waves = math.ceil(max(len(batch.results), 1) / self._settings.max_concurrency)
         deadline_s = self._wave_timeout_s * (waves + 1)
         try:
             future = self._loop.submit(make(batch))
         except RuntimeError:  # the loop is gone: close() won the race with this call
-            return batch
+            return batch.abandon()
         try:
             future.result(timeout=deadline_s)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            self._stats.add_many({"timeouts": 1, "errors": 1})
-            self._warn.warning(
-                "s3 backend %s: a batch of %d keys did not finish within %.1fs",
-                self.url,
-                size,
-                deadline_s,
-            )
+            self._stats.add("timeouts")
+            self._fail("batch", f"{len(batch.results)} keys",
+                       TimeoutError(f"did not finish within {deadline_s:.1f}s"))
         except concurrent.futures.CancelledError:
             pass  # close() cancelled it; whatever finished before is still reported
         except Exception as exc:  # a bug in a batch coroutine must not reach the engine
-            self._stats.add("errors")
-            self._warn.warning("s3 backend %s: batch failed: %r", self.url, exc)
-        return batch
+            self._fail("batch", f"{len(batch.results)} keys", exc)
+        return batch.abandon()
 
     # -- loop side ----------------------------------------------------------------------------
 
@@ -472,20 +409,13 @@ class S3Backend(ExistenceChecks):
         async with asyncio.timeout(self._settings.timeout_s):
             return await call
 
-    def _failed(self, batch: _Batch, what: str, name: str, exc: BaseException) -> _Outcome:
+    def _failed(self, batch: _Batch[Any], what: str, name: str, exc: BaseException) -> Outcome:
         with batch.lock:
             if batch.state is _BatchState.ACTIVE:
                 batch.state = _BatchState.FAILING
-        timed_out = isinstance(exc, TimeoutError)
-        self._stats.add_many({"errors": 1, "timeouts": int(timed_out)})
-        self._warn.warning(
-            "s3 backend %s: %s %s failed: %s",
-            self.url,
-            what,
-            name,
-            "timed out" if timed_out else _short_error(exc),
-        )
-        return _Outcome.FAILED
+        if isinstance(exc, TimeoutError):
+            self._stats.add("timeouts")
+        return self._fail(what, name, exc)
 
     def _enter(self) -> None:
         self._in_flight += 1
@@ -496,68 +426,60 @@ class S3Backend(ExistenceChecks):
     def _leave(self) -> None:
         self._in_flight -= 1
 
-    async def _head(self, batch: _Batch, name: str) -> _Outcome:
+    async def _slot(self, batch: _Batch[Any], index: int,
+                    request: Callable[[], Awaitable[_R]]) -> None:
+        """Run one request in a concurrency slot unless the batch stopped accepting."""
+        async with self._slots:
+            if not batch.accepting:
+                self._stats.add("skipped")
+                return
+            self._enter()
+            try:
+                result = await request()
+            finally:
+                self._leave()
+        batch.answer(index, result)
+
+    async def _head(self, batch: _Batch[Any], name: str) -> Outcome:
         try:
             await self._request(obstore.head_async(self._store, name))
         except _NOT_FOUND:
-            return _Outcome.MISSING
+            return Outcome.MISSING
         except Exception as exc:
             return self._failed(batch, "HEAD", name, exc)
-        return _Outcome.OK
+        return Outcome.OK
 
-    async def _exists_batch(self, batch: _Batch, names: list[str]) -> None:
-        slots = self._slots
+    async def _exists_batch(self, batch: _Batch[Outcome], names: list[str]) -> None:
+        await asyncio.gather(*(
+            self._slot(batch, index, functools.partial(self._head, batch, name))
+            for index, name in enumerate(names)
+        ))
 
-        async def one(index: int, name: str) -> None:
-            async with slots:
-                if not batch.accepting:
-                    self._stats.add("skipped")
-                    return
-                self._enter()
-                try:
-                    outcome = await self._head(batch, name)
-                finally:
-                    self._leave()
-            if outcome is not _Outcome.FAILED:
-                with batch.lock:
-                    batch.results[index] = outcome is _Outcome.OK
-                    batch.answered += 1
-
-        await asyncio.gather(*(one(index, name) for index, name in enumerate(names)))
-
-    async def _put_batch(
-        self, batch: _Batch, keys: list[BlockKey], payloads: list[memoryview]
-    ) -> None:
-        slots = self._slots
+    async def _put_batch(self, batch: _Batch[Outcome], frames: list[StoredFrame]) -> None:
         mode = self._settings.put_mode
 
-        async def one(index: int, key: BlockKey) -> None:
-            name = self._object_prefix + key.hex()
-            async with slots:
-                # The caller's buffer may only be read while the caller still waits.
-                with batch.lock:
-                    if batch.state is not _BatchState.ACTIVE:
-                        self._stats.add("skipped")
-                        return
-                    frame = codec.encode(self._digest, key, payloads[index])
-                self._enter()
-                try:
-                    outcome = await self._put_one(batch, name, frame, mode)
-                finally:
-                    self._leave()
-            if outcome is _Outcome.OK:
-                with batch.lock:
-                    batch.results[index] = True
+        async def one(frame: StoredFrame) -> Outcome:
+            name = self._object_prefix + frame.key.hex()
+            # The caller's buffer may only be read while the caller still waits.
+            with batch.lock:
+                if batch.state is not _BatchState.ACTIVE:
+                    self._stats.add("skipped")
+                    return Outcome.FAILED
+                value = frame.joined()
+            return await self._put_one(batch, name, value, mode)
 
-        await asyncio.gather(*(one(index, key) for index, key in enumerate(keys)))
+        await asyncio.gather(*(
+            self._slot(batch, index, functools.partial(one, frame))
+            for index, frame in enumerate(frames)
+        ))
 
-    async def _put_one(self, batch: _Batch, name: str, frame: bytearray, mode: PutMode) -> _Outcome:
+    async def _put_one(self, batch: _Batch[Outcome], name: str, frame: bytearray,
+                       mode: PutMode) -> Outcome:
         if mode is PutMode.HEAD_THEN_PUT:
             present = await self._head(batch, name)
-            if present is _Outcome.OK:
-                self._stats.add("already_present")
-                return _Outcome.OK
-            if present is _Outcome.FAILED:
+            if present is Outcome.OK:
+                return Outcome.PRESENT
+            if present is Outcome.FAILED:
                 return present
         try:
             await self._request(
@@ -570,92 +492,64 @@ class S3Backend(ExistenceChecks):
                 ),
             )
         except _ALREADY_EXISTS:
-            self._stats.add("already_present")
-            return _Outcome.OK
+            return Outcome.PRESENT
         except Exception as exc:
             return self._failed(batch, "PUT", name, exc)
-        self._stats.add("bytes_written", len(frame))
-        return _Outcome.OK
+        return Outcome.OK
 
-    async def _fetch(self, name: str) -> tuple[obstore.Bytes, str | None]:
+    async def _download(self, name: str) -> tuple[obstore.Bytes, str | None]:
         """The object's bytes and the ETag of that version (None if the store sent none)."""
         result = await obstore.get_async(self._store, name)
         return await result.bytes_async(), result.meta.get("e_tag")
 
-    async def _get_batch(self, batch: _Batch, keys: list[BlockKey], outs: list[memoryview]) -> None:
-        slots = self._slots
-        corrupt: list[tuple[str, str | None]] = []  # (object name, ETag we read)
+    async def _fetch(self, batch: _Batch[Fetched], name: str) -> Fetched:
+        try:
+            data, e_tag = await self._request(self._download(name))
+        except _NOT_FOUND:
+            return MISSING_FETCH
+        except Exception as exc:
+            self._failed(batch, "GET", name, exc)
+            return FAILED_FETCH
+        # obstore's Bytes exports a read-only buffer: verified and copied into out once.
+        return Fetched(Outcome.OK, frame=memoryview(data), token=e_tag)
 
-        async def one(index: int, key: BlockKey) -> None:
-            name = self._object_prefix + key.hex()
-            async with slots:
-                if not batch.accepting:
-                    self._stats.add("skipped")
-                    return
-                self._enter()
-                try:
-                    data, e_tag = await self._request(self._fetch(name))
-                    frame = memoryview(data)
-                except _NOT_FOUND:
-                    return
-                except Exception as exc:
-                    self._failed(batch, "GET", name, exc)
-                    return
-                finally:
-                    self._leave()
-            self._stats.add("bytes_read", len(frame))
-            try:
-                with batch.lock:
-                    if batch.state is _BatchState.ABANDONED:
-                        return
-                    codec.decode_into(frame, self._digest, key, outs[index])
-                    batch.results[index] = True
-            except codec.OutputSizeMismatch:
-                self._stats.add("size_mismatches")
-            except codec.FrameError as exc:
-                self._stats.add("corrupt_objects")
-                self._warn.warning(
-                    "s3 backend %s: deleting corrupt object %s: %s", self.url, name, exc
-                )
-                corrupt.append((name, e_tag))
+    async def _get_batch(self, batch: _Batch[Fetched], keys: list[BlockKey]) -> None:
+        await asyncio.gather(*(
+            self._slot(batch, index,
+                       functools.partial(self._fetch, batch, self._object_prefix + key.hex()))
+            for index, key in enumerate(keys)
+        ))
 
-        await asyncio.gather(*(one(index, key) for index, key in enumerate(keys)))
-        if corrupt:
-            await self._delete_unchanged(corrupt)
-
-    async def _delete_unchanged(self, corrupt: list[tuple[str, str | None]]) -> None:
+    async def _delete_unchanged(self, batch: _Batch[Outcome],
+                                corrupt: list[tuple[str, str | None]]) -> None:
         """Delete the bad objects that still carry the ETag we read (see module docstring)."""
-        slots = self._slots
-        batch = _Batch(len(corrupt))
         doomed: list[str] = []
 
-        async def check(name: str, e_tag: str | None) -> None:
+        async def check(name: str, e_tag: str | None) -> Outcome:
             if e_tag is None:  # no ETag to compare: the old unconditional delete
                 doomed.append(name)
-                return
-            async with slots:
-                self._enter()
-                try:
-                    meta = await self._request(obstore.head_async(self._store, name))
-                except _NOT_FOUND:
-                    return  # already gone
-                except Exception as exc:
-                    self._failed(batch, "HEAD", name, exc)
-                    return
-                finally:
-                    self._leave()
+                return Outcome.OK
+            try:
+                meta = await self._request(obstore.head_async(self._store, name))
+            except _NOT_FOUND:
+                return Outcome.MISSING  # already gone
+            except Exception as exc:
+                return self._failed(batch, "HEAD", name, exc)
             if meta.get("e_tag") == e_tag:
                 doomed.append(name)
+            return Outcome.OK
 
-        await asyncio.gather(*(check(name, e_tag) for name, e_tag in corrupt))
+        await asyncio.gather(*(
+            self._slot(batch, index, functools.partial(check, name, e_tag))
+            for index, (name, e_tag) in enumerate(corrupt)
+        ))
         if doomed:
             await self._delete_names(batch, doomed)
 
-    async def _delete_names(self, batch: _Batch, names: list[str]) -> None:
-        slots = self._slots
+    async def _delete_names(self, batch: _Batch[Outcome], names: list[str]) -> None:
         for start in range(0, len(names), _MAX_DELETE_BATCH):
             chunk = names[start : start + _MAX_DELETE_BATCH]
-            async with slots:
+            async with self._slots:
                 self._enter()
                 try:
                     await self._request(obstore.delete_async(self._store, chunk))
@@ -737,14 +631,15 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> S3Backe
         )
     if parts.fragment:
         raise ValueError(f"s3 URL {redact_url(url)!r} must not have a #fragment")
-    reject_unknown_options("s3", merged, _OPTIONS)
+    parsed = SETTINGS.parse(merged, "s3")
     settings = S3Settings(
         bucket=parts.netloc,
         prefix=urllib.parse.unquote(parts.path),
-        endpoint_url=merged.get("endpoint_url"),
-        region=merged.get("region"),
-        max_concurrency=merged.get("max_concurrency", _DEFAULT_MAX_CONCURRENCY),
-        timeout_s=merged.get("timeout_s", _DEFAULT_TIMEOUT_S),
-        put_mode=merged.get("put_mode", PutMode.IF_NONE_MATCH),
+        endpoint_url=parsed["endpoint_url"],
+        region=parsed["region"],
+        max_concurrency=parsed["max_concurrency"],
+        timeout_s=parsed["timeout_s"],
+        put_mode=PutMode(parsed["put_mode"]),
+        auth_key=load_auth_key(parsed, "s3"),
     )
     return S3Backend(namespace, settings)

@@ -14,6 +14,24 @@ the rest and store it (``prepare_store`` / ``primary_view`` / ``complete_store``
 ``on_schedule_end``. A request stays in the batch for one prefill step plus one step per
 ``decode_tokens_per_step`` output tokens, then ``on_request_finished``.
 
+Rules a real engine imposes, modelled here:
+
+- **Requests bigger than the GPU.** vLLM refuses a prompt longer than ``max_model_len``, and
+  refuses to start when ``max_model_len`` does not fit its KV cache; so a request needing more
+  blocks than the modelled GPU is *rejected* at admission, counted (``requests_rejected``,
+  ``rejected_blocks``), and left out of both the achieved and the ideal hit ratio. By default
+  (``gpu_blocks=None``) the GPU is sized from the trace: ``max(2000, largest request)`` blocks,
+  so nothing is rejected.
+- **Stores stream.** The engine stores a request's computed blocks with
+  ``prepare_store(..., StoreMode.PREFIX)``: what fits in the pool now is written and cascaded,
+  the rest waits for later steps (the request stays in the batch, as a chunked prefill does)
+  until cascades release slots. A backlog that makes no progress for ``store_patience_steps``
+  steps is shed, counted and shown (``store_blocks_shed``).
+- **Session causality.** When the trace names sessions, a request that follows an earlier one
+  of its session thread (``TraceRequest.after``) is admitted only after that one finished, plus
+  its recorded gap divided by ``speed`` (no gap when replaying as fast as possible); other
+  requests arrive as before (``admission_rule`` in the result says which rule applied).
+
 Block payloads are real bytes derived from the key (the key, then a key-chosen window of a fixed
 random pad), so a load of the wrong block, a torn block or a shifted block fails the run.
 """
@@ -22,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import heapq
 import math
 import os
 import shutil
@@ -30,7 +49,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +61,12 @@ from kvtier.replay.reference import ideal_hit_runs
 from kvtier.replay.results import ReplayResult, TierKind, TierResult, TimelinePoint
 from kvtier.replay.strategies import Strategy, lookup_factory_for, manager_config_for
 from kvtier.replay.trace import Trace, TraceRequest
+
+DEFAULT_GPU_BLOCKS = 2_000
+STORE_PATIENCE_STEPS = 500
+ARRIVAL_RULE = "arrival order (the trace names no sessions)"
+CAUSAL_RULE = ("session causality: a session's next request waits until its previous one "
+               "finished, plus the recorded gap / speed")
 
 if TYPE_CHECKING:
     from kvtier.manager import TieringManager
@@ -68,7 +93,7 @@ class ReplayOptions:
     route: Route = Route.ROUND_ROBIN
     speed: float | None = None
     max_running: int = 32
-    gpu_blocks: int = 2_000
+    gpu_blocks: int | None = None
     cpu_blocks: int = 16_000
     block_bytes: int = 16 * 1024
     decode_tokens_per_step: int = 64
@@ -79,11 +104,14 @@ class ReplayOptions:
     scratch_dir: str | None = None
     max_wait_s: float = 120.0
     timeline_windows: int = 100
+    store_patience_steps: int = STORE_PATIENCE_STEPS
 
     def __post_init__(self) -> None:
         _require_int("instances", self.instances, 1)
         _require_int("max_running", self.max_running, 1)
-        _require_int("gpu_blocks", self.gpu_blocks, 0)
+        if self.gpu_blocks is not None:
+            _require_int("gpu_blocks", self.gpu_blocks, 0)
+        _require_int("store_patience_steps", self.store_patience_steps, 1)
         _require_int("cpu_blocks", self.cpu_blocks, 1)
         _require_int("block_bytes", self.block_bytes, 16)
         if self.block_bytes % 16:
@@ -122,6 +150,7 @@ class _Payloads:
     def __init__(self, block_bytes: int) -> None:
         pad = np.random.default_rng(_PAYLOAD_SEED).bytes(block_bytes)
         self._pad2 = pad + pad
+        self._pad2_view = memoryview(self._pad2)
         self._block_bytes = block_bytes
         self._window = block_bytes - _KEY_PREFIX_BYTES
 
@@ -131,7 +160,11 @@ class _Payloads:
         return head + self._pad2[offset : offset + self._window]
 
     def write(self, key: BlockKey, out: memoryview) -> None:
-        out[:] = self.expected(key)
+        """Like ``out[:] = expected(key)``, with one copy of the pad window instead of three."""
+        head = key[:_KEY_PREFIX_BYTES].ljust(_KEY_PREFIX_BYTES, b"\0")
+        offset = int.from_bytes(key[-8:], "little") % self._block_bytes
+        out[:_KEY_PREFIX_BYTES] = head
+        out[_KEY_PREFIX_BYTES:] = self._pad2_view[offset : offset + self._window]
 
     def matches(self, key: BlockKey, data: memoryview) -> bool:
         return bytes(data) == self.expected(key)
@@ -147,6 +180,8 @@ class _Request:
     first_wait_wall: float | None = None
     resident_at_first_ask: int | None = None
     steps_left: int = 0
+    store_backlog: list[BlockKey] = field(default_factory=list)
+    store_stalled_steps: int = 0
 
 
 @dataclass(slots=True)
@@ -163,6 +198,8 @@ class _Counters:
     requests_waited: int = 0
     verified_blocks: int = 0
     store_plans_refused: int = 0
+    store_blocks_deferred: int = 0
+    store_blocks_shed: int = 0
 
 
 def _note_promotions(
@@ -194,10 +231,15 @@ class _Instance:
         block_tokens: int,
         payloads: _Payloads,
         tier_names: Sequence[str],
+        gpu_blocks: int,
     ) -> None:
         self.number = number
         self.manager = manager
         self.options = options
+        self.gpu_blocks = gpu_blocks
+        from kvtier.manager import StoreMode
+
+        self._store_mode = StoreMode.PREFIX
         self.block_tokens = block_tokens
         self.payloads = payloads
         self.tier_names = list(tier_names) or ["(none)"]
@@ -216,7 +258,8 @@ class _Instance:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self, on_scheduled: Callable[[_Request, dict[str, int]], None]) -> bool:
+    def step(self, on_scheduled: Callable[[_Request, dict[str, int]], None],
+             on_finished: Callable[[_Request], None]) -> bool:
         """Run one engine step; True if it scheduled or finished anything."""
         manager = self.manager
         did_work = False
@@ -242,11 +285,14 @@ class _Instance:
         if self.running:
             keep: list[_Request] = []
             for request in self.running:
+                if request.store_backlog:
+                    engine_time += self._store(request)
                 request.steps_left -= 1
-                if request.steps_left > 0:
+                if request.steps_left > 0 or request.store_backlog:
                     keep.append(request)
                 else:
                     manager.on_request_finished(request.ctx)
+                    on_finished(request)
                     did_work = True
             self.running = keep
         manager.on_schedule_end()
@@ -331,17 +377,10 @@ class _Instance:
                 )
         computed = rest[loadable:]
         if computed:
-            plan_store = manager.prepare_store(computed, request.ctx)
-            if plan_store is None:
-                counters.store_plans_refused += 1
-            else:
-                write_started = time.perf_counter()
-                for key, slot in zip(plan_store.keys, plan_store.slots, strict=True):
-                    self.payloads.write(key, manager.primary_view(slot))
-                engine_time += time.perf_counter() - write_started
-                manager.complete_store(list(plan_store.keys), request.ctx)
-                counters.cpu_bytes_stored += len(plan_store.keys) * self.options.block_bytes
-        capacity = self.options.gpu_blocks
+            request.store_backlog = computed
+            engine_time += self._store(request)
+            counters.store_blocks_deferred += len(request.store_backlog)  # wait for slots
+        capacity = self.gpu_blocks
         if capacity:
             for key in keys:
                 if key in gpu:
@@ -352,6 +391,31 @@ class _Instance:
                         gpu.popitem(last=False)
         request.steps_left = 1 + -(-record.output_length // self.options.decode_tokens_per_step)
         return True, engine_time, hits
+
+    def _store(self, request: _Request) -> float:
+        """Store what the pool can take of the request's computed blocks now (the rest stays in
+        its backlog for later steps); returns the engine-side time spent writing bytes."""
+        manager = self.manager
+        counters = self.counters
+        plan = manager.prepare_store(request.store_backlog, request.ctx, self._store_mode)
+        engine_time = 0.0
+        if plan is not None and plan.keys:
+            write_started = time.perf_counter()
+            for key, slot in zip(plan.keys, plan.slots, strict=True):
+                self.payloads.write(key, manager.primary_view(slot))
+            engine_time = time.perf_counter() - write_started
+            manager.complete_store(list(plan.keys), request.ctx)
+            counters.cpu_bytes_stored += len(plan.keys) * self.options.block_bytes
+            request.store_stalled_steps = 0
+        elif plan is not None and plan.deferred:
+            counters.store_plans_refused += 1
+            request.store_stalled_steps += 1
+        deferred = list(plan.deferred) if plan is not None else []
+        request.store_backlog = deferred
+        if deferred and request.store_stalled_steps >= self.options.store_patience_steps:
+            counters.store_blocks_shed += len(deferred)  # really shed: counted and shown
+            request.store_backlog = []
+        return engine_time
 
 
 def _key_maker(namespace: Namespace) -> Callable[[int], BlockKey]:
@@ -439,8 +503,10 @@ def _replay(
             )
             managers.append(open_manager(config, lookup_factory=lookup_factory_for(strategy)))
         tier_names = list(managers[0].tier_names)
+        gpu_blocks = gpu_blocks_for(trace, options)
         instances = [
-            _Instance(number, manager, options, trace.block_tokens, payloads, tier_names)
+            _Instance(number, manager, options, trace.block_tokens, payloads, tier_names,
+                      gpu_blocks)
             for number, manager in enumerate(managers)
         ]
         loop = _Loop(trace, options, instances, make_key, strategy, progress)
@@ -448,27 +514,28 @@ def _replay(
         wall_s = time.perf_counter() - wall_started
         for manager in managers:
             manager.shutdown()
-        stats = [_stats_with_io_time(manager) for manager in managers]
+        stats = [manager.get_stats() for manager in managers]  # with each tier's I/O seconds
         return loop.result(tier_names, tier_urls, stats, wall_s)
     finally:
         for manager in managers:
             manager.shutdown()
 
 
-def _stats_with_io_time(manager: TieringManager) -> dict[str, Any]:
-    """``get_stats()`` plus each tier's load/store seconds from the manager's own metrics."""
-    stats = manager.get_stats()
-    metrics = manager.metrics
-    if metrics is None:
-        return stats
-    for name, tier_stats in stats.get("tiers", {}).items():
-        labels = {"tier": name}
-        read_s = metrics.registry.get_sample_value("kvtier_read_seconds_total", labels)
-        write_s = metrics.registry.get_sample_value("kvtier_write_seconds_total", labels)
-        if read_s is not None and write_s is not None:
-            tier_stats["read_seconds"] = read_s
-            tier_stats["write_seconds"] = write_s
-    return stats
+def gpu_blocks_for(trace: Trace, options: ReplayOptions) -> int:
+    """The modelled GPU's size in blocks: ``options.gpu_blocks``, or (None) sized from the
+    trace so that its largest request fits: ``max(DEFAULT_GPU_BLOCKS, largest request)``."""
+    if options.gpu_blocks is not None:
+        return options.gpu_blocks
+    largest = max((len(request.hash_ids) for request in trace.requests), default=0)
+    return max(DEFAULT_GPU_BLOCKS, largest)
+
+
+def rejected_requests(trace: Trace, gpu_blocks: int) -> list[int]:
+    """Indexes of the requests the modelled GPU can never hold (0: no GPU model, no limit)."""
+    if not gpu_blocks:
+        return []
+    return [index for index, request in enumerate(trace.requests)
+            if len(request.hash_ids) > gpu_blocks]
 
 
 class _Loop:
@@ -492,12 +559,34 @@ class _Loop:
         self.next_index = 0
         self.scheduled = 0
         self.steps = 0
-        self.ideal = [
-            (run, record.tokens_in_blocks(0, run, trace.block_tokens))
-            for record, run in zip(trace.requests, ideal_hit_runs(trace), strict=True)
-        ]
-        total = len(trace.requests)
-        self.window = max(1, -(-total // options.timeline_windows))
+        self.gpu_blocks = instances[0].gpu_blocks
+        self.rejected = set(rejected_requests(trace, self.gpu_blocks))
+        self.rejected_blocks = sum(len(trace.requests[i].hash_ids) for i in self.rejected)
+        served = [r for i, r in enumerate(trace.requests) if i not in self.rejected]
+        served_trace = replace(trace, requests=tuple(served))
+        runs = iter(ideal_hit_runs(served_trace)) if served else iter(())
+        self.ideal: list[tuple[int, int]] = []  # per trace request; (0, 0) when rejected
+        for index, record in enumerate(trace.requests):
+            if index in self.rejected:
+                self.ideal.append((0, 0))
+                continue
+            run = next(runs)
+            self.ideal.append((run, record.tokens_in_blocks(0, run, trace.block_tokens)))
+        self.total = len(trace.requests)
+        self.served = len(served)
+        self.block_refs = sum(len(r.hash_ids) for r in served)
+        self.total_tokens = sum(r.input_length for r in served)
+        self.causal = trace.causal
+        # Session causality: request index -> the requests waiting for it to finish; due
+        # requests (their predecessor finished) in a heap of (due time, index).
+        self._dependents: dict[int, list[int]] = {}
+        if self.causal:
+            for index, record in enumerate(trace.requests):
+                if record.after is not None:
+                    self._dependents.setdefault(record.after, []).append(index)
+        self._due: list[tuple[float, int]] = []
+        self._finished = 0
+        self.window = max(1, -(-max(1, self.served) // options.timeline_windows))
         self.timeline: list[TimelinePoint] = []
         self._window_hits: dict[str, int] = {}
         self._window_refs = 0
@@ -519,31 +608,61 @@ class _Loop:
     def _route(self, index: int, record: TraceRequest) -> _Instance:
         count = len(self.instances)
         if self.options.route is Route.FIRST_BLOCK_HASH:
-            return self.instances[record.hash_ids[0] % count]
+            first = record.hash_ids[0] if record.hash_ids else (record.session or 0)
+            return self.instances[first % count]
         return self.instances[index % count]
+
+    def _enqueue(self, index: int) -> None:
+        record = self.trace.requests[index]
+        if index in self.rejected:  # never fits the modelled GPU: refused, like vLLM
+            self._on_done(index)
+            return
+        self._route(index, record).waiting.append(
+            _Request(
+                index=index,
+                record=record,
+                ctx=RequestContext(f"{self.strategy.value}-{index}"),
+                keys=self._keys_for(record),
+                arrival_s=record.timestamp_ms / 1000.0,
+            )
+        )
+
+    def _on_done(self, index: int) -> None:
+        """A request finished (or was rejected): its session's next request becomes due."""
+        self._finished += 1
+        dependents = self._dependents.pop(index, None)
+        if not dependents:
+            return
+        now = time.monotonic()
+        speed = self.options.speed
+        for dependent in dependents:
+            gap_s = 0.0 if speed is None else self.trace.requests[dependent].gap_ms / 1000 / speed
+            heapq.heappush(self._due, (now + gap_s, dependent))
+
+    def _on_finished(self, request: _Request) -> None:
+        self._on_done(request.index)
 
     def _admit(self) -> None:
         requests = self.trace.requests
         speed = self.options.speed
+        due = self._due
+        if due:
+            now = time.monotonic()
+            while due and due[0][0] <= now:
+                self._enqueue(heapq.heappop(due)[1])
         elapsed_ms = (time.monotonic() - self._started) * 1000.0 * (speed or 0.0)
         while self.next_index < len(requests):
             record = requests[self.next_index]
+            if record.after is not None:  # waits for its predecessor (see _on_done)
+                self.next_index += 1
+                continue
             instance = self._route(self.next_index, record)
             if speed is None:
                 if len(instance.waiting) >= self.options.max_running:
                     return
             elif record.timestamp_ms > elapsed_ms:
                 return
-            index = self.next_index
-            instance.waiting.append(
-                _Request(
-                    index=index,
-                    record=record,
-                    ctx=RequestContext(f"{self.strategy.value}-{index}"),
-                    keys=self._keys_for(record),
-                    arrival_s=record.timestamp_ms / 1000.0,
-                )
-            )
+            self._enqueue(self.next_index)
             self.next_index += 1
 
     def _on_scheduled(self, request: _Request, hits: dict[str, int]) -> None:
@@ -553,7 +672,7 @@ class _Loop:
             window_hits[tier] = window_hits.get(tier, 0) + count
         self._window_refs += len(request.keys)
         self._window_ideal += self.ideal[request.index][0]
-        if self.scheduled % self.window == 0 or self.scheduled == len(self.trace.requests):
+        if self.scheduled % self.window == 0 or self.scheduled == self.served:
             self.timeline.append(
                 TimelinePoint(
                     requests_done=self.scheduled,
@@ -567,12 +686,14 @@ class _Loop:
             self._window_refs = 0
             self._window_ideal = 0
             if self.progress is not None:
-                self.progress(self.scheduled, len(self.trace.requests))
+                self.progress(self.scheduled, self.served)
+
+    def _unfinished(self) -> bool:
+        return self._finished < self.total
 
     def run(self) -> None:
-        total = len(self.trace.requests)
         step_s = self.options.step_ms / 1000.0
-        while self.next_index < total or any(instance.busy for instance in self.instances):
+        while self._unfinished():
             step_started = time.perf_counter()
             self._admit()
             did_work = False
@@ -580,7 +701,7 @@ class _Loop:
             for instance in self.instances:
                 if instance.busy:
                     busy = True
-                    did_work |= instance.step(self._on_scheduled)
+                    did_work |= instance.step(self._on_scheduled, self._on_finished)
             if busy:
                 self.steps += 1
             # The model's forward pass: the scheduler thread is idle for the rest of the step
@@ -597,13 +718,16 @@ class _Loop:
 
     def _idle_sleep(self) -> float:
         """An idle engine still steps (to collect I/O results) but must not starve I/O threads."""
-        if self.options.speed is None or any(i.busy for i in self.instances):
+        if any(i.busy for i in self.instances):
             return _IDLE_SLEEP_S
-        if self.next_index >= len(self.trace.requests):
+        now = time.monotonic()
+        wake = [self._due[0][0]] if self._due else []
+        if self.options.speed is not None and self.next_index < len(self.trace.requests):
+            next_ms = self.trace.requests[self.next_index].timestamp_ms
+            wake.append(self._started + next_ms / 1000.0 / self.options.speed)
+        if not wake:
             return _IDLE_SLEEP_S
-        next_ms = self.trace.requests[self.next_index].timestamp_ms
-        due = self._started + next_ms / 1000.0 / self.options.speed
-        return min(_MAX_SPEED_SLEEP_S, max(0.0, due - time.monotonic()))
+        return min(_MAX_SPEED_SLEEP_S, max(0.0, min(wake) - now))
 
     def result(
         self,
@@ -638,12 +762,12 @@ class _Loop:
         return ReplayResult(
             strategy=self.strategy.value,
             trace_name=self.trace.name,
-            requests=len(self.trace.requests),
+            requests=self.scheduled,
             skipped_lines=self.trace.skipped_lines,
             instances=len(self.instances),
             block_bytes=block_bytes,
-            block_refs=self.trace.total_blocks,
-            total_tokens=self.trace.total_tokens,
+            block_refs=self.block_refs,
+            total_tokens=self.total_tokens,
             ideal_block_hits=sum(hits for hits, _ in self.ideal),
             ideal_token_hits=sum(tokens for _, tokens in self.ideal),
             tiers=[gpu, cpu, *secondaries],
@@ -658,4 +782,17 @@ class _Loop:
             tier_urls=list(tier_urls),
             timeline=self.timeline,
             manager_stats=manager_stats,
+            requests_rejected=len(self.rejected),
+            rejected_blocks=self.rejected_blocks,
+            gpu_blocks=self.gpu_blocks,
+            admission_rule=CAUSAL_RULE if self.causal else ARRIVAL_RULE,
+            hash_convention=self.trace.hash_convention,
+            sessions=self.trace.sessions,
+            store_blocks_deferred=sum(c.store_blocks_deferred for c in counters),
+            store_blocks_shed=sum(c.store_blocks_shed for c in counters),
+            promotions_lost=sum(int(stats["manager"].get("promotions_lost", 0))
+                                for stats in manager_stats),
+            cascades_shed=sum(int(stats["manager"].get("cascades_shed", 0))
+                              for stats in manager_stats),
+            scheduler_s=sum(step_times),
         )

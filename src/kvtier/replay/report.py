@@ -6,6 +6,7 @@ Pure presentation; this module owns no state.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -119,6 +120,16 @@ def summary_table(report: ReplayReport, result: ReplayResult) -> Table:
         ("steps waited on lookups (request-steps)", f"{result.steps_waited:,}"),
         ("requests that waited", f"{result.requests_waited:,}"),
         ("store plans refused (pool pinned full)", f"{result.store_plans_refused:,}"),
+        ("requests rejected (more blocks than the GPU model)",
+         f"{result.requests_rejected:,} ({result.rejected_blocks:,} blocks; GPU model "
+         f"{result.gpu_blocks:,} blocks)"),
+        ("admission", result.admission_rule + (f", {result.sessions:,} sessions"
+                                               if result.sessions else "")),
+        ("hash convention (hashed blocks per prompt)", result.hash_convention),
+        ("stored blocks deferred (streamed) / shed", f"{result.store_blocks_deferred:,} / "
+                                                     f"{result.store_blocks_shed:,}"),
+        ("cascades shed / promoted blocks lost before load",
+         f"{result.cascades_shed:,} / {result.promotions_lost:,}"),
         ("scheduler time per step p50 / p99", f"{_ms(result.step_time_p50_s)} / "
                                                f"{_ms(result.step_time_p99_s)}"),
         ("wall time", f"{result.wall_s:.1f} s"),
@@ -224,8 +235,12 @@ def report_json(report: ReplayReport) -> dict[str, Any]:
 
 
 def write_json(report: ReplayReport, path: Path) -> None:
-    try:
-        path.write_text(json.dumps(report_json(report), indent=2, default=str) + "\n")
+    text = json.dumps(report_json(report), indent=2, default=str) + "\n"
+    try:  # 0600: a report names hosts, buckets and settings; it is nobody else's business
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            os.fchmod(handle.fileno(), 0o600)
+            handle.write(text)
     except OSError as exc:
         raise ReportError(f"could not write JSON report to {path}: {exc.strerror}") from exc
 

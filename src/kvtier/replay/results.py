@@ -90,6 +90,19 @@ class ReplayResult:
     tier_urls: list[str] = field(default_factory=list)
     timeline: list[TimelinePoint] = field(default_factory=list)
     manager_stats: list[dict[str, Any]] = field(default_factory=list)
+    # Long contexts and sessions: every trace request is either replayed (``requests``) or
+    # rejected (``requests_rejected``: more blocks than the modelled GPU of ``gpu_blocks``).
+    requests_rejected: int = 0
+    rejected_blocks: int = 0
+    gpu_blocks: int = 0
+    admission_rule: str = ""
+    hash_convention: str = ""
+    sessions: int = 0
+    store_blocks_deferred: int = 0  # computed blocks that waited for pool slots (streamed)
+    store_blocks_shed: int = 0      # computed blocks never stored (counted, never silent)
+    promotions_lost: int = 0        # promoted blocks evicted before their request came back
+    cascades_shed: int = 0          # cascades dropped for a backlogged tier
+    scheduler_s: float = 0.0        # scheduler-thread time of every step, summed
 
     @property
     def block_hits(self) -> int:

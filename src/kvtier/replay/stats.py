@@ -30,7 +30,7 @@ def secondary_tier_results(
 ) -> list[TierResult]:
     """One TierResult per secondary tier, counters summed over every instance's manager.
 
-    ``read_seconds`` / ``write_seconds`` are the ones the replay adds from the manager's metrics.
+    ``read_seconds`` / ``write_seconds`` are each tier's busy seconds (``SecondaryTier.stats()``).
     """
     results: list[TierResult] = []
     for name in tier_names:

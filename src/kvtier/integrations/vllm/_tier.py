@@ -19,16 +19,20 @@ Threads and state ownership:
 - Scheduler thread (vLLM's scheduler; every public method): ``_jobs`` / ``_vllm_job_ids``
   (submitted jobs not yet reported, by vLLM job id / by SecondaryTier job id), ``_collected``
   (jobs finished but not yet reported: collected by ``drain_jobs``, shed, or skipped because
-  every key is in ``_held``), ``_held`` (:class:`HeldKeys`), ``_skipped``, ``_events``,
-  ``_reported`` and ``_counters``, and — through the SecondaryTier's scheduler-side API — its
-  job table, lookup state (``mark_miss`` on failed loads, ``note_stored`` unless the key's load
-  just failed) and lifecycle.
+  every key is in ``_held``), ``_held`` (:class:`HeldKeys`), ``_skipped`` and
+  ``_store_keys_skipped``, ``_events``, ``_deltas`` (the metric values already reported to
+  vLLM), and — through the SecondaryTier's scheduler-side API — its job table, lookup state
+  (``mark_miss`` on failed loads, ``note_stored`` unless the key's load just failed) and
+  lifecycle.
 - The SecondaryTier's I/O threads run one job at a time each, reading or writing the primary
   chunks the job's ``memoryview`` slices name (vLLM pins them until the job is reported), and
   post the finished job back to the scheduler thread (see :mod:`kvtier.tier`).
-- The lookup manager's probe thread calls ``backend.probe`` (backends are thread-safe); it
-  touches no primary memory, so ``shutdown()`` waits for it only briefly (the SecondaryTier's
-  bounded probe wait) and then abandons a call stuck in the backend.
+- The lookup manager's probe thread calls ``backend.probe`` (backends are thread-safe) and
+  records each call's duration in ``_probe_durations`` (thread-safe); it touches no primary
+  memory, so ``shutdown()`` waits for it only briefly (the SecondaryTier's bounded probe wait)
+  and then abandons a call stuck in the backend.
+- Module state: ``_CLAIMED_POSITIONS`` (tier positions already labelled, per spec) is written
+  only while vLLM builds its tiers, on the thread that calls the spec's ``get_manager``.
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm.v1.kv_offload.base import (
@@ -48,6 +52,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingCounterMetadata,
     OffloadingEvent,
     OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
     ReqContext,
     RequestOffloadingContext,
 )
@@ -59,10 +64,18 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from kvtier.backends import REMOTE_SCHEMES, open_backend, redact_url
-from kvtier.config import LookupConfig
+from kvtier.config import LOOKUP_SETTINGS, VLLM_TIER_SETTINGS, LookupConfig, env_layer
 from kvtier.keys import Namespace, RequestContext
-from kvtier.lookup import BreakerState
-from kvtier.tier import JobKind, SecondaryTier, require_int
+from kvtier.metrics import (
+    VLLM_PREFIX,
+    DeltaTracker,
+    ProbeDurations,
+    tier_label,
+    tier_samples,
+    vllm_metric_definitions,
+)
+from kvtier.settings import ConfigError
+from kvtier.tier import JobKind, SecondaryTier
 from kvtier.tier import TransferJob as TierJob
 
 if TYPE_CHECKING:
@@ -74,9 +87,9 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-_LOOKUP_SETTINGS = tuple(item.name for item in fields(LookupConfig))
 _NAMESPACE_OVERRIDES = ("model", "revision", "tenant")
-_METRIC_PREFIX = "vllm:kvtier_"  # vLLM exports (and LLM.get_metrics reads) vllm:* only
+# Tier positions already claimed per spec, so two identical tier entries get distinct labels.
+_CLAIMED_POSITIONS: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
 
 
 class KvtierTierClosedError(RuntimeError):
@@ -85,22 +98,6 @@ class KvtierTierClosedError(RuntimeError):
 
 class KvtierTierContractError(RuntimeError):
     """vLLM handed the tier a job that breaks the secondary-tier contract."""
-
-
-@dataclass(slots=True)
-class _TierCounters:
-    """Transfer counters of one tier, owned by the scheduler thread."""
-
-    load_jobs: int = 0
-    store_jobs: int = 0
-    blocks_loaded: int = 0
-    blocks_load_failed: int = 0
-    blocks_stored: int = 0
-    blocks_store_failed: int = 0
-    blocks_store_skipped: int = 0
-    bytes_loaded: int = 0
-    bytes_stored: int = 0
-    io_errors: int = 0
 
 
 class HeldKeys:
@@ -140,28 +137,29 @@ class HeldKeys:
             self._keys.pop(key, None)
 
 
-@dataclass(slots=True)
-class _ReportedTotals:
-    """Counter values already handed to vLLM's metrics, so each report carries deltas."""
-
-    values: dict[str, int] = field(default_factory=dict)
-
-
 def _parse_lookup_settings(raw: object) -> LookupConfig:
-    if raw is None:
-        return LookupConfig()
-    if not isinstance(raw, Mapping):
-        raise ValueError(
-            f"KvtierTier option 'lookup' must be a mapping of {list(_LOOKUP_SETTINGS)}, got "
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"KvtierTier.lookup: expected a mapping of {list(LOOKUP_SETTINGS.names)}, got "
             f"{type(raw).__name__} {raw!r}"
         )
-    unknown = sorted(set(raw) - set(_LOOKUP_SETTINGS))
-    if unknown:
-        raise ValueError(
-            f"unknown KvtierTier lookup setting(s) {unknown}; expected some of "
-            f"{list(_LOOKUP_SETTINGS)}"
-        )
-    return LookupConfig.from_dict(raw, "KvtierTier option 'lookup'")
+    return LookupConfig.from_dict(env_layer(LOOKUP_SETTINGS, raw or {}, "KvtierTier.lookup."),
+                                  "KvtierTier.lookup")
+
+
+def _metrics_label(offloading_spec: Any, tier_type: str, url: str) -> str:
+    """vLLM's label of this tier (``"1:KvtierTier"``): its position in ``secondary_tiers``."""
+    entries = getattr(offloading_spec, "secondary_tier_configs", None) or []
+    try:
+        claimed = _CLAIMED_POSITIONS.setdefault(offloading_spec, set())
+    except TypeError:  # a spec that cannot be weakly referenced: no de-duplication
+        claimed = set()
+    matches = [index for index, entry in enumerate(entries) if isinstance(entry, Mapping)
+               and entry.get("type") == tier_type and entry.get("url") == url]
+    unclaimed = [index for index in matches if index not in claimed]
+    position = (unclaimed or matches or [0])[0]
+    claimed.add(position)
+    return tier_label(position + 1, tier_type)
 
 
 def namespace_for(
@@ -225,41 +223,35 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         backpressure_detector: BackpressureDetector | None = None,
         *,
         url: str | None = None,
-        io_threads: int = 4,
-        max_blocks_per_call: int = 32,
+        io_threads: int | None = None,
+        max_blocks_per_call: int | None = None,
         lookup: Mapping[str, Any] | None = None,
         locality: str | None = None,
-        enable_kv_events: bool = False,
-        model: str = "",
-        revision: str = "",
-        tenant: str = "",
+        enable_kv_events: bool | None = None,
+        model: str | None = None,
+        revision: str | None = None,
+        tenant: str | None = None,
         **backend_options: Any,
     ) -> None:
+        """Every option left out (None) takes its ``KVTIER_*`` variable, else the default of
+        :data:`~kvtier.config.VLLM_TIER_SETTINGS`; bad values raise ``ConfigError``."""
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        if not isinstance(url, str) or not url:
-            raise ValueError(
-                f"KvtierTier needs a 'url' naming a kvtier backend (memory://, file:///abs/path,"
-                f" redis://host:port/db, redis+cluster://host:port, s3://bucket/prefix), got "
-                f"{url!r}"
-            )
-        for option, number in (("io_threads", io_threads),
-                               ("max_blocks_per_call", max_blocks_per_call)):
-            require_int(f"KvtierTier option {option!r}", number, 1)
+        given = {"url": url, "io_threads": io_threads, "max_blocks_per_call": max_blocks_per_call,
+                 "locality": locality, "enable_kv_events": enable_kv_events, "model": model,
+                 "revision": revision, "tenant": tenant}
+        options = VLLM_TIER_SETTINGS.parse(
+            env_layer(VLLM_TIER_SETTINGS,
+                      {name: value for name, value in given.items() if value is not None},
+                      "KvtierTier."),
+            "KvtierTier")
+        url = options["url"]
         lookup_settings = _parse_lookup_settings(lookup)
-        overrides = {"model": model, "revision": revision, "tenant": tenant}
-        for name, value in overrides.items():
-            if not isinstance(value, str):
-                raise ValueError(f"KvtierTier option {name!r} must be a str, got {value!r}")
-        if locality is None:
+        overrides = {name: options[name] for name in _NAMESPACE_OVERRIDES}
+        if options["locality"] is None:
             scheme = url.partition("://")[0].lower()
             self.locality = Locality.REMOTE if scheme in REMOTE_SCHEMES else Locality.LOCAL
         else:
-            try:
-                self.locality = Locality(str(locality).upper())
-            except ValueError:
-                raise ValueError(
-                    f"KvtierTier option 'locality' must be 'LOCAL' or 'REMOTE', got {locality!r}"
-                ) from None
+            self.locality = Locality(options["locality"].upper())
 
         self._chunk_bytes = self.block_size_bytes
         self._num_chunks = primary_kv_view.nbytes // self._chunk_bytes
@@ -271,10 +263,11 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             # one, so its store limits are unreachable. The SecondaryTier applies each job's
             # effects on lookups: mark_miss on failed loads, note_stored on stores (unless the
             # key's load just failed: see RecentLoadFailures).
+            self._probe_durations = ProbeDurations()
             self._tier = SecondaryTier(
-                self._url, backend, lookup=lookup_settings, io_threads=io_threads,
+                self._url, backend, lookup=lookup_settings, io_threads=options["io_threads"],
                 max_pending_store_bytes=sys.maxsize, max_pending_store_jobs=sys.maxsize,
-                max_keys_per_call=max_blocks_per_call,
+                max_keys_per_call=options["max_blocks_per_call"], metrics=self._probe_durations,
             )
         except Exception:
             backend.close()
@@ -293,9 +286,10 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         self._local_ids = itertools.count(-1, -1)
         self._held = HeldKeys()
         self._skipped: dict[int, tuple[bytes, ...]] = {}  # vLLM job id -> keys not rewritten
-        self._counters = _TierCounters()
-        self._reported = _ReportedTotals()
-        emit_events = bool(enable_kv_events) and bool(
+        self._store_keys_skipped = 0
+        self._metrics_label = _metrics_label(offloading_spec, tier_type, url)
+        self._deltas = DeltaTracker()
+        emit_events = options["enable_kv_events"] and bool(
             offloading_spec.kv_events_config.enable_kv_cache_events
         )
         self._events: list[OffloadingEvent] | None = [] if emit_events else None
@@ -316,19 +310,12 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         """The backend URL with credentials redacted."""
         return self._url
 
-    def stats_snapshot(self) -> dict[str, int]:
-        """Every counter: transfers, lookups (``lookup_*``) and the backend's (``backend_*``)."""
-        snapshot: dict[str, int] = {
-            item.name: int(getattr(self._counters, item.name)) for item in fields(_TierCounters)
-        }
-        for name, value in self._tier.lookup_stats.as_dict().items():
-            if name == "breaker_state":
-                snapshot["lookup_breaker_open"] = int(value != BreakerState.CLOSED.value)
-            else:
-                snapshot[f"lookup_{name}"] = int(value)
-        for name, value in self._tier.backend.stats().items():
-            snapshot[f"backend_{name}"] = int(value)
-        snapshot["jobs_in_flight"] = len(self._jobs)
+    def stats_snapshot(self) -> dict[str, Any]:
+        """The tier's counters (:meth:`SecondaryTier.stats`: lookups, transfers, ``backend_*``),
+        the one source :meth:`get_stats` publishes from; plus ``store_keys_skipped`` (stores of
+        blocks the backend already held, see :class:`HeldKeys`)."""
+        snapshot = self._tier.stats()
+        snapshot["store_keys_skipped"] = self._store_keys_skipped
         return snapshot
 
     # -- lookups ----------------------------------------------------------------------------
@@ -411,7 +398,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             return keys, slots
         fresh = [(key, slot) for key, slot in zip(keys, slots, strict=True) if key not in held]
         self._skipped[job_id] = tuple(key for key in keys if key in held)
-        self._counters.blocks_store_skipped += len(keys) - len(fresh)
+        self._store_keys_skipped += len(keys) - len(fresh)
         return [key for key, _ in fresh], [slot for _, slot in fresh]
 
     def _slot_view(self, slot: int) -> memoryview:
@@ -432,7 +419,6 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         """Account for one finished job (the SecondaryTier already updated the lookups)."""
         job_id = self._vllm_job_ids.pop(job.job_id, None)
         if job_id is None:
-            self._counters.io_errors += 1
             _log.error("kvtier tier %s: outcome for unknown job %d dropped",
                        self._url, job.job_id)
             return None
@@ -444,24 +430,12 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         if good:
             self._held.add(good)
         transferred = len(good) * self._chunk_bytes
-        if job.error is not None:
-            self._counters.io_errors += 1
-        if job.kind is JobKind.LOAD:
-            self._counters.load_jobs += 1
-            self._counters.blocks_loaded += len(good)
-            self._counters.blocks_load_failed += failed
-            self._counters.bytes_loaded += transferred
-        else:
-            self._counters.store_jobs += 1
-            self._counters.blocks_stored += len(good)
-            self._counters.blocks_store_failed += failed
-            self._counters.bytes_stored += transferred
-            if good and self._events is not None:
-                self._events.append(
-                    OffloadingEvent(
-                        keys=good, medium=Medium.STORAGE, removed=False, locality=self.locality,
-                    )
+        if job.kind is JobKind.STORE and good and self._events is not None:
+            self._events.append(
+                OffloadingEvent(
+                    keys=good, medium=Medium.STORAGE, removed=False, locality=self.locality,
                 )
+            )
         skipped = self._skipped.pop(job_id, ())
         success = not failed
         successful_keys = None if success or not (good or skipped) else (*good, *skipped)
@@ -493,53 +467,33 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        counters = [item.name for item in fields(_TierCounters)] + [
-            f"lookup_{name}" for name in (
-                "lookups", "backend_calls", "probes_submitted", "inflight_reuses",
-                "verdict_cache_hits", "quarantine_hits", "probe_errors", "probe_timeouts",
-                "breaker_opens",
-            )
-        ] + ["backend_corrupt_objects", "backend_errors"]
-        definitions: dict[str, Any] = {
-            _METRIC_PREFIX + name: OffloadingCounterMetadata(
-                documentation=f"kvtier tier counter {name}.", labelnames=("tier",)
-            )
-            for name in counters
-        }
-        definitions[_METRIC_PREFIX + "jobs_in_flight"] = OffloadingGaugeMetadata(
-            documentation="kvtier transfer jobs submitted and not yet reported.",
-            labelnames=("tier",),
-        )
-        definitions[_METRIC_PREFIX + "lookup_breaker_open"] = OffloadingGaugeMetadata(
-            documentation="1 while the tier's lookup circuit breaker is open or half-open.",
-            labelnames=("tier",),
-        )
-        return definitions
+        return vllm_metric_definitions(OffloadingCounterMetadata, OffloadingGaugeMetadata,
+                                       OffloadingHistogramMetadata)
 
     def get_stats(self) -> OffloadingConnectorStats | None:
+        """This tier's metrics since the last call (kvtier's vocabulary, prefix
+        ``vllm:kvtier_``, labelled with vLLM's own tier label); None when nothing changed."""
         if self._tier.closed:
             return None
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
             OffloadingConnectorStats,
         )
 
-        definitions = self.build_metric_definitions({})
-        snapshot = self.stats_snapshot()
+        samples = tier_samples(self._tier.stats(), self._metrics_label,
+                               self._namespace.block_size)
+        increments, gauges = self._deltas.changes(samples)
+        durations = self._probe_durations.drain()
+        if not increments and not durations:
+            return None
         stats = OffloadingConnectorStats()
-        labels = (self._url,)
-        changed = False
-        for metric_name, metadata in definitions.items():
-            name = metric_name.removeprefix(_METRIC_PREFIX)
-            value = snapshot.get(name, 0)
-            if isinstance(metadata, OffloadingGaugeMetadata):
-                stats.set_gauge(metric_name, value, labels)
-                continue
-            delta = value - self._reported.values.get(name, 0)
-            if delta:
-                stats.increase_counter(metric_name, delta, labels)
-                self._reported.values[name] = value
-                changed = True
-        return stats if changed else None
+        for name, labels, delta in increments:
+            stats.increase_counter(VLLM_PREFIX + name, delta, labels)
+        for name, labels, value in gauges:
+            stats.set_gauge(VLLM_PREFIX + name, value, labels)
+        for seconds in durations:
+            stats.observe_histogram(VLLM_PREFIX + "probe_duration_seconds", seconds,
+                                    (self._metrics_label,))
+        return stats
 
     # -- lifecycle --------------------------------------------------------------------------
 

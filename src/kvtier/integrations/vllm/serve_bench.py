@@ -524,6 +524,15 @@ def summarize(name: str, passed: PassResult, startup_s: float,
     )
 
 
+def kvtier_loaded_blocks(result: ConfigResult) -> int:
+    """Blocks kvtier loaded in the measured pass (``vllm:kvtier_loaded_blocks_total``)."""
+    return result.kvtier_counters.get("loaded_blocks_total", 0)
+
+
+def kvtier_stored_blocks(result: ConfigResult) -> int:
+    return result.kvtier_counters.get("stored_blocks_total", 0)
+
+
 def _ratio(value: float, base: float) -> float:
     return value / base if base and not math.isnan(base) else math.nan
 
@@ -535,8 +544,7 @@ def format_table(results: Mapping[str, ConfigResult]) -> str:
               f"{'req/s':>6} {'cached':>7} {'kvtier':>6} {'/pc':>5} {'/fs':>5}")
     lines = [header, "-" * len(header)]
     for name, result in results.items():
-        loaded = result.kvtier_counters.get("blocks_loaded_total",
-                                            result.kvtier_counters.get("blocks_loaded", 0))
+        loaded = kvtier_loaded_blocks(result)
         vs_base = _ratio(result.ttft_p50_s, base.ttft_p50_s) if base else math.nan
         vs_fs = _ratio(result.ttft_p50_s, fs.ttft_p50_s) if fs else math.nan
         lines.append(
