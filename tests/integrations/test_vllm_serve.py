@@ -64,7 +64,10 @@ def test_fresh_server_gets_prompt_tokens_from_kvtier_with_identical_outputs(
     assert sb.kvtier_stored_blocks(first) > 0, first.kvtier_counters
     loaded = sb.kvtier_loaded_blocks(restarted)
     assert loaded > 0, restarted.kvtier_counters
-    # A fresh engine and CPU tier: every cached prompt token came through kvtier's tier.
-    assert 0 < restarted.cached_prompt_tokens <= 32 * loaded
+    # A fresh engine and CPU tier: a cached token came either through kvtier (32 per block
+    # loaded) or from the engine's prefix cache after an earlier request of this run loaded it
+    # (the four requests share their first block), so kvtier supplied most of them.
+    assert restarted.cached_prompt_tokens >= 32 * loaded
+    assert 32 * loaded * 2 > restarted.cached_prompt_tokens
     assert first.generated_texts == baseline.generated_texts
     assert restarted.generated_texts == baseline.generated_texts
