@@ -1,35 +1,59 @@
-"""Scheduler-thread cost of ``lookup()`` and backend calls per step, kvtier vs vLLM.
+"""Scheduler-thread cost of kvtier's lookup manager against vLLM 0.32's, on a real trace.
 
-One command: ``python benchmarks/lookup_overhead.py`` (add ``--help`` for the knobs).
+One command: ``python benchmarks/lookup_overhead.py`` (``--help`` for the knobs). Run it with a
+Python that can import ``vllm`` to get the comparison; without it only kvtier is measured.
 
-Workload: ``--requests`` running requests (default 64), each looking up ``--keys`` keys
-(default 32) every step; the first half of every request's keys is a prefix shared by all
-requests, the second half is its own. Each request runs ``--lifetime`` steps (default 16) and is
-then replaced by a new one, so every step brings new keys. The tier answers instantly from a
-set. After each ``flush()`` the benchmark waits for the worker to post its answers (outside the
-timed region) so both managers see the same state every step.
+Trace mode (the default) replays the first ``--requests`` requests (default 1,500) of each bundled
+trace (``--trace``, repeatable; default ``builtin:conversation``, plus ``builtin:agentic`` when
+it is bundled) the way an engine scheduler scans them. Steps start every ``--step-ms`` (default
+2 ms; the rest of the step is the model running, when the probe worker works). Requests arrive in
+trace order, their relative timing compressed so that ``--arrivals`` requests (default 1) arrive
+per step on average. Every step the scheduler:
 
-Timed: the step's ``lookup()`` calls on the scheduler thread (including the first-lookup drain
-both managers do). Reported: median over ``--reps`` repetitions of ns per ``lookup()`` call, ns
-per ``flush()``, and backend calls per step. The baseline measured in the same run is
-``dict.get`` on the same keys (the floor of any lookup), and vLLM's own
-``vllm.v1.kv_offload.tiering.async_lookup.AsyncLookupManager`` when ``vllm`` is importable.
+1. ``drain_results()``;
+2. for each waiting request, scans its keys with ``lookup()`` the way vLLM's
+   ``_maximal_prefix_lookup`` does: True counts, None ("not yet") defers the request to the next
+   step but the scan goes on (so every unknown key gets its probe started), False ends the scan;
+   a request with no None has its answer and leaves the waiting list;
+3. ``flush()`` once;
+4. ``cleanup()`` of requests that got their answer ``--run-steps`` steps ago (default 32).
+
+The tier holds every block that two or more of the replayed requests share (a warm tier); its
+``batch_lookup`` sleeps 0.5 ms + 2 us per key on the probe worker thread (``--call-us``,
+``--key-us``). Both managers see the same scan and the same tier; vLLM's is
+``vllm.v1.kv_offload.tiering.async_lookup.AsyncLookupManager``, kvtier's runs with its defaults.
+
+Timed: everything the scheduler thread spends in steps 1-4, including the scan loop itself.
+Reported per contender, median over ``--rounds`` rounds run interleaved (kvtier, vLLM, vLLM,
+kvtier, ...): scheduler time per request and per step, ``lookup()`` calls per request and ns per
+call, backend calls, probes per probed key (how often each probed key was asked), and steps a
+request waited for its answer. Ratios are kvtier / vLLM. Both must give every request the same
+number of hit blocks; the benchmark fails if they do not.
+
+``--mode synthetic`` runs the older synthetic step (64 requests x 32 keys, half shared, instant
+tier); it does not look like a scheduler scanning a trace and is kept only for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import importlib
+import queue
 import statistics
 import sys
+import threading
 import time
+import timeit
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.keys import BlockKey, Namespace, RequestContext, chain_keys
+from kvtier.keys import KEY_BYTES, BlockKey, Namespace, RequestContext, chain_keys
 from kvtier.lookup import AsyncLookupManager
+from kvtier.replay import trace as _trace_module
+from kvtier.replay.trace import BUILTIN_PREFIX, BUILTIN_TRACES, read_trace
 
 _VLLM_MODULE = "vllm.v1.kv_offload.tiering.async_lookup"
 
@@ -62,7 +86,7 @@ def _build_workload(args: argparse.Namespace, make_context: Callable[[str], Any]
         )
         return make_context(f"req-{serial}"), shared_keys + own, 0
 
-    running = [new_request() for _ in range(args.requests)]
+    running = [new_request() for _ in range(args.synthetic_requests)]
     # stagger ages so that a steady fraction finishes every step
     running = [(c, k, i % args.lifetime) for i, (c, k, _) in enumerate(running)]
     steps: list[list[tuple[Any, list[BlockKey]]]] = []
@@ -193,24 +217,364 @@ def _median(values: list[_Measurement]) -> _Measurement:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=64, help="running requests per step")
-    parser.add_argument("--keys", type=int, default=32, help="keys per request (half shared)")
-    parser.add_argument("--lifetime", type=int, default=16, help="steps a request runs")
-    parser.add_argument("--steps", type=int, default=200, help="steps per repetition")
-    parser.add_argument("--reps", type=int, default=7, help="repetitions (median reported)")
-    args = parser.parse_args(argv)
-    for name in ("requests", "keys", "lifetime", "steps", "reps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+
+
+# ---------------------------------------------------------------------------- trace mode
+
+
+@dataclass(slots=True)
+class _Request:
+    req_id: str
+    arrival_step: int
+    keys: list[BlockKey]
+
+
+@dataclass(slots=True)
+class _Plan:
+    trace: str
+    requests: list[_Request]
+    present: frozenset[BlockKey]
+
+
+@dataclass(slots=True)
+class _Round:
+    """One contender's numbers for one replay of the plan."""
+
+    sched_ns: int = 0
+    drain_ns: int = 0
+    scan_ns: int = 0
+    flush_ns: int = 0
+    cleanup_ns: int = 0
+    steps: int = 0
+    requests: int = 0
+    lookups: int = 0
+    backend_calls: int = 0
+    probed_keys: int = 0
+    unique_probed_keys: int = 0
+    steps_waited: int = 0
+    hits: list[int] = field(default_factory=list)
+
+    @property
+    def us_per_request(self) -> float:
+        return self.sched_ns / self.requests / 1e3
+
+    @property
+    def drain_us(self) -> float:
+        return self.drain_ns / self.requests / 1e3
+
+    @property
+    def scan_us(self) -> float:
+        return self.scan_ns / self.requests / 1e3
+
+    @property
+    def flush_us(self) -> float:
+        return self.flush_ns / self.requests / 1e3
+
+    @property
+    def cleanup_us(self) -> float:
+        return self.cleanup_ns / self.requests / 1e3
+
+    @property
+    def us_per_step(self) -> float:
+        return self.sched_ns / self.steps / 1e3
+
+    @property
+    def lookups_per_request(self) -> float:
+        return self.lookups / self.requests
+
+    @property
+    def ns_per_lookup(self) -> float:
+        return self.sched_ns / self.lookups if self.lookups else 0.0
+
+    @property
+    def probes_per_key(self) -> float:
+        return self.probed_keys / self.unique_probed_keys if self.unique_probed_keys else 0.0
+
+    @property
+    def mean_steps_waited(self) -> float:
+        return self.steps_waited / self.requests
+
+
+class _ModelledBackend:
+    """The tier: a frozen set, answered after a modelled latency on the probe worker thread."""
+
+    def __init__(self, present: frozenset[BlockKey], call_s: float, key_s: float) -> None:
+        self._present = present
+        self._call_s = call_s
+        self._key_s = key_s
+        self.calls = 0
+        self.keys = 0
+        self.unique: set[BlockKey] = set()
+        self.worker_threads: set[int] = set()
+
+    def answer(self, keys: list[Any]) -> list[bool]:
+        self.calls += 1
+        self.keys += len(keys)
+        self.unique.update(keys)
+        time.sleep(self._call_s + self._key_s * len(keys))
+        present = self._present
+        return [key in present for key in keys]
+
+
+def _load_plan(source: str, args: argparse.Namespace) -> _Plan:
+    trace = read_trace(source, max_requests=args.requests)
+    raw = trace.requests
+    span = max(raw[-1].timestamp_ms - raw[0].timestamp_ms, 1e-9)
+    steps_for_trace = len(raw) / args.arrivals
+    key_of: dict[int, BlockKey] = {}
+
+    def key(hash_id: int) -> BlockKey:
+        found = key_of.get(hash_id)
+        if found is None:
+            digest = hashlib.blake2b(hash_id.to_bytes(8, "little", signed=True),
+                                     digest_size=KEY_BYTES, person=b"bench-trace")
+            found = key_of[hash_id] = digest.digest()
+        return found
+
+    requests = []
+    seen: dict[BlockKey, int] = {}
+    for index, item in enumerate(raw):
+        step = int((item.timestamp_ms - raw[0].timestamp_ms) / span * steps_for_trace)
+        keys = [key(hash_id) for hash_id in item.hash_ids]
+        for block in set(keys):
+            seen[block] = seen.get(block, 0) + 1
+        requests.append(_Request(f"req-{index}", step, keys))
+    present = frozenset(block for block, count in seen.items() if count >= 2)
+    return _Plan(trace.name, requests, present)
+
+
+def _replay(plan: _Plan, args: argparse.Namespace, make_context: Callable[[str], Any],
+            manager: Any, backend: _ModelledBackend,
+            wait_for_answers: Callable[[], None] | None) -> _Round:
+    """Drive ``manager`` through the plan like a scheduler; see the module docstring. With
+    ``wait_for_answers`` every step ends (untimed, unpaced) when the worker answered it."""
+    lookup, flush = manager.lookup, manager.flush
+    drain, cleanup = manager.drain_results, manager.cleanup
+    step_s = args.step_ms / 1e3
+    arrivals: dict[int, list[tuple[Any, list[BlockKey], str, int]]] = {}
+    for request in plan.requests:
+        arrivals.setdefault(request.arrival_step, []).append(
+            (make_context(request.req_id), request.keys, request.req_id, request.arrival_step))
+    last_arrival = plan.requests[-1].arrival_step
+    waiting: list[tuple[Any, list[BlockKey], str, int]] = []
+    finishing: dict[int, list[str]] = {}
+    result = _Round(requests=len(plan.requests))
+    hits_of: dict[str, int] = {}
+    clock = time.perf_counter_ns
+    gc.collect()
+    step = 0
+    lookups = 0
+    next_start = time.perf_counter()
+    while step <= last_arrival or waiting:
+        pause = next_start - time.perf_counter()
+        if pause > 0 and wait_for_answers is None:
+            time.sleep(pause)
+        next_start += step_s
+        start = clock()
+        drain()
+        drained = clock()
+        waiting.extend(arrivals.get(step, ()))
+        still_waiting = []
+        for entry in waiting:
+            context, keys = entry[0], entry[1]
+            deferred = False
+            hits = 0
+            for block in keys:
+                lookups += 1
+                verdict = lookup(block, context)
+                if verdict is None:
+                    deferred = True
+                elif verdict:
+                    hits += 1
+                else:
+                    break
+            if deferred:
+                still_waiting.append(entry)
+            else:
+                hits_of[entry[2]] = hits
+                result.steps_waited += step - entry[3]
+                finishing.setdefault(step + args.run_steps, []).append(entry[2])
+        waiting = still_waiting
+        scanned = clock()
+        flush()
+        flushed = clock()
+        for req_id in finishing.pop(step, ()):
+            cleanup(req_id)
+        end = clock()
+        result.sched_ns += end - start
+        result.drain_ns += drained - start
+        result.scan_ns += scanned - drained
+        result.flush_ns += flushed - scanned
+        result.cleanup_ns += end - flushed
+        step += 1
+        if wait_for_answers is not None:
+            wait_for_answers()
+    start = clock()
+    for req_ids in finishing.values():  # the tail: requests still running finish at once
+        for req_id in req_ids:
+            cleanup(req_id)
+    result.sched_ns += clock() - start
+    result.cleanup_ns += clock() - start
+    result.steps = step
+    result.hits = [hits_of[request.req_id] for request in plan.requests]
+    result.lookups = lookups
+    result.backend_calls = backend.calls
+    result.probed_keys = backend.keys
+    result.unique_probed_keys = len(backend.unique)
+    return result
+
+
+def _kvtier_round(plan: _Plan, args: argparse.Namespace) -> _Round:
+    backend = _ModelledBackend(plan.present, args.call_us / 1e6, args.key_us / 1e6)
+
+    class ModelledTier(AsyncLookupManager):
+        def batch_lookup(self, keys: list[BlockKey],
+                         req_context: RequestContext) -> Sequence[bool]:
+            return backend.answer(keys)
+
+    tier = ModelledTier("bench")
+
+    def wait_for_answers() -> None:
+        if not tier._wait_for_results(60.0):
+            raise RuntimeError("kvtier's probe worker did not answer within 60 s")
 
     try:
-        vllm_module: Any = importlib.import_module(_VLLM_MODULE)
-    except ImportError as exc:
-        vllm_module = None
-        print(f"vLLM not importable ({exc.name}); comparing against dict.get only")
+        return _replay(plan, args, RequestContext, tier, backend,
+                       wait_for_answers if args.wait_for_answers else None)
+    finally:
+        tier.shutdown(timeout=10.0)
 
+
+def _vllm_round(plan: _Plan, args: argparse.Namespace, module: Any) -> _Round:
+    from vllm.v1.kv_offload.base import ReqContext
+
+    backend = _ModelledBackend(plan.present, args.call_us / 1e6, args.key_us / 1e6)
+
+    class ModelledTier(module.AsyncLookupManager):  # type: ignore[misc]
+        def batch_lookup(self, keys: list[bytes], req_context: Any) -> list[bool]:
+            return backend.answer(keys)
+
+    tier = ModelledTier("bench")
+    sent = [0, 0]  # batches handed to vLLM's worker, answers seen
+
+    class Counting:
+        """vLLM has no test hook: count the flushes that hand keys to the worker (wait mode
+        only; one call per step)."""
+
+        lookup, drain_results, cleanup = tier.lookup, tier.drain_results, tier.cleanup
+
+        @staticmethod
+        def flush() -> None:
+            before = len(tier._lookup_batch)
+            tier.flush()
+            sent[0] += bool(before)
+
+    def wait_for_answers() -> None:
+        # vLLM's worker posts one item per batch; take each new one and hand it back unread
+        # (the next step's drain applies it). A batch of only stale keys posts nothing.
+        while sent[1] < sent[0]:
+            try:
+                item = tier._pending_results.get(timeout=1.0)
+            except queue.Empty:
+                sent[1] = sent[0]
+                return
+            tier._pending_results.put(item)
+            sent[1] += 1
+
+    try:
+        if args.wait_for_answers:
+            return _replay(plan, args, lambda req_id: ReqContext(req_id=req_id), Counting,
+                           backend, wait_for_answers)
+        return _replay(plan, args, lambda req_id: ReqContext(req_id=req_id), tier, backend, None)
+    finally:
+        tier.shutdown()
+
+
+def _default_traces() -> list[str]:
+    bundled = {*BUILTIN_TRACES, *getattr(_trace_module, "BUILTIN_GENERATED", ())}
+    return [BUILTIN_PREFIX + name for name in ("conversation", "agentic") if name in bundled]
+
+
+def _median_of(rounds: list[_Round], attribute: str) -> float:
+    return float(statistics.median(getattr(item, attribute) for item in rounds))
+
+
+_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("scheduler us / request", "us_per_request", "{:.1f}"),
+    ("  drain_results()", "drain_us", "{:.1f}"),
+    ("  scan (lookup() calls)", "scan_us", "{:.1f}"),
+    ("  flush()", "flush_us", "{:.1f}"),
+    ("  cleanup()", "cleanup_us", "{:.1f}"),
+    ("scheduler us / step", "us_per_step", "{:.1f}"),
+    ("lookup() calls / request", "lookups_per_request", "{:.1f}"),
+    ("step ns / lookup() call", "ns_per_lookup", "{:.0f}"),
+    ("backend calls", "backend_calls", "{:,.0f}"),
+    ("probes / probed key", "probes_per_key", "{:.2f}"),
+    ("steps waited / request", "mean_steps_waited", "{:.2f}"),
+    ("steps", "steps", "{:,.0f}"),
+)
+
+
+def _report(plan: _Plan, ours: list[_Round], theirs: list[_Round]) -> None:
+    print(f"\n{plan.trace}: {len(plan.requests):,} requests, "
+          f"{sum(len(r.keys) for r in plan.requests):,} keys, {len(plan.present):,} held by the "
+          f"tier; median of {len(ours)} interleaved rounds")
+    header = f"{'':26}{'kvtier':>12}"
+    if theirs:
+        header += f"{'vLLM 0.32':>12}{'kvtier/vLLM':>13}"
+    print(header)
+    for label, attribute, spec in _ROWS:
+        mine = _median_of(ours, attribute)
+        line = f"{label:26}{spec.format(mine):>12}"
+        if theirs:
+            other = _median_of(theirs, attribute)
+            ratio = f"{mine / other:.2f}x" if other else "-"
+            line += f"{spec.format(other):>12}{ratio:>13}"
+        print(line)
+    if theirs:
+        spread = sorted(mine.us_per_request / other.us_per_request
+                        for mine, other in zip(ours, theirs, strict=True))
+        print("per-request ratio by round: " + ", ".join(f"{x:.2f}" for x in spread))
+
+
+def _owner_check_ns() -> float:
+    """What an owner-thread check (one get_ident() and a compare) costs per call."""
+    owner = threading.get_ident()
+    get_ident = threading.get_ident
+    loops = 200_000
+    check = min(timeit.repeat(lambda: get_ident() != owner, number=loops, repeat=5))
+    empty = min(timeit.repeat(lambda: None, number=loops, repeat=5))
+    return max(0.0, check - empty) / loops * 1e9
+
+
+def _trace_main(args: argparse.Namespace, vllm_module: Any) -> int:
+    for source in args.trace or _default_traces():
+        plan = _load_plan(source, args)
+        ours: list[_Round] = []
+        theirs: list[_Round] = []
+        for index in range(args.rounds):
+            # alternate who goes first so drift hits both contenders alike
+            order = ("kvtier", "vllm") if index % 2 == 0 else ("vllm", "kvtier")
+            for contender in order:
+                if contender == "kvtier":
+                    ours.append(_kvtier_round(plan, args))
+                elif vllm_module is not None:
+                    theirs.append(_vllm_round(plan, args, vllm_module))
+        for mine, other in zip(ours, theirs, strict=True):
+            if mine.hits != other.hits:
+                differ = sum(a != b for a, b in zip(mine.hits, other.hits, strict=True))
+                print(f"{plan.trace}: kvtier and vLLM disagree on the hits of {differ} "
+                      "requests", file=sys.stderr)
+                return 1
+        _report(plan, ours, theirs)
+    print(f"\nowner-thread check: {_owner_check_ns():.0f} ns per scheduler call "
+          "(get_ident() and a compare), included in kvtier's numbers")
+    print(f"python {sys.version.split()[0]}; steps every {args.step_ms} ms, "
+          f"{args.arrivals} arrivals per step, backend {args.call_us} us + {args.key_us} us/key")
+    return 0
+
+
+def _synthetic_main(args: argparse.Namespace, vllm_module: Any) -> int:
     ours_workload = _build_workload(args, RequestContext)
     present = _present(ours_workload)
     vllm_workload: _Workload | None = None
@@ -227,9 +591,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             vllm_runs.append(_run_vllm(vllm_workload, present, vllm_module))
     floor, ours = _median(floor_runs), _median(ours_runs)
 
-    print(f"workload: {args.requests} requests x {args.keys} keys ({args.keys // 2} shared), "
-          f"lifetime {args.lifetime} steps, {args.steps} steps x {args.reps} reps, "
-          f"python {sys.version.split()[0]}")
+    print(f"workload: {args.synthetic_requests} requests x {args.keys} keys "
+          f"({args.keys // 2} shared), lifetime {args.lifetime} steps, {args.steps} steps x "
+          f"{args.reps} reps, python {sys.version.split()[0]}")
     print(f"{'':22}{'ns/lookup':>10}{'ns/flush':>12}{'calls/step':>12}")
     print(f"{'dict.get (floor)':22}{floor.lookup_ns:10.1f}{'-':>12}{'-':>12}")
     print(f"{'kvtier':22}{ours.lookup_ns:10.1f}{ours.flush_ns:12.0f}{ours.calls_per_step:12.2f}")
@@ -242,6 +606,59 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"backend calls {ours.calls_per_step / theirs.calls_per_step:.3f}x")
     print(f"ratio kvtier/dict.get: lookup {ours.lookup_ns / floor.lookup_ns:.2f}x")
     return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--mode", choices=("trace", "synthetic"), default="trace")
+    trace = parser.add_argument_group("trace mode")
+    trace.add_argument("--trace", action="append", default=None, metavar="SOURCE",
+                       help="a trace to replay (repeatable): builtin:NAME or a Mooncake JSONL "
+                            "file; default: " + ", ".join(_default_traces()))
+    trace.add_argument("--requests", type=int, default=1_500, help="requests per trace")
+    trace.add_argument("--rounds", type=int, default=7,
+                       help="interleaved rounds per contender (median reported)")
+    trace.add_argument("--step-ms", type=float, default=2.0, help="engine step length")
+    trace.add_argument("--arrivals", type=float, default=1.0,
+                       help="mean requests arriving per step")
+    trace.add_argument("--run-steps", type=int, default=32,
+                       help="steps a request runs after its answer before cleanup()")
+    trace.add_argument("--wait-for-answers", action="store_true",
+                       help="end every step (untimed) when the worker answered it: both "
+                            "managers then answer in one step, so only bookkeeping is compared")
+    trace.add_argument("--call-us", type=float, default=500.0, help="backend latency per call")
+    trace.add_argument("--key-us", type=float, default=2.0, help="backend latency per key")
+    synthetic = parser.add_argument_group("synthetic mode")
+    synthetic.add_argument("--synthetic-requests", type=int, default=64,
+                           help="running requests per step")
+    synthetic.add_argument("--keys", type=int, default=32, help="keys per request (half shared)")
+    synthetic.add_argument("--lifetime", type=int, default=16, help="steps a request runs")
+    synthetic.add_argument("--steps", type=int, default=200, help="steps per repetition")
+    synthetic.add_argument("--reps", type=int, default=7, help="repetitions (median reported)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for name in ("requests", "rounds", "run_steps", "synthetic_requests", "keys", "lifetime",
+                 "steps", "reps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("step_ms", "arrivals"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    for name in ("call_us", "key_us"):
+        if not getattr(args, name) >= 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    try:
+        vllm_module: Any = importlib.import_module(_VLLM_MODULE)
+    except ImportError as exc:
+        vllm_module = None
+        print(f"vLLM not importable ({exc.name}); measuring kvtier only")
+    if args.mode == "synthetic":
+        return _synthetic_main(args, vllm_module)
+    return _trace_main(args, vllm_module)
 
 
 if __name__ == "__main__":

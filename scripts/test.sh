@@ -22,5 +22,5 @@ echo "== lookup manager under python -O"
 if [ "${KVTIER_SKIP_VLLM:-0}" != "1" ]; then
     echo "== vLLM lane"
     bash scripts/setup-vllm-venv.sh .venv-vllm
-    .venv-vllm/bin/python -m pytest -m vllm tests/integrations
+    .venv-vllm/bin/python -m pytest -m vllm tests/integrations tests/test_logs.py tests/test_readme.py
 fi

@@ -21,12 +21,15 @@ import pytest
 
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.lookup import (
+    LOOKUP_SETTINGS,
     AsyncLookupManager,
     BreakerState,
     LookupManagerClosedError,
     LookupPhase,
     LookupStats,
+    OwnerThreadError,
 )
+from kvtier.settings import ConfigError
 
 WAIT_S = 10.0
 
@@ -393,6 +396,30 @@ def test_verdict_cache_is_bounded_lru(make: Callable[..., SetTier]) -> None:
     stats = tier.stats
     assert (stats.cached_verdicts, stats.verdict_cache_evictions) == (4, 6)
     assert tier.tracked_keys == 0
+
+
+def test_cache_hits_refresh_recency_and_the_release_queue_stays_bounded(
+    make: Callable[..., SetTier]
+) -> None:
+    tier = make(*[key(i) for i in range(3)], max_cached_verdicts=2, verdict_ttl_s=60)
+    for i in range(2):
+        tier.lookup(key(i), ctx(f"r{i}"))
+    step(tier)
+    tier.cleanup("r0")
+    tier.cleanup("r1")
+    for round_ in range(500):  # key 0 is served from the cache and released again and again
+        assert tier.lookup(key(0), ctx(f"again{round_}")) is True
+        tier.cleanup(f"again{round_}")
+    assert len(tier._idle) <= 2 * 2 + 64
+    tier.lookup(key(2), ctx("r2"))
+    step(tier)
+    tier.cleanup("r2")  # evicts the least recently released verdict: key 1, not key 0
+    stats = tier.stats
+    assert (stats.cached_verdicts, stats.verdict_cache_evictions) == (2, 1)
+    assert stats.verdict_cache_hits == 500
+    assert tier.lookup(key(0), ctx("r3")) is True
+    assert tier.lookup(key(1), ctx("r3")) is None
+    assert len(tier.calls) == 2
 
 
 def test_errors_are_never_cached(make: Callable[..., SetTier]) -> None:
@@ -910,20 +937,24 @@ class _Minimal(AsyncLookupManager):
         return [False] * len(keys)
 
 
+_NUMBER = "expected a finite number"
+_INTEGER = "expected an integer >= 1"
+
+
 @pytest.mark.parametrize(
     ("option", "value", "error", "message"),
     [
-        ("probe_timeout_s", 0, ValueError, r"probe_timeout_s must be in \(0"),
-        ("probe_timeout_s", math.nan, ValueError, "probe_timeout_s"),
-        ("probe_timeout_s", "5", TypeError, "probe_timeout_s must be a number"),
-        ("verdict_ttl_s", -1, ValueError, r"verdict_ttl_s must be in \[0"),
-        ("max_cached_verdicts", 0, ValueError, "max_cached_verdicts must be >= 1"),
-        ("max_cached_verdicts", 1.5, TypeError, "max_cached_verdicts must be an int"),
-        ("quarantine_s", math.inf, ValueError, "quarantine_s must be in"),
-        ("max_batch_keys", 0, ValueError, "max_batch_keys must be >= 1"),
-        ("breaker_threshold", True, TypeError, "breaker_threshold must be an int"),
-        ("breaker_threshold", 0, ValueError, "breaker_threshold must be >= 1"),
-        ("breaker_cooldown_s", 7200, ValueError, "breaker_cooldown_s must be in"),
+        ("probe_timeout_s", 0, ConfigError, f"probe_timeout_s: {_NUMBER} > 0.0 .* got 0"),
+        ("probe_timeout_s", math.nan, ConfigError, f"probe_timeout_s: {_NUMBER}"),
+        ("probe_timeout_s", "soon", ConfigError, "probe_timeout_s: expected .* got 'soon'"),
+        ("verdict_ttl_s", -1, ConfigError, f"verdict_ttl_s: {_NUMBER} >= 0.0 .* got -1"),
+        ("max_cached_verdicts", 0, ConfigError, rf"max_cached_verdicts: {_INTEGER} \(count\)"),
+        ("max_cached_verdicts", 1.5, ConfigError, f"max_cached_verdicts: {_INTEGER} .* 1.5"),
+        ("quarantine_s", math.inf, ConfigError, f"quarantine_s: {_NUMBER} .* got inf"),
+        ("max_batch_keys", 0, ConfigError, f"max_batch_keys: {_INTEGER}"),
+        ("breaker_threshold", True, ConfigError, f"breaker_threshold: {_INTEGER} .* True"),
+        ("breaker_threshold", 0, ConfigError, f"breaker_threshold: {_INTEGER} .* got 0"),
+        ("breaker_cooldown_s", 7200, ConfigError, "breaker_cooldown_s: expected .*<= 3600"),
         ("clock", 3.0, TypeError, "clock must be a callable"),
     ],
 )
@@ -932,6 +963,24 @@ def test_constructor_rejects_bad_options(
 ) -> None:
     with pytest.raises(error, match=message):
         _Minimal("t", **{option: value})
+
+
+def test_lookup_settings_table_is_what_the_constructor_uses() -> None:
+    """One table: names, defaults, env names; strings (env / URL values) parse as numbers."""
+    assert LOOKUP_SETTINGS.names == (
+        "probe_timeout_s", "verdict_ttl_s", "max_cached_verdicts", "quarantine_s",
+        "max_batch_keys", "breaker_threshold", "breaker_cooldown_s")
+    assert LOOKUP_SETTINGS["probe_timeout_s"].env == "KVTIER_LOOKUP_PROBE_TIMEOUT_S"
+    assert all(setting.help and setting.unit for setting in LOOKUP_SETTINGS)
+    from_env = LOOKUP_SETTINGS.parse(
+        LOOKUP_SETTINGS.from_env({"KVTIER_LOOKUP_MAX_BATCH_KEYS": "64"}))
+    assert from_env == {**LOOKUP_SETTINGS.defaults(), "max_batch_keys": 64}
+    manager = _Minimal("t", **{**from_env, "probe_timeout_s": "2.5"})  # type: ignore[arg-type]
+    try:
+        assert manager._max_batch_keys == 64 and manager._probe_timeout_s == 2.5
+        assert manager._verdict_ttl_s == LOOKUP_SETTINGS["verdict_ttl_s"].default
+    finally:
+        manager.shutdown()
 
 
 @pytest.mark.parametrize("name", ["", None, 3])
@@ -963,6 +1012,79 @@ def test_top_level_exports() -> None:
     assert kvtier.AsyncLookupManager is AsyncLookupManager
     assert kvtier.LookupPhase is LookupPhase
     assert kvtier.LookupStats is LookupStats
+    assert issubclass(OwnerThreadError, RuntimeError)
+
+
+# --------------------------------------------------------------------------- owner thread
+
+
+def _call_from_another_thread(calls: dict[str, Callable[[], object]]) -> dict[str, str]:
+    """Run each call on one second thread (wall-clock bounded); the OwnerThreadError texts."""
+    errors: dict[str, str] = {}
+
+    def foreign() -> None:
+        for name, call in calls.items():
+            try:
+                call()
+            except OwnerThreadError as exc:
+                errors[name] = str(exc)
+
+    thread = threading.Thread(target=foreign, name="intruder")
+    thread.start()
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    return errors
+
+
+def test_scheduler_calls_from_another_thread_raise_and_change_nothing(
+    make: Callable[..., SetTier]
+) -> None:
+    tier = make(key(1))
+    assert tier.lookup(key(1), ctx("r1")) is None  # this thread is now the owner
+    step(tier)
+    assert tier.lookup(key(1), ctx("r1")) is True
+    tier.lookup(key(3), ctx("r1"))  # pending: a foreign flush would send it
+    before = tier.stats
+    calls: dict[str, Callable[[], object]] = {
+        "lookup of a new key": lambda: tier.lookup(key(2), ctx("r2")),
+        "lookup of a held key": lambda: tier.lookup(key(1), ctx("r1")),
+        "flush": tier.flush,
+        "drain_results": tier.drain_results,
+        "cleanup": lambda: tier.cleanup("r1"),
+        "mark_miss": lambda: tier.mark_miss([key(1)]),
+        "note_stored": lambda: tier.note_stored([key(4)]),
+        "note_removed": lambda: tier.note_removed([key(1)]),
+    }
+    errors = _call_from_another_thread(calls)
+    assert sorted(errors) == sorted(calls)
+    for name, message in errors.items():
+        operation = name.split()[0]
+        assert f"{operation}() was called from thread 'intruder'" in message
+        assert "belong to the scheduler thread" in message and "test-tier" in message
+    assert tier.stats == before and tier.tracked_keys == 2
+    assert tier.phase(key(2)) is None and tier.phase(key(3)) is LookupPhase.PENDING
+    assert len(tier.calls) == 1
+    # the owner carries on, and leaves nothing behind
+    assert tier.lookup(key(1), ctx("r1")) is True
+    step(tier)
+    tier.cleanup("r1")
+    assert tier.tracked_keys == 0 and tier._request_keys == {}
+
+
+def test_the_owner_is_the_first_caller_not_the_constructor(clock: FakeClock) -> None:
+    built: list[SetTier] = []
+    builder = threading.Thread(target=lambda: built.append(SetTier([key(1)], clock=clock)))
+    builder.start()
+    builder.join(WAIT_S)
+    tier = built[0]
+    try:
+        assert tier.lookup(key(1), ctx("r1")) is None  # the test thread claims it
+        errors = _call_from_another_thread({"flush": tier.flush})
+        assert "flush() was called from thread 'intruder'" in errors["flush"]
+        step(tier)
+        assert tier.lookup(key(1), ctx("r1")) is True
+    finally:
+        tier.shutdown(timeout=WAIT_S)
 
 
 _ = Hashable  # re-exported type used by SetTier

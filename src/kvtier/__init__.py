@@ -13,6 +13,7 @@ from kvtier.keys import BlockKey, Namespace, RequestContext, chain_keys
 
 if TYPE_CHECKING:
     from kvtier.backends import Backend, open_backend
+    from kvtier.inventory import NamespaceUsage, PurgeResult, purge, usage
     from kvtier.lookup import AsyncLookupManager, LookupPhase, LookupStats
     from kvtier.manager import LookupResult, TieringManager, open_manager
 
@@ -27,6 +28,10 @@ _LAZY: dict[str, str] = {
     "TieringManager": "kvtier.manager",
     "LookupResult": "kvtier.manager",
     "open_manager": "kvtier.manager",
+    "NamespaceUsage": "kvtier.inventory",
+    "PurgeResult": "kvtier.inventory",
+    "purge": "kvtier.inventory",
+    "usage": "kvtier.inventory",
 }
 
 __all__ = [
@@ -37,11 +42,15 @@ __all__ = [
     "LookupResult",
     "LookupStats",
     "Namespace",
+    "NamespaceUsage",
+    "PurgeResult",
     "RequestContext",
     "TieringManager",
     "chain_keys",
     "open_backend",
     "open_manager",
+    "purge",
+    "usage",
 ]
 
 

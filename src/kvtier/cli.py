@@ -1,4 +1,4 @@
-"""The ``kvtier`` command: ``replay``, ``inspect`` and ``bench``.
+"""The ``kvtier`` command: ``replay``, ``inspect``, ``usage``, ``purge`` and ``bench``.
 
 Exit codes: 0 success; 1 the run failed (a byte mismatch, a stuck request, a backend or
 validation failure, a tier that failed for most of the run, an ``inspect`` check that could not
@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
+import statistics
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+_log = logging.getLogger("kvtier.cli")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -26,6 +31,8 @@ EXIT_USAGE = 2
 DEFAULT_TRACE = "builtin:conversation"
 DEFAULT_TRACE_REQUESTS = 3_000
 """Requests of the bundled conversation trace replayed when no trace is given."""
+DEFAULT_REPLAY_TTL_S = 3600.0
+"""Expiry of replay blocks in redis tiers, in case the run dies before it removes them."""
 
 
 class _UsageError(Exception):
@@ -130,12 +137,20 @@ def _add_stack_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from kvtier import __version__
+    from kvtier.logs import LOG_LEVELS
+
     parser = _Parser(
         prog="kvtier",
         description="kvtier: a tiered KV cache for LLM inference engines.",
     )
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}",
+                        help="print kvtier's version and exit")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
+                        help="log records at this level and above go to stderr, with time and "
+                             "level (default warning)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                     parser_class=_Parser)
+                                     parser_class=_Parser, help="what to do")
 
     replay = commands.add_parser(
         "replay",
@@ -182,9 +197,12 @@ def _build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--skip-bad-lines", action="store_true",
                         help="skip malformed trace lines (counted in the report) instead of "
                              "failing")
-    replay.add_argument("--eviction-policy", choices=("lru", "arc"), default="lru")
+    replay.add_argument("--eviction-policy", choices=("lru", "arc"), default="lru",
+                        help="eviction policy of the CPU pool (default lru)")
     replay.add_argument("--write-policy", choices=("write_through", "write_back"),
-                        default="write_through")
+                        default="write_through",
+                        help="write each stored block to the secondary tiers at once "
+                             "(write_through, the default) or when the CPU pool evicts it")
     replay.add_argument("--compare", action="store_true",
                         help="also replay with per-request lookups (vLLM-style) and with no "
                              "in-flight reuse, and show the three side by side")
@@ -199,6 +217,14 @@ def _build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                         help="plot hit ratio over time per tier (needs kvtier[plot])")
     replay.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    replay.add_argument("--keep", action="store_true",
+                        help="keep the blocks the run stored in --tier tiers (default: remove "
+                             "them at the end, like the default temporary file tier)")
+    replay.add_argument("--ttl-s", type=_positive_float, default=DEFAULT_REPLAY_TTL_S,
+                        metavar="S",
+                        help="expiry of the blocks stored in redis tiers whose URL sets no "
+                             f"ttl_s (default {DEFAULT_REPLAY_TTL_S:.0f}); S3 and file tiers "
+                             "have no TTL")
 
     inspect = commands.add_parser(
         "inspect", help="show a backend's stats, or check whether keys are present",
@@ -206,27 +232,38 @@ def _build_parser() -> argparse.ArgumentParser:
                     "redis+cluster://, s3://) in a namespace, show its stats, and optionally "
                     "check keys.",
     )
-    inspect.add_argument("url", metavar="URL")
+    inspect.add_argument("url", metavar="URL", help="the backend URL")
     inspect.add_argument("--namespace", dest="namespace_fields", action="append",
                          type=_namespace_field, default=[], metavar="FIELD=VALUE",
                          help="namespace field (repeatable), e.g. model=llama-3-8b; default "
                               "model=kvtier-replay")
+    inspect.add_argument("--digest", default=None, metavar="HEX",
+                         help="the namespace by its digest or a unique prefix of it, as "
+                              "`kvtier usage URL` shows it (instead of --namespace)")
     inspect.add_argument("--key", dest="keys", action="append", default=[], metavar="HEX",
                          help="a block key in hex to check (repeatable)")
 
     bench = commands.add_parser(
         "bench", help="a short built-in benchmark: kvtier lookups vs per-request lookups "
                       "(`kvtier bench serve --help`: TTFT of a real vllm serve)",
-        description="Replays the first N requests of the bundled conversation trace with "
-                    "kvtier's lookups and with vLLM-style per-request lookups, and prints "
-                    "the backend-call and scheduler-time ratios measured in the same run.",
+        description="Replays the first N requests of the bundled conversation trace through a "
+                    "full kvtier stack with kvtier's lookups and with per-request lookups "
+                    "(vLLM-style batching, no verdict cache), in interleaved rounds, and prints "
+                    "backend calls and the median over rounds of the scheduler time per step. "
+                    "For the comparison with vLLM's own AsyncLookupManager run "
+                    "benchmarks/lookup_overhead.py.",
     )
-    bench.add_argument("--requests", type=_int_at_least(1), default=1_000, metavar="N")
+    bench.add_argument("--requests", type=_int_at_least(1), default=1_000, metavar="N",
+                       help="requests of the bundled trace to replay (default 1000)")
+    bench.add_argument("--rounds", type=_int_at_least(1), default=3, metavar="N",
+                       help="interleaved rounds per strategy; medians are printed (default 3)")
     _add_stack_options(bench)
+    _add_usage_commands(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from kvtier.logs import configure_cli_logging
     from kvtier.runguard import Scrubber, SignalGuard, Terminated
 
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -236,10 +273,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     with contextlib.redirect_stderr(_ScrubbedStream(sys.stderr, scrub)):
         args = parser.parse_args(raw)
+    configure_cli_logging(args.log_level)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "replay": _run_replay,
         "inspect": _run_inspect,
         "bench": _run_bench,
+        "usage": _run_usage,
+        "purge": _run_purge,
     }
     args.scrub = scrub
     try:
@@ -345,7 +385,9 @@ def _replay_options(args: argparse.Namespace, **extra: Any) -> Any:
 
     try:
         return ReplayOptions(
-            tier_urls=tuple(args.tiers),
+            tier_urls=tuple(
+                _with_ttl(url, getattr(args, "ttl_s", DEFAULT_REPLAY_TTL_S)) for url in args.tiers
+            ),
             instances=getattr(args, "instances", 1),
             route=Route(getattr(args, "route", "round-robin")),
             speed=getattr(args, "speed", None),
@@ -357,7 +399,8 @@ def _replay_options(args: argparse.Namespace, **extra: Any) -> Any:
             step_ms=getattr(args, "step_ms", 10.0),
             eviction_policy=getattr(args, "eviction_policy", "lru"),
             write_policy=getattr(args, "write_policy", "write_through"),
-            namespace_tag=getattr(args, "namespace_tag", ""),
+            # Always a known tag, so that the run can find (and remove) what it stored.
+            namespace_tag=getattr(args, "namespace_tag", "") or uuid.uuid4().hex[:12],
             **{"scratch_dir": getattr(args, "scratch_dir", None), **extra},
         )
     except ValueError as exc:
@@ -365,7 +408,23 @@ def _replay_options(args: argparse.Namespace, **extra: Any) -> Any:
 
 
 def _replay_all(trace: Any, options: Any, strategies: Sequence[Any], show_progress: bool,
-                console: Any) -> list[Any]:
+                console: Any, *, keep: bool = False) -> list[Any]:
+    """Replay once per strategy. A run that fails removes what it stored in the given tiers
+    (unless ``keep``) before raising; after a run that succeeds the caller does, once the
+    report is out (:func:`_after_replay`)."""
+    from kvtier.replay.engine import replay
+
+    results: list[Any] = []
+    try:
+        _replay_each(trace, options, strategies, show_progress, console, results, replay)
+    except BaseException:
+        _after_replay(options, console, keep)
+        raise
+    return results
+
+
+def _replay_each(trace: Any, options: Any, strategies: Sequence[Any], show_progress: bool,
+                 console: Any, results: list[Any], replay: Any) -> None:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -374,9 +433,6 @@ def _replay_all(trace: Any, options: Any, strategies: Sequence[Any], show_progre
         TimeElapsedColumn,
     )
 
-    from kvtier.replay.engine import replay
-
-    results: list[Any] = []
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
         TimeElapsedColumn(), console=console, disable=not show_progress, transient=True,
@@ -388,7 +444,67 @@ def _replay_all(trace: Any, options: Any, strategies: Sequence[Any], show_progre
                 progress.update(task_id, completed=done, total=_total)
 
             results.append(replay(trace, options, strategy, progress=advance))
-    return results
+
+
+_REPLAY_MODEL = "kvtier-replay"
+"""The namespace model of replayed blocks (kvtier.replay.engine); the revision starts with the
+run's namespace tag."""
+
+
+def _with_ttl(url: str, ttl_s: float) -> str:
+    """``url`` with ``ttl_s`` added where the medium has a TTL (redis) and the URL sets none."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    if not parts.scheme.startswith("redis"):
+        return url
+    if "ttl_s" in urllib.parse.parse_qs(parts.query, keep_blank_values=True):
+        return url
+    query = f"{parts.query}&ttl_s={ttl_s:g}" if parts.query else f"ttl_s={ttl_s:g}"
+    return urllib.parse.urlunsplit(parts._replace(query=query))
+
+
+def _replay_namespaces(url: str, tag: str) -> list[Any]:
+    from kvtier.inventory import usage
+
+    return [
+        item for item in usage(url)
+        if item.fields is not None and item.fields.get("model") == _REPLAY_MODEL
+        and str(item.fields.get("revision", "")).startswith(f"{tag}-")
+    ]
+
+
+def _after_replay(options: Any, console: Any, keep: bool) -> None:
+    """Remove (or, with ``keep``, list) what the run stored in the given tiers."""
+    from kvtier.inventory import MediumError, UsageError, delete
+    from kvtier.replay.report import format_bytes
+
+    for url in options.tier_urls:
+        shown = _redact(url)
+        try:
+            found = _replay_namespaces(url, options.namespace_tag)
+            blocks, size = sum(i.blocks for i in found), format_bytes(sum(i.bytes for i in found))
+            if keep:
+                expiry = ("they expire after their ttl_s" if url.startswith("redis")
+                          else "they have no expiry")
+                console.print(
+                    f"kept {blocks:,} blocks ({size}) in {shown} ({expiry}); remove them with "
+                    f"`kvtier purge URL --namespace revision=REV` (revisions "
+                    f"{', '.join(str(i.fields['revision']) for i in found)})", soft_wrap=True)
+                continue
+            delete(url, found)
+        except (UsageError, MediumError) as exc:
+            print(f"kvtier: warning: could not remove the replay's blocks from {shown}: {exc}",
+                  file=sys.stderr)
+            continue
+        console.print(f"removed the {blocks:,} blocks ({size}) this run stored in {shown}",
+                      soft_wrap=True)
+
+
+def _redact(url: str) -> str:
+    from kvtier.backends import redact_url
+
+    return redact_url(url)
 
 
 def _run_replay(args: argparse.Namespace) -> int:
@@ -415,7 +531,8 @@ def _run_replay(args: argparse.Namespace) -> int:
         options = _replay_options(args, **({} if scratch is None else
                                            {"scratch_dir": str(scratch.path)}))
         try:
-            results = _replay_all(trace, options, strategies, not args.no_progress, console)
+            results = _replay_all(trace, options, strategies, not args.no_progress, console,
+                                  keep=args.keep)
         except ReplayError as exc:
             print(args.scrub(f"kvtier replay: FAILED: {exc}"), file=sys.stderr)
             return EXIT_FAILED
@@ -442,6 +559,8 @@ def _run_replay(args: argparse.Namespace) -> int:
     except ReportError as exc:
         print(f"kvtier replay: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        _after_replay(options, console, args.keep)
     if validation is not None and not validation.passed:
         print(f"kvtier replay: validation FAILED: {validation.summary()}", file=sys.stderr)
         return EXIT_FAILED
@@ -528,16 +647,17 @@ def _settings(args: argparse.Namespace, options: Any) -> dict[str, Any]:
 def _run_inspect(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from kvtier.backends import open_backend, redact_url
+    from kvtier.backends import OpenMode, open_backend, redact_url
     from kvtier.codec import check_key
     from kvtier.keys import Namespace
+    from kvtier.replay.report import format_bytes
 
-    fields: dict[str, Any] = {"model": "kvtier-replay"}
-    for name, value in args.namespace_fields:
-        fields[name] = int(value) if name in {"block_size", "world_size", "rank"} and \
-            value.lstrip("-").isdigit() else value
+    stored = _stored_namespace(args.url, args.digest) if args.digest else None
+    if stored is not None and args.namespace_fields:
+        raise _UsageError("give the namespace by --digest or by --namespace, not both")
     try:
-        namespace = Namespace.from_mapping(fields)
+        namespace = (Namespace.from_mapping(stored.fields) if stored is not None and stored.fields
+                     else _namespace_from_args(args.namespace_fields))
     except (TypeError, ValueError) as exc:
         raise _UsageError(f"--namespace: {exc}") from None
     keys: list[bytes] = []
@@ -552,7 +672,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
             raise _UsageError(str(exc)) from None
     shown = redact_url(args.url)
     try:
-        backend = open_backend(args.url, namespace)
+        backend = open_backend(args.url, namespace, mode=OpenMode.INSPECT)
     except ValueError as exc:
         raise _UsageError(f"URL {shown!r}: {exc}") from None
     except Exception as exc:
@@ -568,13 +688,15 @@ def _run_inspect(args: argparse.Namespace) -> int:
             failed = True
             print(args.scrub(f"kvtier inspect: FAILED: stats of {shown}: {exc}"),
                   file=sys.stderr)
-        table = Table(title=f"{backend.url} (namespace {namespace.digest_hex})",
-                      title_justify="left")
+        console.print(f"{backend.url} (namespace {namespace.digest_hex})", soft_wrap=True)
+        table = Table()
         table.add_column("counter")
         table.add_column("value", justify="right")
         for name, value in sorted(stats.items()):
             table.add_row(name, f"{value:,}" if isinstance(value, int) else str(value))
         console.print(table)
+        if stored is not None:
+            console.print(f"stored: {stored.blocks:,} blocks, {format_bytes(stored.bytes)}")
         if keys:
             try:
                 present: list[bool] | None = list(backend.probe(keys))
@@ -605,6 +727,37 @@ def _run_bench_serve(argv: list[str]) -> int:
     return serve_main(argv)
 
 
+_INT_FIELDS = frozenset({"block_size", "world_size", "rank"})
+
+
+def _field_value(name: str, value: str) -> Any:
+    return int(value) if name in _INT_FIELDS and value.lstrip("-").isdigit() else value
+
+
+def _namespace_from_args(pairs: Sequence[tuple[str, str]]) -> Any:
+    from kvtier.keys import Namespace
+
+    fields: dict[str, Any] = {"model": _REPLAY_MODEL}
+    fields.update((name, _field_value(name, value)) for name, value in pairs)
+    return Namespace.from_mapping(fields)
+
+
+def _stored_namespace(url: str, digest: str) -> Any:
+    """The namespace stored at ``url`` under ``digest`` (a unique prefix will do)."""
+    from kvtier.inventory import UsageError, resolve_digest
+
+    try:
+        stored = resolve_digest(_list_usage(url), digest)
+    except UsageError as exc:
+        raise _UsageError(str(exc)) from None
+    if stored.fields is None:
+        raise _UsageError(
+            f"namespace {stored.digest} has no valid manifest at {_redact(url)} (written by an "
+            f"older kvtier?); name its fields with --namespace FIELD=VALUE instead"
+        )
+    return stored
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from kvtier.config import ConfigError
     from kvtier.replay.errors import ReplayError
@@ -614,28 +767,190 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     _check_memory(args)
     trace = read_trace(DEFAULT_TRACE, max_requests=args.requests)
-    options = _replay_options(args)
     console = _console()
+    rounds: list[tuple[Any, Any]] = []
     try:
-        results = _replay_all(
-            trace, options, [Strategy.KVTIER, Strategy.PER_REQUEST], True, console
-        )
+        for index in range(args.rounds):  # alternate who goes first: drift hits both alike
+            order = [Strategy.KVTIER, Strategy.PER_REQUEST]
+            options = _replay_options(args)  # a fresh namespace per round: no free hits
+            results = _replay_all(trace, options, order if index % 2 == 0 else order[::-1],
+                                  True, console)
+            _after_replay(options, console, keep=False)
+            rounds.append((results[0], results[1]) if index % 2 == 0
+                          else (results[1], results[0]))
     except ReplayError as exc:
         print(f"kvtier bench: FAILED: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except ConfigError as exc:
         raise _UsageError(str(exc)) from None
-    console.print(compare_table(results))
-    ours, baseline = results
+    ours, baseline = rounds[0]
+    console.print(compare_table([ours, baseline], console.width))
     calls = ours.secondary_total("backend_calls")
     baseline_calls = baseline.secondary_total("backend_calls")
+    mine = statistics.median(pair[0].step_time_p50_s for pair in rounds)
+    theirs = statistics.median(pair[1].step_time_p50_s for pair in rounds)
     console.print(
         f"backend calls: kvtier {calls:,} vs per-request {baseline_calls:,} "
         f"({baseline_calls / calls if calls else float('inf'):.1f}x fewer); scheduler time per "
-        f"step p50: {ours.step_time_p50_s * 1e3:.3f} ms vs "
-        f"{baseline.step_time_p50_s * 1e3:.3f} ms"
+        f"step p50, median of {len(rounds)} interleaved round(s): {mine * 1e3:.3f} ms vs "
+        f"{theirs * 1e3:.3f} ms ({mine / theirs if theirs else float('inf'):.2f}x)"
     )
     return EXIT_OK
+
+
+# --------------------------------------------------------------------------- usage and purge
+
+
+def _add_usage_commands(commands: Any) -> None:
+    usage = commands.add_parser(
+        "usage", help="what a tier stores, per namespace (digest, model, blocks, bytes, age)",
+        description="List every kvtier namespace stored at URL, read from the medium itself "
+                    "(SCAN on Redis and every Cluster primary, LIST on S3, the directory tree "
+                    "of a file tier): digest, model, blocks, bytes, oldest and newest block.",
+    )
+    usage.add_argument("url", metavar="URL", help="the backend URL (file://, redis://, "
+                       "rediss://, redis+cluster://, s3://, memory://)")
+    usage.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    purge = commands.add_parser(
+        "purge", help="remove the blocks of namespaces from a tier",
+        description="Remove every block and the manifest of the namespaces selected by "
+                    "--digest and/or --namespace FIELD=VALUE. Asks before deleting on a "
+                    "terminal; elsewhere it needs --yes.",
+    )
+    purge.add_argument("url", metavar="URL", help="the backend URL")
+    purge.add_argument("--digest", default=None, metavar="HEX",
+                       help="the namespace digest, or a unique prefix of it (see `kvtier usage`)")
+    purge.add_argument("--namespace", dest="namespace_fields", action="append",
+                       type=_namespace_field, default=[], metavar="FIELD=VALUE",
+                       help="select namespaces whose manifest has FIELD=VALUE (repeatable; all "
+                            "must match), e.g. model=llama-3-8b")
+    purge.add_argument("--dry-run", action="store_true",
+                       help="show what would be removed; remove nothing")
+    purge.add_argument("--yes", action="store_true",
+                       help="remove without asking (needed when stdin is not a terminal)")
+
+
+def _list_usage(url: str) -> list[Any]:
+    from kvtier.inventory import MediumError, UsageError, usage
+
+    try:
+        return usage(url)
+    except UsageError as exc:
+        raise _UsageError(str(exc)) from None
+    except MediumError as exc:
+        raise _MediumFailed(str(exc)) from None
+
+
+class _MediumFailed(Exception):
+    """The medium could not be listed or purged (exit 1)."""
+
+
+def _age(now: float, when: float | None) -> str:
+    if when is None:
+        return "-"
+    seconds = max(0.0, now - when)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def _usage_table(url: str, found: Sequence[Any], title: str) -> Any:
+    import time
+
+    from rich.table import Table
+
+    from kvtier.replay.report import format_bytes
+
+    now = time.time()
+    table = Table(title=title, title_justify="left", caption_justify="left")
+    table.add_column("digest", no_wrap=True)
+    table.add_column("namespace", overflow="fold")
+    for header in ("blocks", "bytes", "oldest", "newest"):
+        table.add_column(header, justify="right", no_wrap=True)
+    for item in found:
+        table.add_row(item.digest[:12], _namespace_label(item), f"{item.blocks:,}",
+                      format_bytes(item.bytes), _age(now, item.oldest), _age(now, item.newest))
+    total = sum(item.bytes for item in found)
+    table.caption = (f"{len(found):,} namespace(s), {sum(i.blocks for i in found):,} blocks, "
+                     f"{format_bytes(total)}")
+    if url.startswith("redis"):
+        table.caption += "; redis keeps no write time: oldest/newest are last access times"
+    return table
+
+
+def _namespace_label(item: Any) -> str:
+    """The model, then the fields that differ from their defaults (never the long layout)."""
+    if item.fields is None:
+        return "? (no manifest)"
+    defaults = {"revision": "", "dtype": "", "block_size": 0, "world_size": 1, "rank": 0,
+                "tenant": ""}
+    extra = [f"{name}={item.fields[name]}" for name, default in defaults.items()
+             if item.fields.get(name, default) != default]
+    return " ".join([str(item.fields["model"]), *extra])
+
+
+def _run_usage(args: argparse.Namespace) -> int:
+    import json
+
+    try:
+        found = _list_usage(args.url)
+    except _MediumFailed as exc:
+        print(f"kvtier usage: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    _log.info("listed %d namespace(s) at %s", len(found), _redact(args.url))
+    if args.json:
+        print(json.dumps([item.to_json() for item in found], indent=2))
+        return EXIT_OK
+    _console().print(_usage_table(args.url, found, f"kvtier usage: {_redact(args.url)}"))
+    return EXIT_OK
+
+
+def _run_purge(args: argparse.Namespace) -> int:
+    from kvtier.inventory import MediumError, UsageError, delete, select
+    from kvtier.replay.report import format_bytes
+
+    fields = {name: value for name, value in args.namespace_fields}
+    try:
+        chosen = select(_list_usage(args.url), args.digest, fields)
+    except UsageError as exc:
+        raise _UsageError(str(exc)) from None
+    except _MediumFailed as exc:
+        print(f"kvtier purge: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    console = _console()
+    if not chosen:
+        console.print("nothing to purge: no stored namespace matches")
+        return EXIT_OK
+    what = (f"{sum(i.blocks for i in chosen):,} blocks "
+            f"({format_bytes(sum(i.bytes for i in chosen))}) in {len(chosen)} namespace(s)")
+    console.print(_usage_table(args.url, chosen, f"kvtier purge: {_redact(args.url)}"))
+    if args.dry_run:
+        console.print(f"dry run: would remove {what}; nothing removed")
+        return EXIT_OK
+    if not args.yes and not _confirmed(f"remove {what}?"):
+        return EXIT_USAGE
+    try:
+        result = delete(args.url, chosen)
+    except MediumError as exc:
+        print(f"kvtier purge: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    console.print(f"removed {what} ({result.objects_deleted:,} objects)")
+    return EXIT_OK
+
+
+def _confirmed(question: str) -> bool:
+    """Ask on a terminal; refuse (with the reason) when stdin is not one."""
+    if not sys.stdin.isatty():
+        print(f"kvtier purge: refusing to {question.rstrip('?')} without --yes: stdin is not a "
+              f"terminal, so nobody can confirm (see what would go with --dry-run)",
+              file=sys.stderr)
+        return False
+    answer = input(f"{question} [y/N] ").strip().lower()
+    if answer not in ("y", "yes"):
+        print("kvtier purge: nothing removed", file=sys.stderr)
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -61,10 +61,10 @@ from typing import Any
 import yaml
 
 import kvtier.backends as _backends
-import kvtier.lookup as _lookup
 from kvtier.backends import SCHEMES
 from kvtier.deadlines import DEFAULT_LOAD_TIMEOUT_S
 from kvtier.keys import Namespace
+from kvtier.lookup import LOOKUP_SETTINGS
 from kvtier.policies import PolicyName
 from kvtier.primary import PrimaryBacking
 from kvtier.settings import (
@@ -183,34 +183,6 @@ TIER_SETTINGS = SettingsTable("secondary tier", [
             minimum=0, strict_min=True, unit="seconds", env="KVTIER_LOAD_TIMEOUT_S"),
 ])
 
-_MAX_S = 3600.0  # the lookup manager's ceiling for every time setting
-# Transitional: the bounds of AsyncLookupManager's settings until kvtier.lookup declares its
-# own LOOKUP_SETTINGS (then that table is used, and this one is deleted). Defaults are unset:
-# an unset setting takes the lookup manager's default.
-_TRANSITIONAL_LOOKUP_SETTINGS = SettingsTable("lookup", [
-    Setting("probe_timeout_s", Kind.FLOAT, None, "a probe older than this resolves False "
-            "(unset here: the lookup manager's default)",
-            minimum=0.0, strict_min=True, maximum=_MAX_S, unit="seconds", nullable=True,
-            env="KVTIER_LOOKUP_PROBE_TIMEOUT_S"),
-    Setting("verdict_ttl_s", Kind.FLOAT, None, "how long a verdict is cached after its request",
-            minimum=0.0, maximum=_MAX_S, unit="seconds", nullable=True,
-            env="KVTIER_LOOKUP_VERDICT_TTL_S"),
-    Setting("max_cached_verdicts", Kind.INT, None, "bound of the verdict cache and quarantine",
-            minimum=1, nullable=True, env="KVTIER_LOOKUP_MAX_CACHED_VERDICTS"),
-    Setting("quarantine_s", Kind.FLOAT, None, "a key whose load failed answers False this long",
-            minimum=0.0, maximum=_MAX_S, unit="seconds", nullable=True,
-            env="KVTIER_LOOKUP_QUARANTINE_S"),
-    Setting("max_batch_keys", Kind.INT, None, "keys per backend probe call", minimum=1,
-            nullable=True, env="KVTIER_LOOKUP_MAX_BATCH_KEYS"),
-    Setting("breaker_threshold", Kind.INT, None, "failed probe calls in a row that open the "
-            "circuit breaker", minimum=1, nullable=True, env="KVTIER_LOOKUP_BREAKER_THRESHOLD"),
-    Setting("breaker_cooldown_s", Kind.FLOAT, None, "an open breaker retries after this long",
-            minimum=0.0, strict_min=True, maximum=_MAX_S, unit="seconds", nullable=True,
-            env="KVTIER_LOOKUP_BREAKER_COOLDOWN_S"),
-])
-LOOKUP_SETTINGS: SettingsTable = getattr(_lookup, "LOOKUP_SETTINGS",
-                                         _TRANSITIONAL_LOOKUP_SETTINGS)
-
 VLLM_TIER_SETTINGS = SettingsTable("vLLM KvtierTier", [
     TIER_SETTINGS["url"],
     TIER_SETTINGS["io_threads"],
@@ -232,7 +204,6 @@ OTHER_ENV_VARIABLES: Mapping[str, str] = MappingProxyType({
     "KVTIER_SECONDARY_TIERS": "the secondary tiers: a JSON list, or comma-separated URLs",
     "KVTIER_DEBUG": "the CLI prints a traceback for unexpected errors",
     "KVTIER_SKIP_VLLM": "scripts/test.sh skips the vLLM test lane",
-    "KVTIER_TRACES_DIR": "the test suite reads the shared production traces from here",
 })
 """``KVTIER_*`` variables that are not a setting of one table."""
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from kvtier import codec
-from kvtier.backends import BackendClosedError, BackendUnavailableError, open_backend
+from kvtier.backends import BackendClosedError, BackendUnavailableError, OpenMode, open_backend
 from kvtier.backends.s3 import PutMode, S3Backend
 from kvtier.keys import Namespace
 from servers.seaweed import SeaweedServer
@@ -513,6 +513,7 @@ def _relayed_backend(
         namespace,
         endpoint_url=relay.endpoint_url,
         region=s3_server.region,
+        mode=OpenMode.INSPECT,  # no namespace-manifest PUT: the relay counts every request
         **options,
     )
 

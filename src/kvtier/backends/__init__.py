@@ -16,10 +16,13 @@ Options come from keyword arguments or from the URL's query string (not both for
 
 from __future__ import annotations
 
+import enum
 import importlib
+import logging
 import threading
 import urllib.parse
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
 from kvtier.backends.base import (
@@ -52,9 +55,11 @@ __all__ = [
     "BackendUnavailableError",
     "Buffer",
     "Fetched",
+    "OpenMode",
     "Outcome",
     "RateLimitedLog",
     "StoredFrame",
+    "backend_module",
     "backend_settings",
     "check_get_args",
     "check_keys",
@@ -160,8 +165,22 @@ def _scheme_of(url: str) -> str:
     return scheme.lower()
 
 
-def open_backend(url: str, namespace: Namespace, **options: Any) -> Backend:
+class OpenMode(enum.Enum):
+    """What an opened backend is for."""
+
+    READ_WRITE = "read-write"
+    """Storing blocks: the namespace manifest is written next to them (see kvtier.inventory)."""
+    INSPECT = "inspect"
+    """Looking only (``kvtier inspect``): nothing is written to the medium at open."""
+
+
+def open_backend(
+    url: str, namespace: Namespace, *, mode: OpenMode = OpenMode.READ_WRITE, **options: Any
+) -> Backend:
     """Open the backend named by ``url`` for blocks of ``namespace``.
+
+    With ``mode=OpenMode.READ_WRITE`` (the default) the namespace manifest is written to the
+    medium, so that ``kvtier usage`` can name the model of every stored digest.
 
     Raises ``ValueError`` naming the bad part of the URL or the unknown option, and
     ``TypeError`` for arguments of the wrong type.
@@ -186,6 +205,8 @@ def open_backend(url: str, namespace: Namespace, **options: Any) -> Backend:
     if not isinstance(backend, Backend):
         raise TypeError(f"the factory of {scheme}:// returned {type(backend).__name__}, "
                         "not a kvtier Backend")
+    if mode is OpenMode.READ_WRITE and module_name is not None:
+        _write_manifest(importlib.import_module(module_name), backend)
     return backend
 
 
@@ -239,3 +260,39 @@ def redacted_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` with the value of every credential-like name replaced by ``'***'``."""
     return {name: "***" if _is_secret(name) and value is not None else value
             for name, value in options.items()}
+
+
+# ------------------------------------------------------------------ usage (kvtier.inventory)
+
+_log = logging.getLogger(__name__)
+
+
+def backend_module(url: str) -> ModuleType:
+    """The module implementing ``url``'s scheme: ``from_url`` and, for ``kvtier.inventory``,
+    ``list_namespaces`` / ``delete_namespaces`` (and ``write_manifest`` where the medium is
+    shared). Raises ``ValueError`` for a URL without a known scheme."""
+    scheme = _scheme_of(url)
+    module_name = _BUILTIN_MODULES.get(scheme)
+    if module_name is None:
+        known = "registered" if scheme in _registry else "unknown"
+        raise ValueError(
+            f"{known} backend URL scheme {scheme + '://'!r} in {redact_url(url)!r}: usage and "
+            f"purge know the built-in schemes {[s + '://' for s in _BUILTIN_MODULES]}"
+        )
+    return importlib.import_module(module_name)
+
+
+def _write_manifest(module: ModuleType, backend: Backend) -> None:
+    """Store the namespace manifest next to the blocks. Best effort: a medium that is down at
+    open is not an error for a backend, so a failed write is logged, never raised."""
+    write = getattr(module, "write_manifest", None)
+    if write is None:
+        return
+    from kvtier.inventory import manifest_document
+
+    try:
+        write(backend, manifest_document(backend.namespace))
+    except Exception as exc:
+        _log.warning("%s: could not write the namespace manifest of %s: %s: %s",
+                     backend.url, backend.namespace.digest_hex, type(exc).__name__,
+                     str(exc).strip().splitlines()[0] if str(exc).strip() else "")

@@ -50,6 +50,7 @@ buffer (O_DIRECT needs aligned buffers and offsets) and copied after verificatio
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import errno
@@ -821,3 +822,90 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBac
         shared_dir=parsed["shared_dir"],
         auth_key=load_auth_key(parsed, "file"),
     )
+
+
+# ------------------------------------------------------------------ usage (kvtier.inventory)
+
+MANIFEST_NAME = "namespace.json"
+"""The namespace manifest's file name in ``<root>/<digest>/``; never a block's name (those end
+in ``.kvb`` two directories further down)."""
+
+
+def write_manifest(backend: FileBackend, document: bytes) -> None:
+    """Write ``<root>/<digest>/namespace.json`` unless it is there (atomic: temp + rename)."""
+    directory = str(backend.root / backend.namespace.digest_hex)
+    final = os.path.join(directory, MANIFEST_NAME)
+    if os.path.lexists(final):
+        return
+    temp = os.path.join(directory, f"{_TEMP_PREFIX}{os.getpid()}-{next(_TEMP_COUNTER)}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, _FILE_MODE)
+    try:
+        _write_all(fd, [document])
+    finally:
+        os.close(fd)
+    os.replace(temp, final)  # identical content if another writer won: harmless
+
+
+def _usage_root(url: str, options: dict[str, Any]) -> Path:
+    """The root directory of a file tier URL (validated like :func:`from_url`)."""
+    parts, merged = split_url_options(url, options)
+    SETTINGS.parse(merged, "file")  # unknown or bad options fail as they do at open
+    path = urllib.parse.unquote(parts.path)
+    if parts.scheme != "file" or parts.netloc or not path.startswith("/"):
+        raise ValueError(f"file backend URL {url!r}: expected file:///absolute/path")
+    return Path(path)
+
+
+def _namespace_dirs(root: Path) -> list[Path]:
+    from kvtier.inventory import is_digest
+
+    if not root.is_dir():
+        raise ValueError(f"file tier root {str(root)!r} is not a directory")
+    return sorted(entry for entry in root.iterdir()
+                  if is_digest(entry.name) and entry.is_dir() and not entry.is_symlink())
+
+
+def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:
+    """One :class:`kvtier.inventory.NamespaceUsage` per namespace directory under the root."""
+    from kvtier.inventory import NamespaceUsage, parse_manifest
+
+    found = []
+    for directory in _namespace_dirs(_usage_root(url, options)):
+        manifest = directory / MANIFEST_NAME
+        data = manifest.read_bytes() if manifest.is_file() and not manifest.is_symlink() else None
+        item = NamespaceUsage(digest=directory.name, fields=parse_manifest(data, directory.name))
+        for parent, _subdirs, files in os.walk(directory):
+            for name in files:
+                if not name.endswith(_SUFFIX):
+                    continue
+                try:
+                    info = os.lstat(os.path.join(parent, name))
+                except FileNotFoundError:
+                    continue  # removed while we walked
+                if stat.S_ISREG(info.st_mode):
+                    item.add_block(info.st_size, info.st_mtime)
+        found.append(item)
+    return found
+
+
+def delete_namespaces(url: str, options: dict[str, Any], digests: list[str]) -> int:
+    """Remove the blocks, temp files and manifest of each namespace, then its directories."""
+    root = _usage_root(url, options)
+    wanted = set(digests)
+    deleted = 0
+    for directory in _namespace_dirs(root):
+        if directory.name not in wanted:
+            continue
+        for parent, _subdirs, files in os.walk(directory, topdown=False):
+            for name in files:
+                if name.endswith(_SUFFIX) or name.startswith(_TEMP_PREFIX) or \
+                        name == MANIFEST_NAME:
+                    try:
+                        os.unlink(os.path.join(parent, name))
+                    except FileNotFoundError:
+                        continue
+                    deleted += 1
+            # Not empty: something that is not ours, or a block written meanwhile.
+            with contextlib.suppress(OSError):
+                os.rmdir(parent)
+    return deleted

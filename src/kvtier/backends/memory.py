@@ -159,3 +159,17 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> MemoryB
     parsed = SETTINGS.parse(merged, "memory")
     return MemoryBackend(namespace, max_bytes=parsed["max_bytes"],
                          auth_key=load_auth_key(parsed, "memory"))
+
+
+# ------------------------------------------------------------------ usage (kvtier.inventory)
+
+
+def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:
+    """Nothing: a ``memory://`` store is private to its instance, so a new one is empty."""
+    from_url(url, Namespace(model="kvtier-usage"), options).close()  # validates the URL
+    return []
+
+
+def delete_namespaces(url: str, options: dict[str, Any], digests: list[str]) -> int:
+    """Nothing to delete (see :func:`list_namespaces`)."""
+    return 0

