@@ -564,3 +564,27 @@ def test_blocks_the_tier_holds_are_not_written_again_until_a_lookup_misses(
         stats = stack.tier.stats_snapshot()
         assert stats["stored_keys"] == 4  # only the lost block was written again
         assert len(_stored_files(tmp_path)) == 3
+
+
+def test_auth_key_under_vllm_never_serves_a_foreign_writers_frames(tmp_path: Path) -> None:
+    """Two vLLM stacks on one real file tier: the keyed owner never loads what a writer with
+    another key stored, and the owner's own store then replaces the foreign frames."""
+    keys, payloads = random_keys(2), random_payloads(2)
+    owner_key, other_key = "k" * 32, "x" * 32
+    with engine(_file_url(tmp_path), auth_key=other_key) as intruder:
+        intruder.store(keys, [os.urandom(len(payload)) for payload in payloads])
+    assert len(_stored_files(tmp_path)) == 2
+    with engine(_file_url(tmp_path), auth_key=owner_key, load_timeout_s=5,
+                lookup={"verdict_ttl_s": 0}) as owner:
+        assert owner.tier._tier._load_timeout_s == 5.0  # the vLLM option reaches the tier
+        context = owner.new_request()
+        assert owner.lookup_until_final(keys, context) == [LookupResult.MISS] * 2
+        stats = owner.tier.stats_snapshot()
+        assert stats["loaded_keys"] == 0 and stats["backend_auth_failures"] == 2
+        owner.manager.on_request_finished(context)
+        owner.store(keys, payloads)
+    with engine(_file_url(tmp_path), auth_key=owner_key) as reader:
+        context = reader.new_request()
+        assert reader.lookup_until_final(keys, context) == [LookupResult.HIT] * 2
+        for key, payload in zip(keys, payloads, strict=True):
+            assert reader.primary[reader.chunk_of(key, context)].tobytes() == payload

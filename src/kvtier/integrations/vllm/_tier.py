@@ -225,6 +225,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         url: str | None = None,
         io_threads: int | None = None,
         max_blocks_per_call: int | None = None,
+        load_timeout_s: float | None = None,
         lookup: Mapping[str, Any] | None = None,
         locality: str | None = None,
         enable_kv_events: bool | None = None,
@@ -237,6 +238,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         :data:`~kvtier.config.VLLM_TIER_SETTINGS`; bad values raise ``ConfigError``."""
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         given = {"url": url, "io_threads": io_threads, "max_blocks_per_call": max_blocks_per_call,
+                 "load_timeout_s": load_timeout_s,
                  "locality": locality, "enable_kv_events": enable_kv_events, "model": model,
                  "revision": revision, "tenant": tenant}
         options = VLLM_TIER_SETTINGS.parse(
@@ -268,6 +270,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                 self._url, backend, lookup=lookup_settings, io_threads=options["io_threads"],
                 max_pending_store_bytes=sys.maxsize, max_pending_store_jobs=sys.maxsize,
                 max_keys_per_call=options["max_blocks_per_call"], metrics=self._probe_durations,
+                load_timeout_s=options["load_timeout_s"],
             )
         except Exception:
             backend.close()
