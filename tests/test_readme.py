@@ -32,6 +32,8 @@ _TEXT = README.read_text(encoding="utf-8")
 
 NOT_RUN_HERE: dict[str, str] = {
     "bash scripts/test.sh": "the whole suite, this test included; CI runs it (.ci/run)",
+    "PYTHONPATH=src .venv-vllm/bin/python benchmarks/serve_ttft.py": "the serving benchmark (~35 "
+    "min on 2 cores); its smoke test runs in the vLLM lane (tests/integrations/test_vllm_serve.py)",
     '.venv/bin/pytest -m "not vllm"': "the main suite, this test included",
     "scripts/setup-vllm-venv.sh .venv-vllm": "the vLLM lane of scripts/test.sh",
     "kvtier replay sessions/": "needs your own directory of per-session JSON traces (the "

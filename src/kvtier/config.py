@@ -186,6 +186,7 @@ TIER_SETTINGS = SettingsTable("secondary tier", [
 VLLM_TIER_SETTINGS = SettingsTable("vLLM KvtierTier", [
     TIER_SETTINGS["url"],
     TIER_SETTINGS["io_threads"],
+    TIER_SETTINGS["load_timeout_s"],
     Setting("max_blocks_per_call", Kind.INT, 32, "keys per backend get/put call", minimum=1,
             env="KVTIER_MAX_BLOCKS_PER_CALL"),
     Setting("locality", Kind.CHOICE, None, "what vLLM is told; default: REMOTE for network "

@@ -531,3 +531,60 @@ def test_jobs_breaking_the_contract_raise_a_named_error(tmp_path: Path) -> None:
         [result] = list(stack.tier.get_finished_jobs())
         assert result.job_id == 3 and result.success is False  # nothing stored: all missing
         assert result.successful_keys is None
+
+
+def test_blocks_the_tier_holds_are_not_written_again_until_a_lookup_misses(
+    tmp_path: Path,
+) -> None:
+    """vLLM cascades every chunk newly written to its CPU tier; a chunk evicted from the CPU
+    tier and offloaded again (the engine's prefix cache still had it) must not be rewritten to
+    a backend that holds it. Once a lookup finds it gone, the next store writes it again."""
+    keys, payloads = random_keys(3), random_payloads(3)
+    with engine(_file_url(tmp_path), lookup={"verdict_ttl_s": 0}) as stack:
+        stack.store(keys, payloads)
+        files = _stored_files(tmp_path)
+        written = {path: path.stat().st_mtime_ns for path in files}
+        stack.manager.reset_cache()  # the chunks leave vLLM's CPU tier only
+        stack.store(keys, payloads)  # offloaded again: the job succeeds, nothing is written
+        stats = stack.tier.stats_snapshot()
+        assert stats["stored_keys"] == 3 and stats["store_keys_skipped"] == 3
+        assert {path: path.stat().st_mtime_ns for path in _stored_files(tmp_path)} == written
+
+        files[0].unlink()  # the backend lost one block behind the tier's back
+        stack.manager.reset_cache()
+        context = stack.new_request()
+        results = stack.lookup_until_final(keys, context)
+        lost = [key for key, result in zip(keys, results, strict=True)
+                if result is LookupResult.MISS]
+        assert len(lost) == 1
+        stack.manager.on_request_finished(context)
+        stack.settle()
+        stack.manager.reset_cache()
+        stack.store(keys, payloads)
+        stats = stack.tier.stats_snapshot()
+        assert stats["stored_keys"] == 4  # only the lost block was written again
+        assert len(_stored_files(tmp_path)) == 3
+
+
+def test_auth_key_under_vllm_never_serves_a_foreign_writers_frames(tmp_path: Path) -> None:
+    """Two vLLM stacks on one real file tier: the keyed owner never loads what a writer with
+    another key stored, and the owner's own store then replaces the foreign frames."""
+    keys, payloads = random_keys(2), random_payloads(2)
+    owner_key, other_key = "k" * 32, "x" * 32
+    with engine(_file_url(tmp_path), auth_key=other_key) as intruder:
+        intruder.store(keys, [os.urandom(len(payload)) for payload in payloads])
+    assert len(_stored_files(tmp_path)) == 2
+    with engine(_file_url(tmp_path), auth_key=owner_key, load_timeout_s=5,
+                lookup={"verdict_ttl_s": 0}) as owner:
+        assert owner.tier._tier._load_timeout_s == 5.0  # the vLLM option reaches the tier
+        context = owner.new_request()
+        assert owner.lookup_until_final(keys, context) == [LookupResult.MISS] * 2
+        stats = owner.tier.stats_snapshot()
+        assert stats["loaded_keys"] == 0 and stats["backend_auth_failures"] == 2
+        owner.manager.on_request_finished(context)
+        owner.store(keys, payloads)
+    with engine(_file_url(tmp_path), auth_key=owner_key) as reader:
+        context = reader.new_request()
+        assert reader.lookup_until_final(keys, context) == [LookupResult.HIT] * 2
+        for key, payload in zip(keys, payloads, strict=True):
+            assert reader.primary[reader.chunk_of(key, context)].tobytes() == payload

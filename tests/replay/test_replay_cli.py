@@ -98,7 +98,7 @@ def test_missing_trace_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
     (["replay", "--instances", "0"], "argument --instances: expected an integer >= 1, got '0'"),
     (["replay", "--block-bytes", "1000"],
      "argument --block-bytes: expected a size >= 16 bytes and a multiple of 16, got '1000'"),
-    (["replay", "--block-bytes", "lots"], "expected a size like 16384, 16KiB or 1MiB"),
+    (["replay", "--block-bytes", "lots"], "expected a byte count or a binary size such as '64KiB'"),
     (["replay", "--tier", "ftp://host/x"], "argument --tier: expected a tier URL with a scheme"),
     (["replay", "--speed", "-1"], "argument --speed: expected a finite number > 0, got '-1'"),
     (["replay", "--step-ms", "nan"], "argument --step-ms: expected a finite number >= 0"),

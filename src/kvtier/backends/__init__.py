@@ -39,7 +39,6 @@ from kvtier.backends.base import (
     check_get_args,
     check_keys,
     check_put_args,
-    parse_size_option,
 )
 from kvtier.keys import Namespace
 from kvtier.settings import SettingsTable
@@ -65,7 +64,6 @@ __all__ = [
     "check_keys",
     "check_put_args",
     "open_backend",
-    "parse_size_option",
     "redact_url",
     "redacted_options",
     "register_scheme",

@@ -64,7 +64,6 @@ __all__ = [
     "check_keys",
     "check_put_args",
     "load_auth_key",
-    "parse_size_option",
 ]
 
 _log = logging.getLogger(__name__)
@@ -331,14 +330,6 @@ def check_get_args(
 
 # --------------------------------------------------------------------------- option parsing
 
-
-
-def parse_size_option(name: str, value: object, *, minimum: int = 0) -> int:
-    """Bytes from an int or a binary size (``"512MiB"``, ``"4G"``, ``"4096"``): the one size rule
-    of kvtier (:func:`kvtier.settings.parse_size`; ``"1.5GB"`` is ambiguous and rejected)."""
-    from kvtier.settings import parse_size  # a ConfigError is a ValueError
-
-    return parse_size(value, f"option {name}={value!r}", minimum=minimum)
 
 
 # --------------------------------------------------------------------------- common options

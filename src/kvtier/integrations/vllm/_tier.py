@@ -18,10 +18,12 @@ Threads and state ownership:
 
 - Scheduler thread (vLLM's scheduler; every public method): ``_jobs`` / ``_vllm_job_ids``
   (submitted jobs not yet reported, by vLLM job id / by SecondaryTier job id), ``_collected``
-  (jobs finished but not yet reported: collected by ``drain_jobs``, or shed), ``_events``,
-  ``_deltas`` (the metric values already reported to vLLM), and — through the
-  SecondaryTier's scheduler-side API — its job table, lookup state (``mark_miss`` on failed
-  loads, ``note_stored`` unless the key's load just failed) and lifecycle.
+  (jobs finished but not yet reported: collected by ``drain_jobs``, shed, or skipped because
+  every key is in ``_held``), ``_held`` (:class:`HeldKeys`), ``_skipped`` and
+  ``_store_keys_skipped``, ``_events``, ``_deltas`` (the metric values already reported to
+  vLLM), and — through the SecondaryTier's scheduler-side API — its job table, lookup state
+  (``mark_miss`` on failed loads, ``note_stored`` unless the key's load just failed) and
+  lifecycle.
 - The SecondaryTier's I/O threads run one job at a time each, reading or writing the primary
   chunks the job's ``memoryview`` slices name (vLLM pins them until the job is reported), and
   post the finished job back to the scheduler thread (see :mod:`kvtier.tier`).
@@ -39,6 +41,7 @@ import itertools
 import logging
 import sys
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -95,6 +98,43 @@ class KvtierTierClosedError(RuntimeError):
 
 class KvtierTierContractError(RuntimeError):
     """vLLM handed the tier a job that breaks the secondary-tier contract."""
+
+
+class HeldKeys:
+    """Keys this tier's backend is known to hold: stored or loaded by us, not since missed.
+
+    vLLM cascades every chunk newly written to its CPU primary tier to every secondary tier.
+    A chunk evicted from the primary tier but still in the engine's prefix cache is written to
+    the primary tier again when a later request offloads it, and would be written to the
+    backend again although the backend still holds it (write amplification: 6.5x more blocks
+    stored with vLLM's prefix cache on than off, in issue 13's client run). Stores of held
+    keys are skipped and reported as done. A key leaves the record when a lookup finds it
+    absent or a load of it fails (so a key the backend lost is stored again on its next
+    offload), and the oldest leave first past ``capacity``. Owned by the scheduler thread.
+    """
+
+    __slots__ = ("_capacity", "_keys")
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self._capacity = capacity
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > self._capacity:
+            self._keys.popitem(last=False)
+
+    def discard(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._keys.pop(key, None)
 
 
 def _parse_lookup_settings(raw: object) -> LookupConfig:
@@ -185,6 +225,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         url: str | None = None,
         io_threads: int | None = None,
         max_blocks_per_call: int | None = None,
+        load_timeout_s: float | None = None,
         lookup: Mapping[str, Any] | None = None,
         locality: str | None = None,
         enable_kv_events: bool | None = None,
@@ -197,6 +238,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         :data:`~kvtier.config.VLLM_TIER_SETTINGS`; bad values raise ``ConfigError``."""
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         given = {"url": url, "io_threads": io_threads, "max_blocks_per_call": max_blocks_per_call,
+                 "load_timeout_s": load_timeout_s,
                  "locality": locality, "enable_kv_events": enable_kv_events, "model": model,
                  "revision": revision, "tenant": tenant}
         options = VLLM_TIER_SETTINGS.parse(
@@ -228,6 +270,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                 self._url, backend, lookup=lookup_settings, io_threads=options["io_threads"],
                 max_pending_store_bytes=sys.maxsize, max_pending_store_jobs=sys.maxsize,
                 max_keys_per_call=options["max_blocks_per_call"], metrics=self._probe_durations,
+                load_timeout_s=options["load_timeout_s"],
             )
         except Exception:
             backend.close()
@@ -242,7 +285,11 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         self._jobs: dict[int, int] = {}  # vLLM job id -> SecondaryTier job id, until reported
         self._vllm_job_ids: dict[int, int] = {}  # SecondaryTier job id -> vLLM job id
         self._collected: list[TierJob] = []  # finished, reported by the next get_finished_jobs
-        self._shed_ids = itertools.count(-1, -1)  # ids of shed store jobs (never the tier's)
+        # Ids of jobs finished without the SecondaryTier (shed or skipped; never the tier's).
+        self._local_ids = itertools.count(-1, -1)
+        self._held = HeldKeys()
+        self._skipped: dict[int, tuple[bytes, ...]] = {}  # vLLM job id -> keys not rewritten
+        self._store_keys_skipped = 0
         self._metrics_label = _metrics_label(offloading_spec, tier_type, url)
         self._deltas = DeltaTracker()
         emit_events = options["enable_kv_events"] and bool(
@@ -268,8 +315,11 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
 
     def stats_snapshot(self) -> dict[str, Any]:
         """The tier's counters (:meth:`SecondaryTier.stats`: lookups, transfers, ``backend_*``),
-        the one source :meth:`get_stats` publishes from."""
-        return self._tier.stats()
+        the one source :meth:`get_stats` publishes from; plus ``store_keys_skipped`` (stores of
+        blocks the backend already held, see :class:`HeldKeys`)."""
+        snapshot = self._tier.stats()
+        snapshot["store_keys_skipped"] = self._store_keys_skipped
+        return snapshot
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -283,9 +333,12 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         if context is None:
             context = RequestContext(req_context.req_id)
             req_context.set_state(context)
-        verdict = self._tier.lookup(bytes(key), context)
+        raw_key = bytes(key)
+        verdict = self._tier.lookup(raw_key, context)
         if verdict is None:
             return LookupResult.RETRY
+        if not verdict and raw_key in self._held:
+            self._held.discard((raw_key,))
         return LookupResult.HIT if verdict else LookupResult.MISS
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -321,18 +374,35 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                 f"KvtierTier: job {job_id} names chunk ids {bad[:4]} outside the primary region "
                 f"of {self._num_chunks} chunks"
             )
-        views = [self._slot_view(slot) for slot in slots]
         job: TierJob | None
         if kind is JobKind.LOAD:
-            job = self._tier.submit_load(keys, views)
+            job = self._tier.submit_load(keys, [self._slot_view(slot) for slot in slots])
         else:
-            job = self._tier.submit_store(keys, views)
+            keys, slots = self._without_held(job_id, keys, slots)
+            if not keys:
+                job = TierJob(next(self._local_ids), JobKind.STORE, (), (), 0, results=())
+                self._collected.append(job)
+                self._jobs[job_id] = job.job_id
+                self._vllm_job_ids[job.job_id] = job_id
+                return
+            job = self._tier.submit_store(keys, [self._slot_view(slot) for slot in slots])
             if job is None:  # unreachable with our limits; if ever, a failed job, never lost
-                job = TierJob(next(self._shed_ids), JobKind.STORE, tuple(keys), (), 0,
+                job = TierJob(next(self._local_ids), JobKind.STORE, tuple(keys), (), 0,
                               results=(False,) * len(keys), error="shed: tier backlogged")
                 self._collected.append(job)
         self._jobs[job_id] = job.job_id
         self._vllm_job_ids[job.job_id] = job_id
+
+    def _without_held(self, job_id: int, keys: list[bytes],
+                      slots: list[int]) -> tuple[list[bytes], list[int]]:
+        """The keys of a store job the backend does not hold yet (see :class:`HeldKeys`)."""
+        held = self._held
+        if not any(key in held for key in keys):
+            return keys, slots
+        fresh = [(key, slot) for key, slot in zip(keys, slots, strict=True) if key not in held]
+        self._skipped[job_id] = tuple(key for key in keys if key in held)
+        self._store_keys_skipped += len(keys) - len(fresh)
+        return [key for key, _ in fresh], [slot for _, slot in fresh]
 
     def _slot_view(self, slot: int) -> memoryview:
         start = slot * self._chunk_bytes
@@ -358,6 +428,10 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         del self._jobs[job_id]
         good = job.succeeded
         failed = len(job.keys) - len(good)
+        if failed:
+            self._held.discard(job.failed)
+        if good:
+            self._held.add(good)
         transferred = len(good) * self._chunk_bytes
         if job.kind is JobKind.STORE and good and self._events is not None:
             self._events.append(
@@ -365,8 +439,9 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                     keys=good, medium=Medium.STORAGE, removed=False, locality=self.locality,
                 )
             )
+        skipped = self._skipped.pop(job_id, ())
         success = not failed
-        successful_keys = None if success or not good else tuple(good)
+        successful_keys = None if success or not (good or skipped) else (*good, *skipped)
         return JobResult(
             job_id=job_id,
             success=success,

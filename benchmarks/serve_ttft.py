@@ -1,0 +1,19 @@
+"""TTFT of a real ``vllm serve`` driven by vLLM's own ``vllm bench serve`` (timed_trace).
+
+One command (run with the vLLM venv that ``scripts/setup-vllm-venv.sh`` builds)::
+
+    .venv-vllm/bin/python benchmarks/serve_ttft.py --json serve.json --plot serve.png
+
+Side by side, each on a fresh server with the same requests: prefix-cache-only, vllm-fs,
+kvtier-file, kvtier-redis, kvtier-file-restart, no-reuse-baseline, no-reuse-kvtier. The same
+as ``kvtier bench serve``; see :mod:`kvtier.integrations.vllm.serve_bench`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kvtier.integrations.vllm.serve_bench import main
+
+if __name__ == "__main__":
+    sys.exit(main())
