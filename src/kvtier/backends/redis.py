@@ -594,15 +594,16 @@ class RedisBackend(Backend):
 
     def _m_exists(self, keys: list[BlockKey]) -> list[Outcome]:
         replies = self._run("exists", keys, lambda pipe, key: pipe.exists(self._name(key)))
-        outcomes: list[Outcome] = []
-        for reply in replies:
-            if reply is _FAILED:
-                outcomes.append(Outcome.FAILED)
-            elif isinstance(reply, Exception):
-                outcomes.append(self._fail("exists", "1 key", reply))
-            else:
-                outcomes.append(Outcome.OK if reply == 1 else Outcome.MISSING)
-        return outcomes
+        return self._outcomes("exists", replies,
+                              lambda reply: Outcome.OK if reply == 1 else Outcome.MISSING)
+
+    def _outcomes(self, op: str, replies: list[Any],
+                  answered: Callable[[Any], Outcome]) -> list[Outcome]:
+        """One outcome per pipeline reply: a failed batch, a failed command, or ``answered``."""
+        return [Outcome.FAILED if reply is _FAILED
+                else self._fail(op, "1 key", reply) if isinstance(reply, Exception)
+                else answered(reply)
+                for reply in replies]
 
     def _m_store(self, frames: list[StoredFrame]) -> list[Outcome]:
         ttl_ms = self._config.ttl_ms
@@ -613,15 +614,9 @@ class RedisBackend(Backend):
             pipe.set(self._name(frame.key), value, nx=True, px=ttl_ms)
 
         replies = self._run("put", frames, add, lambda frame: frame.key)
-        outcomes: list[Outcome] = []
-        for reply in replies:
-            if reply is _FAILED:
-                outcomes.append(Outcome.FAILED)
-            elif isinstance(reply, Exception):
-                outcomes.append(self._fail("put", "1 key", reply))
-            else:  # SET NX answers nil when the block is already stored: never overwritten
-                outcomes.append(Outcome.OK if reply else Outcome.PRESENT)
-        return outcomes
+        # SET NX answers nil when the block is already stored: never overwritten
+        return self._outcomes("put", replies,
+                              lambda reply: Outcome.OK if reply else Outcome.PRESENT)
 
     def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> list[Fetched]:
         ttl_ms = self._config.ttl_ms

@@ -1,7 +1,8 @@
 """Reference hit ratios: the ideal (infinite) cache and a plain LRU cache of block ids.
 
 These are the yardsticks a replay is compared with, and the check that our reading of a trace
-agrees with the published statistics (``../shared/traces/README.md``, the Mooncake FAST'25 paper).
+agrees with the published statistics (the Mooncake FAST'25 paper; the numbers are recorded
+in this module, and the traces ship in ``kvtier/data``).
 Pure functions; this module owns no mutable state beyond the locals of one call.
 
 Both simulations follow the published method exactly: for each request, hits are the leading run
