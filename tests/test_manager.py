@@ -464,43 +464,55 @@ class HeldBackend:
         return self.inner.put_many(keys, payloads)
 
 
-def test_a_backlogged_tier_streams_cascades_through_the_pool_then_sheds(
-        make: Factory) -> None:
-    """Cascades a backlogged tier cannot take wait (pinned) in the pool instead of vanishing;
-    beyond half the pool the oldest are shed and counted. The held backend is an injected
-    fault: a real backend cannot be made to hang on demand."""
+def test_a_backlogged_tier_never_pins_the_pool_full_and_loses_nothing(make: Factory) -> None:
+    """Write-through cascades pin at most half the pool; the rest stay resident and evictable
+    (never a refused store), an evicted one waits as a copy that a lookup re-admits, and only
+    copies beyond half the pool are shed, counted. The held backend is an injected fault: a
+    real backend cannot be made to hang on demand."""
     m = make(tiers=[{"url": "memory://", "max_pending_store_jobs": 1, "io_threads": 1}],
              slots=8)
     tier = m.tiers[0]
     held = HeldBackend(tier.backend)
     tier._backend = held  # inject the hold
+    ctx = RequestContext("a")
     try:
-        ctx = RequestContext("a")
         store(m, [k(1)], ctx)
         m.on_schedule_end()
         assert held.entered.wait(10)
-        store(m, [k(2)], ctx)
-        m.on_schedule_end()  # returns at once: the cascade of k(2) waits in the pool
+        store(m, [k(i) for i in range(2, 7)], ctx)
+        m.on_schedule_end()  # k(2)..k(4) wait pinned; k(5), k(6) are past the pin budget
+        assert [m.pool.pin_count(k(i)) for i in range(1, 7)] == [1, 1, 1, 1, 0, 0]
+        assert m.get_stats()["manager"]["unwritten_blocks"] == 2
+        store(m, [k(i) for i in range(7, 11)], ctx)  # fills the free slots, evicts k(5), k(6)
+        stats = m.get_stats()["manager"]
+        assert stats["pending_copies"] == 2 and stats["stores_rejected"] == 0
+        reader = RequestContext("r")
+        assert m.lookup(k(5), reader) is LookupResult.HIT  # from its copy: no load, no miss
+        assert read(m, [k(5)], reader) == [data(k(5))]
+        assert m.get_stats()["manager"]["copies_readmitted"] == 1
         assert not [e for e in m.take_events() if isinstance(e, StoreShed)]
-        assert m.pool.pin_count(k(2)) == 1
-        assert m.get_stats()["manager"]["cascades_shed"] == 0
-        store(m, [k(3), k(4), k(5), k(6)], ctx)
-        m.on_schedule_end()  # 5 waiting > 4 (half the pool): the oldest one is shed
-        assert StoreShed((k(2),), "memory") in m.take_events()
-        assert m.pool.pin_count(k(2)) == 0
-        assert [m.pool.pin_count(k(i)) for i in (1, 3, 4, 5, 6)] == [1, 1, 1, 1, 1]
-        assert m.get_stats()["manager"]["cascades_shed"] == 1
-        assert m.get_stats()["tiers"]["memory"]["store_keys_shed"] == 1
+        store(m, [k(i) for i in range(11, 15)], ctx)  # more evicted copies wait ...
+        m.on_schedule_end()  # ... beyond half the pool: the oldest waiting cascade is shed
+        shed = [e for e in m.take_events() if isinstance(e, StoreShed)]
+        assert shed and shed[0].keys[0] == k(2)
+        shed_keys = {key for event in shed for key in event.keys}
+        assert m.get_stats()["manager"]["cascades_shed"] == len(shed_keys)
         metrics = m.metrics
         assert metrics is not None
         m.publish_metrics()
-        assert metrics.value("kvtier_store_shed_blocks_total", tier="1:memory") == 1
+        assert metrics.value("kvtier_store_shed_blocks_total",
+                             tier="1:memory") == len(shed_keys)
     finally:
         held.release.set()
-    step(m)  # the waiting cascades go once the tier has room
+    step(m)  # everything not shed reaches the tier once it has room
+    m.on_request_finished(reader)
     assert m.get_stats()["pins"] == 0
-    assert tier.backend.exists([k(i) for i in range(1, 7)]) == [True, False, True, True, True,
-                                                                True]
+    shed_keys |= {key for e in m.take_events() if isinstance(e, StoreShed) for key in e.keys}
+    assert m.get_stats()["manager"]["cascades_shed"] == len(shed_keys)
+    keys = [k(i) for i in range(1, 15)]
+    missing = {key for key, ok in zip(keys, tier.backend.exists(keys), strict=True) if not ok}
+    assert missing == shed_keys
+    assert m.get_stats()["manager"]["pending_copies"] == 0
 
 
 # ---- lifecycle, events, config --------------------------------------------------------------

@@ -5,7 +5,8 @@ Thread ownership:
 - **Scheduler thread** (the engine thread that calls the public methods) owns everything here:
   the primary pool's metadata, the promotion table (``_promotions``), the per-tier queues of
   transfers to submit at the end of the step (``_queued_loads``, ``_queued_stores``), the
-  engine-store table (``_store_filling``), the write-back table (``_unwritten``), the per-request
+  engine-store table (``_store_filling``), the unwritten blocks (``_unwritten``), the evicted
+  blocks' copies awaiting their writes (``_copies``) and the cascade pin count, the per-request
   pins (``_request_pins``), holds (``_holds``) and promotion rounds (``_promotion_rounds``), the
   event buffer (``_events``), the counters (``_counters``) and the
   lifecycle (``_state``). No public method is thread-safe; call them from one thread.
@@ -37,13 +38,17 @@ Stores: ``prepare_store`` reserves slots for the keys the pool does not hold: al
 ``StorePlan.deferred``, for the engine to store in later steps, chunk by chunk, as cascades
 release slots); the engine writes ``primary_view(slot)``; ``complete_store`` makes them resident
 and cascades.
-write_through queues every stored block for every secondary tier (the slot stays pinned until
-the tier's write finishes); write_back copies a block out when the primary evicts it and writes
-it then, and flushes the rest at ``shutdown()``. Promoted blocks are never cascaded (so never
-written back to the tier they came from). A cascade a backlogged tier cannot take yet waits in
-the pool (pinned) for the next step, so stores stream through the pool instead of vanishing;
-only when a tier's waiting cascades exceed half the pool is the oldest excess shed (``StoreShed``
-event, ``kvtier_store_shed_blocks_total``), so a slow or dead tier never stalls the engine; the
+write_through queues every stored block for every secondary tier, its slot pinned until the
+tier's write finishes, while those cascades pin at most ``_MAX_CASCADE_PIN_FRACTION`` of the pool;
+the blocks past that budget stay unwritten (``_unwritten``: resident, evictable) and are queued
+oldest first as the budget frees, so a tier slower than the engine never pins the pool full and
+never makes a store fail. write_back leaves every block unwritten until the pool evicts it. An
+unwritten block that is evicted is copied out (``_copies``) and written from the copy; a lookup
+meanwhile re-admits it from the copy, so a block is always in some tier. Everything unwritten is
+flushed at ``shutdown()``. Promoted blocks are never cascaded (so never written back to the tier
+they came from). Cascades a backlogged tier cannot take yet wait for the next step; only when a
+tier's waiting cascades exceed half the pool is the oldest excess shed (``StoreShed`` event,
+``kvtier_store_shed_blocks_total``), so a slow or dead tier never stalls the engine; the
 backend's put-if-absent skips blocks a tier already holds.
 
 Public API::
@@ -106,6 +111,7 @@ _HOLD_STEPS = 8                # a request's hold on its prefix blocks lasts thi
 _MAX_HELD_FRACTION = 0.75      # holds never pin more than this share of the pool
 _MAX_PROMOTION_ROUNDS = 3      # lookup_prefix calls per request that may start promotions
 _MAX_WAITING_CASCADE_FRACTION = 0.5  # cascades waiting for a backlogged tier, share of the pool
+_MAX_CASCADE_PIN_FRACTION = 0.5  # pool share write-through cascades may pin (queued + in flight)
 
 
 class LookupResult(enum.Enum):
@@ -215,6 +221,12 @@ class _QueuedStore:
 
 
 @dataclass(slots=True)
+class _Copy:
+    payload: bytes  # an evicted, not yet written block's bytes
+    writers: int    # tiers that have not finished (or given up on) writing it
+
+
+@dataclass(slots=True)
 class _Counters:
     lookups: int = 0
     hits: int = 0
@@ -238,6 +250,7 @@ class _Counters:
     cascades_failed: int = 0
     cascades_shed: int = 0
     write_backs: int = 0
+    copies_readmitted: int = 0
     evictions: int = 0
     unexpected_completions: int = 0
     pins_released_at_finish: int = 0
@@ -287,7 +300,17 @@ class TieringManager:
         # (tier index, store job id) -> per key: is the payload a pinned primary slot?
         self._store_pins: dict[tuple[int, int], tuple[bool, ...]] = {}
         self._store_filling: set[BlockKey] = set()
-        self._unwritten: dict[BlockKey, None] = {}  # write-back: resident, not yet cascaded
+        # Resident blocks no tier has been sent yet: every block under write-back; under
+        # write-through the blocks past the cascade pin budget (sent when it frees, or copied
+        # out on eviction). Insertion order is age: the oldest go first.
+        self._unwritten: dict[BlockKey, None] = {}
+        self._cascade_pins = 0  # pool pins held by queued or in-flight write-through cascades
+        # Evicted blocks whose tier writes are still queued or in flight, by key: a lookup
+        # re-admits them from here instead of missing until the write lands.
+        self._copies: dict[BlockKey, _Copy] = {}
+        # The budget is a share of the pool's blocks; each block takes one pin per tier.
+        self._max_cascade_pins = max(1, int(pool.num_slots * _MAX_CASCADE_PIN_FRACTION)) * max(
+            1, len(self._tiers))
         self._request_pins: dict[str, Counter[BlockKey]] = {}
         # Holds: a pending request's resident prefix blocks (and promotions that landed for
         # it) stay pinned until it looks up again, loads, finishes, or the hold expires, so
@@ -396,7 +419,8 @@ class TieringManager:
             if not isinstance(key, bytes):
                 raise TypeError(
                     f"keys[{index}] must be a BlockKey (bytes), got {type(key).__name__}")
-            if round_over and key not in promotions and not self._pool.is_resident(key):
+            if (round_over and key not in promotions and not self._pool.is_resident(key)
+                    and key not in self._copies):
                 counters.lookups += 1
                 counters.misses += 1
                 counters.promotions_lost += 1
@@ -436,6 +460,10 @@ class TieringManager:
         if pool.slot_of(key) is not None:  # the engine is storing it right now
             counters.misses += 1
             return LookupResult.MISS
+        if self._copies:
+            copy = self._copies.get(key)
+            if copy is not None:
+                return self._readmit(key, copy, protect)
         for index, tier in enumerate(self._tiers):
             verdict = tier.lookup(key, ctx)
             if verdict is None:
@@ -663,15 +691,39 @@ class TieringManager:
         self._emit(BlockStored(tuple(stored), PRIMARY))
         if not self._tiers:
             return
+        unwritten = self._unwritten
+        copies = self._copies
+        for key in stored:
+            if key not in copies:  # else its earlier copy is being written already
+                unwritten[key] = None
         if self._write_policy is WritePolicy.WRITE_THROUGH:
+            self._cascade_unwritten()
+
+    def _cascade_unwritten(self) -> None:
+        """Write-through: queue the oldest unwritten blocks for every tier, pinned, while the
+        cascade pin budget lasts. The rest stay unwritten (resident, evictable): a backlogged
+        tier never pins the pool full and so never makes the engine's stores fail; they are
+        sent in a later step, or copied out when the pool evicts them."""
+        unwritten = self._unwritten
+        tiers = len(self._tiers)
+        room = (self._max_cascade_pins - self._cascade_pins) // tiers
+        if room <= 0 or not unwritten:
+            return
+        pool = self._pool
+        batch = [key for key, _ in zip(unwritten, range(room), strict=False)]
+        for key in batch:
+            del unwritten[key]
+            view = pool.view(pool.pin(key))
             for queue_ in self._queued_stores:
-                for key in stored:
-                    slot = pool.pin(key)
-                    queue_.append(_QueuedStore(key, pool.view(slot), True))
-            self._counters.cascades_queued += len(stored) * len(self._tiers)
-        else:
-            for key in stored:
-                self._unwritten[key] = None
+                queue_.append(_QueuedStore(key, view, True))
+            for _ in range(tiers - 1):
+                pool.pin(key)  # one pin per tier write
+        self._cascade_pins += len(batch) * tiers
+        self._counters.cascades_queued += len(batch) * tiers
+
+    def _unpin_cascade(self, key: BlockKey) -> None:
+        self._pool.unpin(key)
+        self._cascade_pins -= 1
 
     def _on_evicted(self, key: BlockKey, slot: int) -> None:
         """``key`` just lost ``slot`` to a new reservation; its bytes are still in the slot."""
@@ -680,10 +732,40 @@ class TieringManager:
         if key in self._unwritten:
             del self._unwritten[key]
             payload = bytes(self._pool.view(slot))  # the slot is about to be rewritten
+            self._copies[key] = _Copy(payload, len(self._tiers))
             for queue_ in self._queued_stores:
                 queue_.append(_QueuedStore(key, payload, False))
             self._counters.write_backs += 1
             self._counters.cascades_queued += len(self._tiers)
+
+    def _release_queued(self, key: BlockKey, pinned: bool) -> None:
+        """One tier is done with (or gave up on) a queued cascade of ``key``."""
+        if pinned:
+            self._unpin_cascade(key)
+            return
+        copy = self._copies.get(key)
+        if copy is not None:
+            copy.writers -= 1
+            if copy.writers <= 0:
+                del self._copies[key]
+
+    def _readmit(self, key: BlockKey, copy: _Copy,
+                 protect: set[BlockKey] | tuple[()]) -> LookupResult:
+        """An evicted block whose write is still pending comes back from its copy, so there is
+        never a window in which a block is in no tier at all."""
+        reservation = self._pool.reserve(key, protect)
+        if reservation is None:
+            self._counters.promotions_no_slot += 1
+            self._counters.misses += 1
+            return LookupResult.MISS
+        if reservation.evicted is not None:
+            self._on_evicted(reservation.evicted, reservation.slot)
+        self._pool.view(reservation.slot)[:] = copy.payload
+        self._pool.commit(key)
+        self._counters.copies_readmitted += 1
+        self._counters.hits += 1
+        self._emit(BlockStored((key,), PRIMARY))
+        return LookupResult.HIT
 
     # ---- the step -----------------------------------------------------------------------------
     def on_schedule_end(self) -> None:
@@ -693,6 +775,8 @@ class TieringManager:
         if self._hold_expiries:
             self._expire_holds()
         self._poll_jobs()
+        if self._unwritten and self._write_policy is WritePolicy.WRITE_THROUGH:
+            self._cascade_unwritten()
         self._submit_queued()
         for tier in self._tiers:
             tier.flush()
@@ -767,8 +851,7 @@ class TieringManager:
         stored: list[BlockKey] = []
         pinned = self._store_pins.pop((tier_index, job.job_id), None)
         for position, (key, ok) in enumerate(zip(job.keys, job.results, strict=True)):
-            if pinned is not None and pinned[position]:
-                pool.unpin(key)
+            self._release_queued(key, pinned is not None and pinned[position])
             if ok:
                 stored.append(key)
         self._counters.cascades_stored += len(stored)
@@ -812,8 +895,7 @@ class TieringManager:
                 job = tier.submit_store(keys, payloads)
                 if job is None:
                     for item in chunk_stores:
-                        if item.pinned:
-                            pool.unpin(item.key)
+                        self._release_queued(item.key, item.pinned)
                     self._counters.cascades_shed += len(chunk_stores)
                     self._emit(StoreShed(tuple(keys), tier.name))
                 elif any(item.pinned for item in chunk_stores):
@@ -833,8 +915,7 @@ class TieringManager:
     def _shed(self, tier_index: int, shed: list[_QueuedStore]) -> None:
         tier = self._tiers[tier_index]
         for item in shed:
-            if item.pinned:
-                self._pool.unpin(item.key)
+            self._release_queued(item.key, item.pinned)
         self._counters.cascades_shed += len(shed)
         tier.count_shed(len(shed))
         self._emit(StoreShed(tuple(item.key for item in shed), tier.name))
@@ -870,6 +951,7 @@ class TieringManager:
             pending_promotions=len(self._promotions),
             pending_stores=len(self._store_filling),
             unwritten_blocks=len(self._unwritten),
+            pending_copies=len(self._copies),
             queued_transfers=sum(map(len, self._queued_loads))
             + sum(map(len, self._queued_stores)),
             requests_with_pins=len(self._request_pins),
@@ -916,18 +998,22 @@ class TieringManager:
         for tier in self._tiers:
             remaining = max(0.0, deadline - time.monotonic())
             idle = tier.lookup_manager._wait_for_results(remaining) and idle
-        while True:  # cascades waiting for a backlogged tier go as its jobs land
+        through = self._write_policy is WritePolicy.WRITE_THROUGH
+        while True:  # cascades waiting for a backlogged tier (or the pin budget) go as jobs land
+            if through and self._unwritten:
+                self._cascade_unwritten()
             self._submit_queued()
             for index, tier in enumerate(self._tiers):
                 remaining = max(0.0, deadline - time.monotonic())
                 for job in tier.get_finished_jobs(wait=True, timeout=remaining):
                     self._apply_job(index, job)
-            if not any(self._queued_stores) or time.monotonic() >= deadline:
+            unsent = any(self._queued_stores) or (through and bool(self._unwritten))
+            if not unsent or time.monotonic() >= deadline:
                 break
         for tier in self._tiers:
             idle = idle and tier.outstanding_jobs == 0
             tier.lookup_manager.drain_results()
-        return idle and not any(self._queued_stores)
+        return idle and not unsent
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _require_running(self, operation: str) -> None:
@@ -950,13 +1036,14 @@ class TieringManager:
 
         try:
             self._poll_jobs()
-            if self._write_policy is WritePolicy.WRITE_BACK and self._unwritten:
+            if self._unwritten:
                 pool = self._pool
                 for key in self._unwritten:
                     if pool.is_resident(key):
                         for queue_ in self._queued_stores:  # one pin per tier write
                             slot = pool.pin(key)
                             queue_.append(_QueuedStore(key, pool.view(slot), True))
+                            self._cascade_pins += 1
                         self._counters.write_backs += 1
                 self._unwritten.clear()
             self._submit_queued(force=True, timeout=left())
@@ -976,6 +1063,7 @@ class TieringManager:
             self._hold_expiries.clear()
             self._request_waits.clear()
             self._promotion_rounds.clear()
+            self._copies.clear()
             self._held = 0
             self.publish_metrics()
             if self._metrics is not None and self._owns_global_metrics:
