@@ -19,7 +19,8 @@ import pytest
 from kvtier.backends import open_backend
 from kvtier.config import ConfigError, load_config
 from kvtier.deadlines import DEFAULT_LOAD_TIMEOUT_S, SHUTDOWN_EXTRA_PER_TIER_S, IoThreadPool
-from kvtier.keys import Namespace, RequestContext
+from kvtier.keys import Namespace, RequestContext, chain_keys
+from kvtier.manager import LookupResult, open_manager
 from kvtier.tier import SecondaryTier
 
 BLOCK = 4096
@@ -44,7 +45,7 @@ class _HeldBackend:
         return getattr(self._inner, name)
 
 
-def test_a_load_past_its_deadline_fails_and_never_writes_the_slot_later() -> None:
+def test_a_load_past_its_deadline_fails_and_its_buffer_is_released_when_the_call_ends() -> None:
     backend = _HeldBackend()
     key = b"k" * 16
     assert backend.put_many([key], [b"\x07" * BLOCK]) == [True]
@@ -57,11 +58,50 @@ def test_a_load_past_its_deadline_fails_and_never_writes_the_slot_later() -> Non
     assert time.monotonic() - started < 10  # woke at the load deadline, not at the timeout
     assert finished == [job]
     assert job.results == (False,) and job.error is not None and "timed out" in job.error
-    assert tier.stats()["load_keys_failed"] == 1
-    backend.release.set()  # the stuck call now answers with a valid frame...
-    tier.shutdown(10)       # ...and shutdown joins the (now idle) I/O thread
-    assert bytes(slot) == bytes(BLOCK)  # ...which dropped it: the slot was never written
-    assert job.results == (False,)
+    assert job.abandoned  # the call still runs: the buffer is not the caller's again yet
+    stats = tier.stats()
+    assert stats["load_keys_failed"] == 1 and stats["loads_abandoned"] == 1
+    assert stats["abandoned_loads"] == 1 and tier.take_released_loads() == []
+    backend.release.set()  # the stuck call now ends (it may write the buffer: unspecified)
+    tier.shutdown(10)      # joins the I/O thread, which posted the job as released
+    assert tier.take_released_loads() == [job]
+    assert tier.stats()["abandoned_loads"] == 0
+    assert job.results == (False,)  # a late answer never turns a failed load into a hit
+
+
+def test_an_abandoned_load_keeps_its_primary_slot_out_of_use_until_its_call_ends() -> None:
+    """The manager retires the slot of a timed-out load (no key, never handed out), so a late
+    write from the stuck call can never land in a slot that holds another block; the slot
+    comes back once the call ended. The held backend is an injected fault (see above)."""
+    backend = _HeldBackend()
+    namespace = Namespace(model="retire")
+    m = open_manager({"block_bytes": BLOCK, "primary_bytes": BLOCK * 2, "namespace": {
+        "model": "retire"}, "metrics_registry": "disabled",
+        "secondary_tiers": [{"url": "memory://", "load_timeout_s": 0.05}]})
+    try:
+        tier = m.tiers[0]
+        tier._backend = backend  # inject the hold
+        key = chain_keys(list(range(16)), 16, namespace)[0]
+        assert backend.put_many([key], [b"\x07" * BLOCK]) == [True]
+        tier.lookup_manager.note_stored([key])
+        reader = RequestContext("r")
+        assert m.lookup(key, reader) is LookupResult.HIT_PENDING
+        m.on_schedule_end()
+        assert backend.entered.wait(30)
+        assert not m.wait_idle(0.5)  # the deadline passes: failed, slot retired, call running
+        stats = m.get_stats()
+        assert stats["manager"]["promotions_failed"] == 1
+        assert stats["manager"]["retired_slots"] == 1
+        assert m.pool.free_slots == 1 and m.pool.retired_slots == 1
+        assert m.lookup(key, reader) is LookupResult.MISS  # quarantined: recompute
+        backend.release.set()
+        assert m.wait_idle(10)  # waits for the call to end: the slot is back
+        assert m.pool.retired_slots == 0 and m.pool.free_slots == 2
+        assert m.get_stats()["manager"]["retired_slots"] == 0
+        m.on_request_finished(reader)
+    finally:
+        backend.release.set()
+        m.shutdown(10)
 
 
 def test_load_timeout_is_a_tier_setting_with_bounds() -> None:

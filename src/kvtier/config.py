@@ -178,8 +178,9 @@ TIER_SETTINGS = SettingsTable("secondary tier", [
             env="KVTIER_MAX_PENDING_STORE_JOBS"),
     Setting("load_timeout_s", Kind.FLOAT, DEFAULT_LOAD_TIMEOUT_S,
             "a load job not finished this long after it was submitted fails for its keys (they "
-            "are marked missing and the request recomputes them); the stuck backend call is "
-            "abandoned and can never write into the slot afterwards",
+            "are marked missing and the request recomputes them); its slots stay out of use "
+            "until the stuck backend call returns, so it never writes a slot that holds another "
+            "block (under vLLM, which reuses chunks at once, the job is reported then)",
             minimum=0, strict_min=True, unit="seconds", env="KVTIER_LOAD_TIMEOUT_S"),
 ])
 

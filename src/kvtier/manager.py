@@ -308,6 +308,8 @@ class TieringManager:
         # Evicted blocks whose tier writes are still queued or in flight, by key: a lookup
         # re-admits them from here instead of missing until the write lands.
         self._copies: dict[BlockKey, _Copy] = {}
+        # (tier index, job id) -> slots of an abandoned load, retired until its I/O ends.
+        self._retired: dict[tuple[int, int], list[int]] = {}
         # The budget is a share of the pool's blocks; each block takes one pin per tier.
         self._max_cascade_pins = max(1, int(pool.num_slots * _MAX_CASCADE_PIN_FRACTION)) * max(
             1, len(self._tiers))
@@ -813,6 +815,14 @@ class TieringManager:
         for index, tier in enumerate(self._tiers):
             for job in tier.get_finished_jobs(wait=wait, timeout=timeout):
                 self._apply_job(index, job)
+            if self._retired:
+                self._reclaim(index, tier)
+
+    def _reclaim(self, tier_index: int, tier: SecondaryTier, wait_s: float = 0.0) -> None:
+        """Slots of abandoned loads whose I/O has ended go back into circulation."""
+        for job in tier.take_released_loads(wait_s):
+            for slot in self._retired.pop((tier_index, job.job_id), ()):
+                self._pool.reclaim(slot)
 
     def _apply_job(self, tier_index: int, job: TransferJob) -> None:
         tier_name = self._tiers[tier_index].name
@@ -837,6 +847,10 @@ class TieringManager:
                     loaded.append(key)
                     for waiter in promotion.waiters:
                         self._hold(waiter, key)
+                elif job.abandoned:  # its I/O may still write the slot: out of use till it ends
+                    self._retired.setdefault((tier_index, job.job_id), []).append(
+                        pool.retire(key))
+                    failed.append(key)
                 else:
                     pool.abort(key)
                     failed.append(key)
@@ -952,6 +966,7 @@ class TieringManager:
             pending_stores=len(self._store_filling),
             unwritten_blocks=len(self._unwritten),
             pending_copies=len(self._copies),
+            retired_slots=sum(map(len, self._retired.values())),
             queued_transfers=sum(map(len, self._queued_loads))
             + sum(map(len, self._queued_stores)),
             requests_with_pins=len(self._request_pins),
@@ -1010,10 +1025,12 @@ class TieringManager:
             unsent = any(self._queued_stores) or (through and bool(self._unwritten))
             if not unsent or time.monotonic() >= deadline:
                 break
-        for tier in self._tiers:
+        for index, tier in enumerate(self._tiers):
+            if self._retired:  # abandoned loads count as transfers until their call ends
+                self._reclaim(index, tier, max(0.0, deadline - time.monotonic()))
             idle = idle and tier.outstanding_jobs == 0
             tier.lookup_manager.drain_results()
-        return idle and not unsent
+        return idle and not unsent and not self._retired
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _require_running(self, operation: str) -> None:

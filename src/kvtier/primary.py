@@ -17,7 +17,9 @@ interpreter exit if it was never closed (a ``weakref.finalize``); only ``kill -9
 with no handler) can leave one behind, and the next manager then refuses the leftover by name.
 
 A slot is ``FREE``, ``FILLING`` (reserved for a key whose bytes are being written: not readable,
-not evictable) or ``RESIDENT`` (readable, evictable unless pinned). A full pool is not an error:
+not evictable) or ``RESIDENT`` (readable, evictable unless pinned); a slot whose load was
+abandoned while its I/O may still write it is ``RETIRED`` (no key, never handed out) until
+``reclaim``. A full pool is not an error:
 ``reserve`` answers None when every slot is filling or pinned.
 """
 
@@ -143,6 +145,7 @@ class PrimaryPool:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._slot_of: dict[BlockKey, int] = {}
         self._filling: set[BlockKey] = set()
+        self._retired: set[int] = set()  # slots an abandoned load may still write
         self._pins: dict[BlockKey, int] = {}
         self.evictions = 0
 
@@ -303,6 +306,29 @@ class PrimaryPool:
                             f"(state {self.state_of(key).value})")
         self._filling.discard(key)
         self._release_slot(key)
+
+    def retire(self, key: BlockKey) -> int:
+        """FILLING -> RETIRED: the load into ``key``'s slot was abandoned while its I/O may
+        still write there, so the slot leaves circulation until :meth:`reclaim`. Returns it."""
+        if key not in self._filling:
+            raise PoolError(f"retire of key {key.hex()} that is not filling "
+                            f"(state {self.state_of(key).value})")
+        self._filling.discard(key)
+        slot = self._slot_of.pop(key)
+        self._retired.add(slot)
+        return slot
+
+    def reclaim(self, slot: int) -> None:
+        """RETIRED -> FREE: nothing writes the slot any more."""
+        if slot not in self._retired:
+            raise PoolError(f"reclaim of slot {slot} that is not retired")
+        self._retired.discard(slot)
+        self._free.append(slot)
+
+    @property
+    def retired_slots(self) -> int:
+        """Slots out of circulation until an abandoned load's I/O ends."""
+        return len(self._retired)
 
     def discard(self, key: BlockKey) -> bool:
         """RESIDENT and unpinned -> FREE. False (nothing done) when absent or pinned."""

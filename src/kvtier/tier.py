@@ -18,10 +18,14 @@ Thread ownership:
   published by the manager (:mod:`kvtier.metrics`); only probe durations are observed on the
   probe worker (thread-safe).
 
-A load job writes straight into caller-provided ``memoryview``s (primary slots that the manager
-keeps out of reach of eviction while the job runs); the backend verifies the frame (namespace,
-key, length, checksum) before a byte reaches the slot. A store job reads caller-provided buffers
-that must stay unchanged until the job is collected.
+A load job reads straight into caller-provided ``memoryview``s (primary slots that the caller
+keeps out of reach of eviction while the job runs) and the backend verifies the frame there
+(namespace, key, length, checksum): one pass over the bytes, no scratch copy. On failure the
+buffers' contents are unspecified; the caller must not publish them. A load past its deadline is
+failed at once for its keys and marked ``abandoned``: its stuck backend call may still write the
+buffers, so the caller keeps them out of use until :meth:`SecondaryTier.take_released_loads`
+returns the job (its I/O ended; I/O threads post it to ``_released``, a ``queue.SimpleQueue``).
+A store job reads caller-provided buffers that must stay unchanged until the job is collected.
 
 Backpressure: a tier accepts at most ``max_pending_store_jobs`` outstanding store jobs and
 ``max_pending_store_bytes`` of outstanding store payload (one job is always accepted when none
@@ -46,7 +50,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 from kvtier.backends.base import Backend, Buffer, RateLimitedLog
 from kvtier.config import TIER_SETTINGS, LookupConfig
@@ -100,6 +104,9 @@ class TransferJob:
     verified: tuple[int, ...] = ()  # store: suspects whose read-back succeeded
     deadline: float = float("inf")  # time.monotonic() past which a load job fails
     settled: bool = False           # results are final (set once, under the tier's settle lock)
+    abandoned: bool = False         # a load failed by its deadline while its I/O still runs
+    started: bool = False           # an I/O thread began it (under the settle lock)
+    ended: bool = False             # its backend calls returned (under the settle lock)
 
     @property
     def succeeded(self) -> list[BlockKey]:
@@ -133,6 +140,7 @@ class TierCounters:
     read_seconds: float = 0.0
     write_seconds: float = 0.0
     job_errors: int = 0
+    loads_abandoned: int = 0  # loads failed by their deadline while the backend call still ran
     invariant_violations: int = 0
 
 
@@ -267,8 +275,9 @@ class SecondaryTier:
         self._load_timeout_s = float(load_timeout_s)
         self._load_deadlines: deque[TransferJob] = deque()  # loads in submission order
         self._settle_lock = threading.Lock()  # a job's results are settled exactly once
-        self._scratch = threading.local()  # per I/O thread: where loads land before the slot
         self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
+        self._released: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()  # abandoned, I/O over
+        self._abandoned = 0  # abandoned loads not yet released (scheduler thread)
         self._outstanding: dict[int, TransferJob] = {}
         self._ready_loads: deque[TransferJob] = deque()
         self._ready_stores: deque[TransferJob] = deque()
@@ -418,31 +427,56 @@ class SecondaryTier:
         return finished
 
     def _expire_loads(self) -> None:
-        """Fail every load job past its deadline (scheduler thread). The I/O thread running it
-        finds the job settled and drops what it read: a slot is never written after this."""
+        """Fail every load job past its deadline (scheduler thread). One still running is
+        ``abandoned``: its buffers stay the caller's to keep out of use until it is released."""
         pending = self._load_deadlines
         now = time.monotonic()
         while pending and (pending[0].settled or pending[0].deadline <= now):
             job = pending.popleft()
             if self._settle(job, (False,) * len(job.keys),
-                            f"load timed out after {self._load_timeout_s:g} s"):
+                            f"load timed out after {self._load_timeout_s:g} s", abandon=True):
                 self._io_log.warning("tier %s: load job of %d keys timed out after %g s",
                                      self._name, len(job.keys), self._load_timeout_s)
 
-    def _settle(self, job: TransferJob, results: tuple[bool, ...], error: str | None,
-                land: Callable[[], None] | None = None) -> bool:
+    def _settle(self, job: TransferJob, results: tuple[bool, ...], error: str | None, *,
+                abandon: bool = False) -> bool:
         """Make ``results`` final and post the job, unless it was already settled (then False).
-        ``land`` runs under the lock first (it copies a load's bytes into the slots)."""
+        ``abandon``: the job's I/O is still running (a deadline, not the I/O thread, settles it).
+        """
         with self._settle_lock:
             if job.settled:
                 return False
-            if land is not None:
-                land()
             job.results = results
             job.error = error
+            job.abandoned = abandon and job.started and not job.ended
             job.settled = True
+        if job.abandoned:
+            self._abandoned += 1
+            self._counters.loads_abandoned += 1
         self._finished.put(job)
         return True
+
+    def take_released_loads(self, wait_s: float = 0.0) -> list[TransferJob]:
+        """Abandoned load jobs whose backend call has ended since the last call (scheduler
+        thread): their buffers will not be written any more and may be reused. ``wait_s``:
+        wait up to that long for every abandoned load to end (shutdown and tests)."""
+        released: list[TransferJob] = []
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                released.append(self._released.get_nowait())
+                continue
+            except queue.Empty:
+                pass
+            remaining = deadline - time.monotonic()
+            if len(released) >= self._abandoned or remaining <= 0:
+                break
+            try:
+                released.append(self._released.get(timeout=remaining))
+            except queue.Empty:
+                break
+        self._abandoned -= len(released)
+        return released
 
     def _collect(self, job: TransferJob) -> None:
         if self._outstanding.pop(job.job_id, None) is None:
@@ -498,6 +532,10 @@ class SecondaryTier:
 
     def _run(self, job: TransferJob) -> None:
         started = time.perf_counter()
+        with self._settle_lock:
+            if job.settled:  # expired between the pop and now: never start it
+                return
+            job.started = True
         results: list[bool] = []
         step = self._max_keys_per_call
         starts: Iterable[int] = [0] if step is None else range(0, len(job.keys), step)
@@ -507,7 +545,8 @@ class SecondaryTier:
                 end = len(job.keys) if step is None else start + step
                 keys = job.keys[start:end]
                 if job.kind is JobKind.LOAD:
-                    raw = self._backend.get_many(keys, self._scratch_views(job, start, end))
+                    outs = cast("Sequence[memoryview]", job.buffers[start:end])
+                    raw = self._backend.get_many(keys, outs)
                 else:
                     raw = self._backend.put_many(keys, job.buffers[start:end])
                 answers = [item is True for item in raw]
@@ -525,38 +564,13 @@ class SecondaryTier:
             job.results = final
             self._read_back(job)
         job.seconds = time.perf_counter() - started
-        land = (lambda: self._land_load(job, final)) if job.kind is JobKind.LOAD else None
-        if not self._settle(job, final, error, land):
-            return  # a load that timed out meanwhile: its keys already failed
-
-    def _scratch_views(self, job: TransferJob, start: int, end: int) -> list[memoryview]:
-        """This thread's private buffers for keys ``start:end`` of a load: the backend writes
-        there, and :meth:`_land_load` copies into the slots only if the job did not expire."""
-        need = job.nbytes
-        buffer: bytearray | None = getattr(self._scratch, "buffer", None)
-        if buffer is None or len(buffer) < need:
-            buffer = bytearray(need)
-            self._scratch.buffer = buffer
-        whole = memoryview(buffer)
-        offset = sum(memoryview(out).nbytes for out in job.buffers[:start])
-        views = []
-        for out in job.buffers[start:end]:
-            size = memoryview(out).nbytes
-            views.append(whole[offset : offset + size])
-            offset += size
-        return views
-
-    def _land_load(self, job: TransferJob, results: tuple[bool, ...]) -> None:
-        if not any(results):
+        with self._settle_lock:
+            job.ended = True
+            abandoned = job.abandoned
+        if abandoned:  # timed out meanwhile: its keys already failed; its buffers are free now
+            self._released.put(job)
             return
-        whole = memoryview(self._scratch.buffer)
-        offset = 0
-        for out, ok in zip(job.buffers, results, strict=True):
-            target = memoryview(out).cast("B")
-            size = target.nbytes
-            if ok:
-                target[:] = whole[offset : offset + size]
-            offset += size
+        self._settle(job, final, error)
 
     def _read_back(self, job: TransferJob) -> None:
         """Store job, I/O thread: read back the stored keys whose load failed recently; the
@@ -594,6 +608,7 @@ class SecondaryTier:
         result.update(asdict(self._counters))
         result["outstanding_jobs"] = len(self._outstanding)
         result["outstanding_store_bytes"] = self._store_bytes
+        result["abandoned_loads"] = self._abandoned  # still running, buffers not yet released
         try:
             backend_stats = self._backend.stats()
         except Exception as exc:

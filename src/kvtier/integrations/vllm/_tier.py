@@ -19,7 +19,8 @@ Threads and state ownership:
 - Scheduler thread (vLLM's scheduler; every public method): ``_jobs`` / ``_vllm_job_ids``
   (submitted jobs not yet reported, by vLLM job id / by SecondaryTier job id), ``_collected``
   (jobs finished but not yet reported: collected by ``drain_jobs``, shed, or skipped because
-  every key is in ``_held``), ``_held`` (:class:`HeldKeys`), ``_skipped`` and
+  every key is in ``_held``), ``_abandoned`` (loads failed at their deadline, reported once
+  their I/O ended), ``_held`` (:class:`HeldKeys`), ``_skipped`` and
   ``_store_keys_skipped``, ``_events``, ``_deltas`` (the metric values already reported to
   vLLM), and — through the SecondaryTier's scheduler-side API — its job table, lookup state
   (``mark_miss`` on failed loads, ``note_stored`` unless the key's load just failed) and
@@ -77,6 +78,8 @@ from kvtier.metrics import (
 from kvtier.settings import ConfigError
 from kvtier.tier import JobKind, SecondaryTier
 from kvtier.tier import TransferJob as TierJob
+
+_DRAIN_WAIT_S = 86400.0  # drain_jobs waits for abandoned loads' calls too (never aborts a copy)
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -285,6 +288,8 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         self._jobs: dict[int, int] = {}  # vLLM job id -> SecondaryTier job id, until reported
         self._vllm_job_ids: dict[int, int] = {}  # SecondaryTier job id -> vLLM job id
         self._collected: list[TierJob] = []  # finished, reported by the next get_finished_jobs
+        self._abandoned: dict[int, TierJob] = {}  # timed-out loads whose I/O still runs
+        self._released: list[TierJob] = []  # abandoned loads drain_jobs saw end
         # Ids of jobs finished without the SecondaryTier (shed or skipped; never the tier's).
         self._local_ids = itertools.count(-1, -1)
         self._held = HeldKeys()
@@ -412,7 +417,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         finished, self._collected = self._collected, []
         finished.extend(self._tier.get_finished_jobs())
         results: list[JobResult] = []
-        for job in finished:
+        for job in self._reportable(finished):
             result = self._finish(job)
             if result is not None:
                 results.append(result)
@@ -450,6 +455,23 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             transfer_bytes=transferred,
         )
 
+    def _reportable(self, finished: list[TierJob]) -> list[TierJob]:
+        """``finished`` less the loads abandoned at their deadline whose I/O still runs: vLLM
+        would reuse their chunks at once, so they are reported (failed) only once the backend
+        call has ended and can no longer write them."""
+        ready: list[TierJob] = []
+        for job in finished:
+            if job.abandoned:
+                self._abandoned[job.job_id] = job
+            else:
+                ready.append(job)
+        if self._abandoned:
+            released, self._released = [*self._released, *self._tier.take_released_loads()], []
+            for job in released:
+                if self._abandoned.pop(job.job_id, None) is not None:
+                    ready.append(job)
+        return ready
+
     def has_pending_work(self) -> bool:
         # Keeps the engine stepping until every transfer has been reported, so stores reach
         # the backend and are acknowledged even after the last request finished.
@@ -459,6 +481,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         # Waits for every running job (never aborts a copy); the next get_finished_jobs()
         # reports them.
         self._collected.extend(self._tier.get_finished_jobs(wait=True))
+        self._released.extend(self._tier.take_released_loads(_DRAIN_WAIT_S))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self._events:
