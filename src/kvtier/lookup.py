@@ -371,7 +371,7 @@ class AsyncLookupManager(abc.ABC):
         self._result_queue: queue.SimpleQueue[_ProbeResult] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._posted_cond = threading.Condition()
-        self._posted = 0  # guarded by _posted_cond; test hook only
+        self._posted = 0  # guarded by _posted_cond; read by wait_for_probes
         self._worker = threading.Thread(
             target=self._worker_main, name=f"kvtier-lookup-{tier_name}", daemon=True
         )
@@ -1031,6 +1031,18 @@ class AsyncLookupManager(abc.ABC):
         return verdicts
 
     # ------------------------------------------------------------------ test hook
+
+    @property
+    def probes_in_flight(self) -> bool:
+        """Whether a probe batch was sent whose result has not been applied yet."""
+        return bool(self._inflight_batches)
+
+    def wait_for_probes(self, timeout: float) -> bool:
+        """Block at most ``timeout`` s until the worker posted a result for every batch sent so
+        far (True) — it applies nothing (the next ``flush`` or ``lookup`` does). For an engine
+        that would otherwise spin its scheduler thread while waiting on probes: the wait
+        releases the GIL, so the probe worker is not starved (see ``KvtierTier``)."""
+        return self._wait_for_results(timeout)
 
     def _wait_for_results(self, timeout: float) -> bool:
         """Private, for tests: block until the worker posted a result for every sent batch."""

