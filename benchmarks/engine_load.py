@@ -110,6 +110,15 @@ def parse_modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def parse_tiers(text: str) -> tuple[str, ...]:
+    known = (*TIERS, "recompute")
+    tiers = tuple(part.strip() for part in text.split(",") if part.strip())
+    bad = [tier for tier in tiers if tier not in known]
+    if bad or not tiers:
+        raise BenchArgumentError(f"--tiers: {text!r}: expected a comma list of {list(known)}")
+    return tiers
+
+
 @dataclass(slots=True, frozen=True)
 class Settings:
     rounds: int
@@ -122,6 +131,7 @@ class Settings:
     work_dir: Path | None
     switch_interval_ms: float | None = None
     engine_core: str = "inproc"
+    tiers: tuple[str, ...] = (*TIERS, "recompute")
 
     @property
     def max_model_len(self) -> int:
@@ -158,6 +168,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
                         help="inproc: engine core in the generate process "
                              "(VLLM_ENABLE_V1_MULTIPROCESSING=0; needed by --trace and the "
                              "buffered fs mode); mp: vLLM's default engine-core process")
+    parser.add_argument("--tiers", default="kvtier,fs,recompute",
+                        help="configurations to run (a subset of kvtier,fs,recompute)")
     parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
     parser.add_argument("--work-dir", type=Path, help="directory for the model and the tiers")
     args = parser.parse_args(argv)
@@ -166,6 +178,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     if args.switch_interval_ms is not None and not 0.001 <= args.switch_interval_ms <= 100:
         raise BenchArgumentError(
             f"--switch-interval-ms: {args.switch_interval_ms}: expected 0.001..100")
+    if args.trace and args.engine_core == "mp":
+        raise BenchArgumentError("--trace needs --engine-core inproc (the tier runs in the "
+                                 "engine-core process under mp)")
     if not 1 <= args.io_threads <= 64:
         raise BenchArgumentError(f"--io-threads: {args.io_threads}: expected 1..64")
     return Settings(
@@ -174,7 +189,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         same_tokens=parse_token_list(args.same_tokens, "--same-tokens"),
         modes=parse_modes(args.modes), io_threads=args.io_threads, trace=args.trace,
         json_path=args.json, work_dir=args.work_dir, switch_interval_ms=args.switch_interval_ms,
-        engine_core=args.engine_core,
+        engine_core=args.engine_core, tiers=parse_tiers(args.tiers),
     )
 
 
@@ -189,6 +204,7 @@ class Sample:
     seconds: float
     cached_tokens: int
     round: int
+    tier_wait_s: float | None = None  # first tier lookup -> last load reported (inproc only)
 
 
 @dataclass(slots=True)
@@ -197,9 +213,11 @@ class Row:
     tokens: int
     mode: str
     medians: dict[str, float] = field(default_factory=dict)  # tier -> median seconds
+    wait_medians: dict[str, float] = field(default_factory=dict)  # tier -> median tier wait
     samples: dict[str, list[float]] = field(default_factory=dict)
     missed: dict[str, int] = field(default_factory=dict)  # tier -> samples not fully loaded
     ratio: float | None = None  # kvtier / fs
+    wait_ratio: float | None = None  # kvtier / fs of the tier waits
 
 
 def expected_cached(tokens: int) -> int:
@@ -213,6 +231,7 @@ def summarize(samples: Sequence[Sample]) -> list[Row]:
     The recompute baseline (no tier) is listed in every fresh row of its token count.
     """
     rows: dict[tuple[str, int, str], Row] = {}
+    waits: dict[tuple[str, int, str], dict[str, list[float]]] = {}
     recompute = [s for s in samples if s.tier == "recompute"]
     for sample in samples:
         if sample.tier == "recompute":
@@ -220,6 +239,8 @@ def summarize(samples: Sequence[Sample]) -> list[Row]:
         key = (sample.phase, sample.tokens, sample.mode)
         row = rows.setdefault(key, Row(sample.phase, sample.tokens, sample.mode))
         row.samples.setdefault(sample.tier, []).append(sample.seconds)
+        if sample.tier_wait_s is not None:
+            waits.setdefault(key, {}).setdefault(sample.tier, []).append(sample.tier_wait_s)
         if sample.cached_tokens < expected_cached(sample.tokens):
             row.missed[sample.tier] = row.missed.get(sample.tier, 0) + 1
     for row in rows.values():
@@ -232,21 +253,33 @@ def summarize(samples: Sequence[Sample]) -> list[Row]:
         row.medians = {tier: statistics.median(values) for tier, values in row.samples.items()}
         kvtier, fs = row.medians.get("kvtier"), row.medians.get("fs")
         row.ratio = kvtier / fs if kvtier is not None and fs else None
+        row.wait_medians = {tier: statistics.median(values) for tier, values
+                            in waits.get((row.phase, row.tokens, row.mode), {}).items()}
+        kv_wait, fs_wait = row.wait_medians.get("kvtier"), row.wait_medians.get("fs")
+        row.wait_ratio = kv_wait / fs_wait if kv_wait is not None and fs_wait else None
     return ordered
 
 
 def format_table(rows: Sequence[Row]) -> str:
     header = (f"{'phase':<6} {'tokens':>6} {'mode':<9} {'kvtier s':>9} {'fs s':>9} "
-              f"{'recomp s':>9} {'kvtier/fs':>9}  notes")
+              f"{'recomp s':>9} {'kvtier/fs':>9} {'kv wait':>8} {'fs wait':>8} "
+              f"{'wait k/f':>8}  notes")
     lines = [header, "-" * len(header)]
     for row in rows:
         def cell(tier: str, row: Row = row) -> str:
             value = row.medians.get(tier)
             return f"{value:9.4f}" if value is not None else f"{'-':>9}"
         ratio = f"{row.ratio:9.2f}" if row.ratio is not None else f"{'-':>9}"
+
+        def wait(tier: str, row: Row = row) -> str:
+            value = row.wait_medians.get(tier)
+            return f"{value * 1e3:6.1f}ms" if value is not None else f"{'-':>8}"
+        wait_ratio = (f"{row.wait_ratio:8.2f}" if row.wait_ratio is not None
+                      else f"{'-':>8}")
         notes = ", ".join(f"{tier} missed {count}x" for tier, count in sorted(row.missed.items()))
         lines.append(f"{row.phase:<6} {row.tokens:>6} {row.mode:<9} {cell('kvtier')} "
-                     f"{cell('fs')} {cell('recompute')} {ratio}  {notes}".rstrip())
+                     f"{cell('fs')} {cell('recompute')} {ratio} {wait('kvtier')} {wait('fs')} "
+                     f"{wait_ratio}  {notes}".rstrip())
     return "\n".join(lines)
 
 
@@ -303,10 +336,28 @@ class _Trace:
     def __init__(self) -> None:
         self.events: list[tuple[float, str, str]] = []
         self.on = False
+        self.loads: set[int] = set()  # vLLM ids of the load jobs submitted while on
+        self.first_lookup: float | None = None
+        self.last_load_done: float | None = None
+
+    def start(self) -> None:
+        self.events.clear()
+        self.loads.clear()
+        self.first_lookup = self.last_load_done = None
+        self.on = True
 
     def add(self, name: str, detail: str = "") -> None:
         if self.on:
-            self.events.append((time.perf_counter(), name, detail))
+            stamp = time.perf_counter()
+            if name == "lookup" and self.first_lookup is None:
+                self.first_lookup = stamp
+            self.events.append((stamp, name, detail))
+
+    def tier_wait_s(self) -> float | None:
+        """First secondary-tier lookup to the report of the last load job finished."""
+        if self.first_lookup is None or self.last_load_done is None:
+            return None
+        return self.last_load_done - self.first_lookup
 
 
 def _install_trace(trace: _Trace) -> None:
@@ -330,19 +381,23 @@ def _install_trace(trace: _Trace) -> None:
             return _f(self, ctx)
 
         def submit_load(self: Any, job: Any, _f: Any = original_load) -> Any:
-            trace.add("submit_load", str(len(job.keys)))
+            trace.add("submit_load", f"job {job.job_id}: {len(job.keys)} keys")
+            if trace.on:
+                trace.loads.add(job.job_id)
             return _f(self, job)
 
         def get_finished_jobs(self: Any, _f: Any = original_finished) -> Any:
             results = list(_f(self))
-            if results:
+            if results and trace.on:
                 trace.add("finished", ",".join(f"{r.job_id}:{r.success}" for r in results))
+                if any(r.job_id in trace.loads for r in results):
+                    trace.last_load_done = time.perf_counter()
             return results
 
-        cls.lookup = lookup
-        cls.on_schedule_end = on_schedule_end
-        cls.submit_load = submit_load
-        cls.get_finished_jobs = get_finished_jobs
+        for name, wrapper in (("lookup", lookup), ("on_schedule_end", on_schedule_end),
+                              ("submit_load", submit_load),
+                              ("get_finished_jobs", get_finished_jobs)):
+            setattr(cls, name, wrapper)
 
 
 def _timeline(events: list[tuple[float, str, str]], start: float) -> list[str]:
@@ -371,7 +426,7 @@ def child_main(spec: dict[str, Any]) -> None:
     if spec.get("switch_interval_s"):
         sys.setswitchinterval(float(spec["switch_interval_s"]))
     trace = _Trace()
-    if spec.get("trace"):
+    if spec["engine_core"] == "inproc" and spec["kv_config"]:
         _install_trace(trace)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -410,25 +465,40 @@ def child_main(spec: dict[str, Any]) -> None:
             if not llm.reset_prefix_cache(reset_connector=True):
                 raise RuntimeError("reset_prefix_cache(reset_connector=True) refused")
         elif op["op"] == "time":
-            trace.events.clear()
-            trace.on = True
+            trace.start()
             started = time.perf_counter()
             seconds, cached = generate(prompt_ids(op["tokens"], op["seed"], vocab))
             trace.on = False
             results.append({"label": op["label"], "tokens": op["tokens"], "seconds": seconds,
-                            "cached_tokens": cached,
+                            "cached_tokens": cached, "tier_wait_s": trace.tier_wait_s(),
                             "timeline": _timeline(trace.events, started) if spec.get("trace")
                             else []})
     sys.stdout.write(MARKER + json.dumps({"results": results}) + "\n")
     sys.stdout.flush()
-    del llm
 
 
 # -- parent ----------------------------------------------------------------------------------
 
 
-def _child_env(engine_core: str) -> dict[str, str]:
+# Under --engine-core mp vLLM spawns the engine-core process: the fs tier's O_DIRECT probe is
+# answered there, by this sitecustomize (on PYTHONPATH only for the buffered fs child).
+_FS_BUFFERED_SITECUSTOMIZE = """\
+import os
+if os.environ.get("KVTIER_BENCH_FS_BUFFERED") == "1":
+    import vllm.v1.kv_offload.tiering.fs.manager as _fs_manager
+    _fs_manager.probe_o_direct = lambda directory: False
+"""
+
+
+def _child_env(engine_core: str, fs_buffered: bool, work: Path) -> dict[str, str]:
     env = dict(os.environ)
+    if fs_buffered:
+        site = work / "fs-buffered-site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(_FS_BUFFERED_SITECUSTOMIZE)
+        env["KVTIER_BENCH_FS_BUFFERED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(site), *filter(None, [env.get("PYTHONPATH")])])
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if engine_core == "inproc" else "1",
@@ -441,7 +511,9 @@ def _child_env(engine_core: str) -> dict[str, str]:
 def run_child(spec: dict[str, Any], log_path: Path) -> list[dict[str, Any]]:
     with log_path.open("ab") as log:
         done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
-                              stdout=subprocess.PIPE, stderr=log, env=_child_env(spec["engine_core"]),
+                              stdout=subprocess.PIPE, stderr=log,
+                              env=_child_env(spec["engine_core"], bool(spec.get("fs_buffered")),
+                                             log_path.parent),
                               timeout=CHILD_DEADLINE_S, check=False)
     for line in done.stdout.decode(errors="replace").splitlines():
         if line.startswith(MARKER):
@@ -467,8 +539,10 @@ def run(settings: Settings) -> tuple[list[Sample], list[str]]:
             "trace": settings.trace, "engine_core": settings.engine_core,
             "switch_interval_s": (settings.switch_interval_ms / 1e3
                                   if settings.switch_interval_ms else None)}
-    configs: list[tuple[str, str]] = [(tier, mode) for mode in settings.modes for tier in TIERS]
-    configs.append(("recompute", "-"))
+    configs: list[tuple[str, str]] = [(tier, mode) for mode in settings.modes
+                                      for tier in settings.tiers if tier != "recompute"]
+    if "recompute" in settings.tiers:
+        configs.append(("recompute", "-"))
     samples: list[Sample] = []
     timelines: list[str] = []
     stored = sorted(set(settings.fresh_tokens) | set(settings.same_tokens))
@@ -507,9 +581,10 @@ def run(settings: Settings) -> tuple[list[Sample], list[str]]:
                                       "ops": ops_b}, log_path)
             for result in results:
                 samples.append(Sample(result["label"], tier, mode, result["tokens"],
-                                      result["seconds"], result["cached_tokens"], round_index))
-                if result["timeline"] and result["label"] == "same":
-                    timelines.append(f"round {round_index + 1} same {tier} {mode} "
+                                      result["seconds"], result["cached_tokens"], round_index,
+                                      result.get("tier_wait_s")))
+                if result["timeline"]:
+                    timelines.append(f"round {round_index + 1} {result['label']} {tier} {mode} "
                                      f"{result['tokens']} tokens "
                                      f"({result['seconds'] * 1e3:.1f} ms):")
                     timelines.extend("  " + line for line in result["timeline"])

@@ -132,3 +132,17 @@ def test_prompts_are_deterministic_and_distinct() -> None:
     assert first == bench.prompt_ids(64, 7, 1024)
     assert first != bench.prompt_ids(64, 8, 1024)
     assert len(first) == 64 and min(first) >= bench.VOCAB_FIRST and max(first) < 1024
+
+
+def test_tier_waits_have_their_own_medians_and_ratio() -> None:
+    samples = [
+        bench.Sample("same", "kvtier", "direct", 512, 0.05, 512, 0, 0.030),
+        bench.Sample("same", "kvtier", "direct", 512, 0.06, 512, 1, 0.010),
+        bench.Sample("same", "fs", "direct", 512, 0.04, 512, 0, 0.020),
+        bench.Sample("same", "fs", "direct", 512, 0.04, 512, 1, None),  # not measured
+    ]
+    (row,) = bench.summarize(samples)
+    assert row.wait_medians == {"kvtier": pytest.approx(0.020), "fs": pytest.approx(0.020)}
+    assert row.wait_ratio == pytest.approx(1.0)
+    line = bench.format_table([row]).splitlines()[2]
+    assert "20.0ms   20.0ms     1.00" in line
