@@ -38,11 +38,32 @@ Rows (seconds of the timed ``generate``):
 
 Rounds are interleaved: each round runs every configuration once, the order rotating per round.
 Reported: the median over rounds per row, the ratio kvtier / fs per row (same mode, same
-tokens), and tokens served from the tier (a row whose load missed is flagged). ``--trace`` also
-prints, for the ``same`` rows, a timeline of the secondary tier's scheduler calls (per engine
-step: lookups answered HIT / MISS / RETRY, load submits, finished jobs) to show where a fixed
-per-request cost goes. Expect ~50 s per round and configuration pair on 2 cores (ten engine
-processes per round); see ``--help``.
+tokens), and tokens served from the tier (a row whose load missed is flagged). With the engine
+core in-process (the default), the tier's scheduler calls are also timestamped, and each row
+has a *tier wait*: first secondary-tier lookup of the request to the step that reported its
+last load job, i.e. the part of the time to first token that is the tier's (the rest is the
+engine computing the uncached tail, which on a shared 2-core machine varies far more than the
+load does). ``--trace`` prints the per-step timeline (lookups answered HIT / MISS / RETRY, load
+submits, finished jobs, step ends).
+
+``--engine-core mp`` runs vLLM's default engine-core process instead (no tier wait, no trace;
+the buffered ``fs`` mode is set there through a ``sitecustomize`` on ``PYTHONPATH``).
+Diagnostics: ``--switch-interval-ms`` (``sys.setswitchinterval`` in every engine process) and
+``--kvtier-io-yield-ms`` (KvtierTier's end-of-step wait for in-flight I/O, ``0`` = none);
+``--tiers`` runs a subset. Cost: each configuration is two engine processes per round (~20 s
+each to start) plus the prefills of process A; at 8,192 tokens a prefill takes tens of seconds
+on 2 cores, so the default command takes ~15-20 minutes (``--fresh-tokens 2048`` ~6).
+
+What it found (issue 13's "25 ms after a reset"): not a lookup step. After a reset kvtier
+answers every lookup on the first step from its verdict cache (vLLM's ``fs`` needs a probe
+round trip of a few steps); the time went into the load job itself. vLLM's engine loop steps
+the scheduler thread back to back while a request waits for its KV (pure Python, ~0.5 ms a
+step), and kvtier's pure-Python I/O and probe threads make several system calls per block,
+each of which has to win the GIL back from that thread: Python's switch interval (5 ms) per
+system call. A 16-block load took ~100 ms against ~15 ms for ``fs`` (whose C extension reads a
+job's files in one call without the GIL); with ``--switch-interval-ms 0.2`` the same load took
+~22 ms. ``KvtierTier`` now waits, at the end of a step with a load or probe in flight, at most
+0.5 ms for them (see its module docstring), which releases the GIL.
 """
 
 from __future__ import annotations
@@ -132,6 +153,7 @@ class Settings:
     switch_interval_ms: float | None = None
     engine_core: str = "inproc"
     tiers: tuple[str, ...] = (*TIERS, "recompute")
+    kvtier_io_yield_ms: float | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -168,6 +190,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
                         help="inproc: engine core in the generate process "
                              "(VLLM_ENABLE_V1_MULTIPROCESSING=0; needed by --trace and the "
                              "buffered fs mode); mp: vLLM's default engine-core process")
+    parser.add_argument("--kvtier-io-yield-ms", type=float,
+                        help="diagnostic: KvtierTier's end-of-step wait for in-flight I/O "
+                             "(0 = none; default: the tier's own)")
     parser.add_argument("--tiers", default="kvtier,fs,recompute",
                         help="configurations to run (a subset of kvtier,fs,recompute)")
     parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
@@ -181,6 +206,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     if args.trace and args.engine_core == "mp":
         raise BenchArgumentError("--trace needs --engine-core inproc (the tier runs in the "
                                  "engine-core process under mp)")
+    if args.kvtier_io_yield_ms is not None and not 0 <= args.kvtier_io_yield_ms <= 100:
+        raise BenchArgumentError(
+            f"--kvtier-io-yield-ms: {args.kvtier_io_yield_ms}: expected 0..100")
+    if args.kvtier_io_yield_ms is not None and args.engine_core == "mp":
+        raise BenchArgumentError("--kvtier-io-yield-ms needs --engine-core inproc")
     if not 1 <= args.io_threads <= 64:
         raise BenchArgumentError(f"--io-threads: {args.io_threads}: expected 1..64")
     return Settings(
@@ -190,6 +220,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         modes=parse_modes(args.modes), io_threads=args.io_threads, trace=args.trace,
         json_path=args.json, work_dir=args.work_dir, switch_interval_ms=args.switch_interval_ms,
         engine_core=args.engine_core, tiers=parse_tiers(args.tiers),
+        kvtier_io_yield_ms=args.kvtier_io_yield_ms,
     )
 
 
@@ -425,6 +456,10 @@ def child_main(spec: dict[str, Any]) -> None:
         fs_manager.probe_o_direct = lambda directory: False  # fs's own non-O_DIRECT fallback
     if spec.get("switch_interval_s"):
         sys.setswitchinterval(float(spec["switch_interval_s"]))
+    if spec.get("kvtier_io_yield_s") is not None:
+        import kvtier.integrations.vllm._tier as kvtier_tier
+
+        kvtier_tier._IO_YIELD_S = float(spec["kvtier_io_yield_s"])
     trace = _Trace()
     if spec["engine_core"] == "inproc" and spec["kv_config"]:
         _install_trace(trace)
@@ -537,6 +572,8 @@ def run(settings: Settings) -> tuple[list[Sample], list[str]]:
     base = {"model_dir": str(model_dir), "max_model_len": settings.max_model_len,
             "kv_cache_bytes": settings.kv_cache_bytes, "vocab_size": preset.model.vocab_size,
             "trace": settings.trace, "engine_core": settings.engine_core,
+            "kvtier_io_yield_s": (None if settings.kvtier_io_yield_ms is None
+                                  else settings.kvtier_io_yield_ms / 1e3),
             "switch_interval_s": (settings.switch_interval_ms / 1e3
                                   if settings.switch_interval_ms else None)}
     configs: list[tuple[str, str]] = [(tier, mode) for mode in settings.modes

@@ -363,6 +363,8 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         if self._tier.closed:
             return
         self._tier.flush()
+        if _IO_YIELD_S <= 0:
+            return
         if self._loads_in_flight:
             self._collected.extend(self._tier.get_finished_jobs(wait=True, timeout=_IO_YIELD_S))
         elif self._tier.lookup_manager.probes_in_flight:
