@@ -157,6 +157,26 @@ def test_found_key_goes_pending_in_flight_resolved(make: Callable[..., SetTier])
     assert (stats.backend_calls, stats.probes_submitted, stats.lookups) == (2, 2, 5)
 
 
+def test_wait_for_probes_is_bounded_and_returns_once_the_worker_answered(
+        make: Callable[..., SetTier]) -> None:
+    hold = threading.Event()
+    tier = make(key(1), hold=hold)
+    assert not tier.probes_in_flight
+    assert tier.wait_for_probes(0.0)  # nothing sent: nothing to wait for
+    assert tier.lookup(key(1), ctx("r1")) is None
+    assert not tier.probes_in_flight  # pending, not sent yet
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    assert tier.probes_in_flight
+    assert not tier.wait_for_probes(0.01)  # the backend call is held: the wait gives up
+    hold.set()
+    assert tier.wait_for_probes(WAIT_S)
+    assert tier.probes_in_flight  # posted, not applied: the wait applies nothing
+    # The first lookup after the flush applies it: the next step has its answer.
+    assert tier.lookup(key(1), ctx("r1")) is True
+    assert not tier.probes_in_flight
+
+
 def test_results_are_applied_by_first_lookup_after_flush(make: Callable[..., SetTier]) -> None:
     tier = make(key(1))
     tier.lookup(key(1), ctx("r1"))
