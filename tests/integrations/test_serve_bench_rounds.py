@@ -100,3 +100,18 @@ def test_bad_rounds_are_named(tmp_path: Path, rounds: str) -> None:
     with pytest.raises(sb.ServeBenchError, match=f"--rounds must be >= 1, got {rounds}"):
         sb.settings_from_args(parser.parse_args(["--workdir", str(tmp_path),
                                                  "--rounds", rounds]))
+
+
+def test_the_agentic_trace_feeds_the_client_with_distinct_sessions(tmp_path: Path) -> None:
+    rows = sb.trace_rows("agentic", 40)
+    assert len(rows) == 40 and all(row["hash_ids"] for row in rows)
+    firsts = {row["hash_ids"][0] for row in rows}
+    assert len(firsts) > 1  # several sessions, and ...
+    shared = [row for row in rows[1:] if row["hash_ids"][0] in
+              {earlier["hash_ids"][0] for earlier in rows[: rows.index(row)]}]
+    assert shared  # ... later turns of a session repeat its prefix
+    info = sb.write_trace(rows, tmp_path / "t.jsonl", kind=sb.TraceKind.REUSE, block_size=32,
+                          max_prompt_tokens=2040, output_len=4)
+    assert info["prompt_tokens"] == sum(min(len(r["hash_ids"]), 63) * 32 for r in rows)
+    with pytest.raises(sb.ServeBenchError, match="unknown --trace 'nope'"):
+        sb.trace_rows("nope", 1)

@@ -218,6 +218,26 @@ def bundled_trace_rows(name: str = "conversation_trace.jsonl.xz") -> list[dict[s
         return [json.loads(line) for line in text if line.strip()]
 
 
+TRACES = {
+    "conversation": "conversation_trace (Mooncake), bundled",
+    "agentic": "builtin:agentic (kvtier's seeded agentic-coding sessions)",
+}
+
+
+def trace_rows(name: str, count: int) -> list[dict[str, Any]]:
+    """The first ``count`` rows of a bundled trace as ``{timestamp, hash_ids}`` (hash ids are
+    distinct between sessions; the client cuts each prompt to the engine's context)."""
+    if name == "conversation":
+        return bundled_trace_rows()[:count]
+    if name == "agentic":
+        from kvtier.replay.trace import read_trace
+
+        trace = read_trace("builtin:agentic", max_requests=count)
+        return [{"timestamp": request.timestamp_ms, "hash_ids": list(request.hash_ids)}
+                for request in trace.requests]
+    raise ServeBenchError(f"unknown --trace {name!r}; expected one of {sorted(TRACES)}")
+
+
 def write_trace(rows: Sequence[Mapping[str, Any]], path: Path, *, kind: TraceKind,
                 block_size: int, max_prompt_tokens: int, output_len: int) -> dict[str, Any]:
     """The window as ``timed_trace`` JSONL: one hash id = one engine block of the prompt.
@@ -332,6 +352,7 @@ class BenchSettings:
     model_dir: Path | None
     keep_workdir: bool
     rounds: int = 1
+    trace: str = "conversation"
 
 
 def _python() -> list[str]:
@@ -753,7 +774,7 @@ def run_benchmark(settings: BenchSettings) -> dict[str, Any]:
     settings.workdir.mkdir(parents=True, exist_ok=True)
     model_dir = settings.model_dir or settings.workdir / "model"
     build_random_llama(model_dir, settings.model, settings.max_model_len)
-    rows = bundled_trace_rows()
+    rows = trace_rows(settings.trace, settings.window_start + settings.requests)
     window = rows[settings.window_start : settings.window_start + settings.requests]
     if len(window) < settings.requests:
         raise ServeBenchError(f"--requests {settings.requests} from --window-start "
@@ -776,7 +797,7 @@ def run_benchmark(settings: BenchSettings) -> dict[str, Any]:
                   "block_size": settings.block_size, "max_model_len": settings.max_model_len,
                   "engine_kv_cache_bytes": settings.kv_cache_bytes,
                   "cpu_tier_bytes": settings.cpu_tier_bytes},
-        "trace": {"name": "conversation_trace (Mooncake)", "window_start": settings.window_start,
+        "trace": {"name": TRACES[settings.trace], "window_start": settings.window_start,
                   "requests": settings.requests, "output_len": settings.output_len,
                   "passes": "warm + measured (same requests); restart and no-reuse: measured",
                   "max_concurrency": settings.max_concurrency,
@@ -863,6 +884,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-mib", type=int, help="engine KV cache (MiB)")
     parser.add_argument("--cpu-tier-mib", type=int, help="CPU offload tier (MiB)")
     parser.add_argument("--requests", type=int, help="trace requests per pass")
+    parser.add_argument("--trace", choices=sorted(TRACES), default="conversation",
+                        help="bundled trace to replay: the Mooncake conversation trace or "
+                        "builtin:agentic (prompts cut to --max-model-len)")
     parser.add_argument("--window-start", type=int, default=0,
                         help="first trace row of the window (default 0)")
     parser.add_argument("--output-len", type=int, help="output tokens per request")
@@ -922,7 +946,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         request_rate=str(args.request_rate), reserved_cpus=args.reserved_cpus,
         hash_seed=args.hash_seed, o_direct=args.io_mode == "direct", configs=configs,
         workdir=workdir, model_dir=args.model_dir, keep_workdir=bool(args.keep or args.workdir),
-        rounds=args.rounds,
+        rounds=args.rounds, trace=args.trace,
     )
 
 
