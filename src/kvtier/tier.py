@@ -117,7 +117,7 @@ class TransferJob:
     parts_left: int = 1
     partial: list[bool] = field(default_factory=list)
     first_error: str | None = None
-    began: float = 0.0
+    busy_s: float = 0.0
 
     @property
     def succeeded(self) -> list[BlockKey]:
@@ -573,11 +573,12 @@ class SecondaryTier:
             if job.settled:  # expired (or failed) before this part began: never start it
                 return
             job.running += 1
-            if not job.began:
-                job.began = time.perf_counter()
+        began = time.perf_counter()
         answers, error = self._call(job, part.start, part.end)
+        busy = time.perf_counter() - began
         with self._settle_lock:
             job.running -= 1
+            job.busy_s += busy  # busy time summed over the threads that ran its parts
             job.partial[part.start : part.end] = answers
             if error is not None and job.first_error is None:
                 job.first_error = error
@@ -593,7 +594,7 @@ class SecondaryTier:
         if job.suspects:
             job.results = final
             self._read_back(job)
-        job.seconds = time.perf_counter() - job.began
+        job.seconds = job.busy_s
         self._settle(job, final, job.first_error)
 
     def _call(self, job: TransferJob, start: int, end: int) -> tuple[list[bool], str | None]:
