@@ -716,13 +716,17 @@ class TieringManager:
         sent in a later step, or copied out when the pool evicts them."""
         unwritten = self._unwritten
         tiers = len(self._tiers)
+        if not tiers or not unwritten:
+            return
         room = (self._max_cascade_pins - self._cascade_pins) // tiers
-        if room <= 0 or not unwritten:
+        if room <= 0:
             return
         pool = self._pool
         batch = [key for key, _ in zip(unwritten, range(room), strict=False)]
         for key in batch:
             del unwritten[key]
+        batch = [key for key in batch if pool.is_resident(key)]  # discarded meanwhile: gone
+        for key in batch:
             view = pool.view(pool.pin(key))
             for queue_ in self._queued_stores:
                 queue_.append(_QueuedStore(key, view, True))
