@@ -411,6 +411,36 @@ def test_write_back_writes_on_eviction_and_flushes_at_shutdown(make: Factory,
     assert bytes(out) == data(k(1))
 
 
+def test_a_block_evicted_before_its_write_back_lands_is_read_from_its_copy(
+        make: Factory) -> None:
+    """Between eviction and the tier's write, the block is in no tier: a lookup re-admits it
+    from the manager's copy (a hit, no load, the same bytes) instead of missing. The held
+    backend is an injected fault: a real backend cannot be made to stall on demand."""
+    m = make(slots=2, write_policy="write_back")
+    tier = m.tiers[0]
+    held = HeldBackend(tier.backend)
+    tier._backend = held  # inject the hold
+    writer, reader = RequestContext("w"), RequestContext("r")
+    try:
+        store(m, [k(1), k(2)], writer)
+        store(m, [k(3)], writer)  # evicts k(1): copied out, its write queued
+        m.on_schedule_end()
+        assert held.entered.wait(10)  # the write of k(1) is stuck in the backend
+        assert m.get_stats()["manager"]["pending_copies"] == 1
+        assert m.lookup(k(1), reader) is HIT  # re-admitted from the copy, evicting k(2)
+        assert read(m, [k(1)], reader) == [data(k(1))]
+        stats = m.get_stats()
+        assert stats["manager"]["copies_readmitted"] == 1
+        assert stats["tiers"]["memory"]["load_keys"] == 0  # nothing was loaded from the tier
+    finally:
+        held.release.set()
+    step(m)
+    assert m.get_stats()["manager"]["pending_copies"] == 0  # the write landed: copy dropped
+    assert tier.backend.exists([k(1)]) == [True]
+    m.on_request_finished(reader)
+    m.on_request_finished(writer)
+
+
 def test_write_back_flushes_every_tier_at_shutdown(make: Factory, tmp_path: Path) -> None:
     roots = [tmp_path / "one", tmp_path / "two"]
     m = make(tiers=[f"file://{root}" for root in roots], slots=4, write_policy="write_back")

@@ -236,10 +236,10 @@ class CountingGate(Gate):
             raise ConnectionError("injected")
 
 
-def test_max_keys_per_call_splits_jobs_and_keeps_keys_moved_before_a_failed_call(
+def test_max_keys_per_call_splits_jobs_and_keeps_keys_moved_by_other_calls(
         namespace: Namespace) -> None:
     gate = CountingGate(open_backend("memory://", namespace))
-    tier = SecondaryTier("split", gate, max_keys_per_call=2)
+    tier = SecondaryTier("split", gate, max_keys_per_call=2, io_threads=1)
     try:
         stored = tier.submit_store([k(i) for i in range(5)], [payload(i) for i in range(5)])
         tier.get_finished_jobs(wait=True, timeout=10)
@@ -250,15 +250,48 @@ def test_max_keys_per_call_splits_jobs_and_keeps_keys_moved_before_a_failed_call
         outs = [memoryview(bytearray(BLOCK)) for _ in range(5)]
         job = tier.submit_load([k(i) for i in range(5)], outs)
         tier.get_finished_jobs(wait=True, timeout=10)
-        assert job.results == (True, True, False, False, False)
+        # Parts of 2 + 2 + 1 keys (one thread here: in order); the second call fails only its
+        # own part, the others load.
+        assert job.results == (True, True, False, False, True)
         assert job.error is not None and "injected" in job.error
-        assert len(gate.calls) == 2  # no call after the failed one
-        assert bytes(outs[1]) == payload(1)
+        assert len(gate.calls) == 3
+        assert bytes(outs[1]) == payload(1) and bytes(outs[4]) == payload(4)
         assert tier.lookup(k(2), RequestContext("r")) is False  # failed keys are quarantined
     finally:
         tier.shutdown(10)
     with pytest.raises(ValueError, match="max_keys_per_call: expected an integer >= 1, got 0"):
         SecondaryTier("bad", open_backend("memory://", namespace), max_keys_per_call=0)
+
+
+class BarrierGate(Gate):
+    """Every get call waits until ``parties`` calls are inside at once (fault injection of
+    timing: only concurrent calls can pass, so a serial load fails the barrier)."""
+
+    def __init__(self, inner: Backend, parties: int) -> None:
+        super().__init__(inner)
+        self.barrier = threading.Barrier(parties, timeout=10)
+        self.loading = False
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
+        if self.loading:
+            self.barrier.wait()
+        return self.inner.get_many(keys, outs)
+
+
+def test_a_load_reads_its_parts_in_parallel_on_the_io_threads(namespace: Namespace) -> None:
+    gate = BarrierGate(open_backend("memory://", namespace), parties=4)
+    tier = SecondaryTier("parallel", gate, io_threads=4)  # type: ignore[arg-type]
+    try:
+        keys = [k(i) for i in range(32)]
+        assert gate.inner.put_many(keys, [payload(i) for i in range(32)]) == [True] * 32
+        gate.loading = True
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        job = tier.submit_load(keys, outs)
+        tier.get_finished_jobs(wait=True, timeout=30)
+        assert job.results == (True,) * 32, job.error  # four parts of 8 met at the barrier
+        assert [bytes(out) for out in outs] == [payload(i) for i in range(32)]
+    finally:
+        tier.shutdown(10)
 
 
 def test_remove_deletes_and_updates_the_verdict(tier: SecondaryTier) -> None:

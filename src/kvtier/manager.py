@@ -476,16 +476,24 @@ class TieringManager:
         counters.misses += 1
         return LookupResult.MISS
 
-    def _start_promotion(self, key: BlockKey, tier_index: int,
-                         protect: set[BlockKey] | tuple[()], req_id: str) -> LookupResult:
+    def _reserve_for(self, key: BlockKey, protect: set[BlockKey] | tuple[()]) -> int | None:
+        """A slot for bringing ``key`` into the pool (evicting a victim), or None (counted as
+        a miss for want of a slot)."""
         reservation = self._pool.reserve(key, protect)
         if reservation is None:
             self._counters.promotions_no_slot += 1
             self._counters.misses += 1
-            return LookupResult.MISS
+            return None
         if reservation.evicted is not None:
             self._on_evicted(reservation.evicted, reservation.slot)
-        promotion = self._promotions[key] = _Promotion(tier_index, reservation.slot)
+        return reservation.slot
+
+    def _start_promotion(self, key: BlockKey, tier_index: int,
+                         protect: set[BlockKey] | tuple[()], req_id: str) -> LookupResult:
+        slot = self._reserve_for(key, protect)
+        if slot is None:
+            return LookupResult.MISS
+        promotion = self._promotions[key] = _Promotion(tier_index, slot)
         self._add_waiter(promotion, key, req_id)
         self._queued_loads[tier_index].append(key)
         self._counters.promotions_started += 1
@@ -708,13 +716,17 @@ class TieringManager:
         sent in a later step, or copied out when the pool evicts them."""
         unwritten = self._unwritten
         tiers = len(self._tiers)
+        if not tiers or not unwritten:
+            return
         room = (self._max_cascade_pins - self._cascade_pins) // tiers
-        if room <= 0 or not unwritten:
+        if room <= 0:
             return
         pool = self._pool
         batch = [key for key, _ in zip(unwritten, range(room), strict=False)]
         for key in batch:
             del unwritten[key]
+        batch = [key for key in batch if pool.is_resident(key)]  # discarded meanwhile: gone
+        for key in batch:
             view = pool.view(pool.pin(key))
             for queue_ in self._queued_stores:
                 queue_.append(_QueuedStore(key, view, True))
@@ -755,14 +767,10 @@ class TieringManager:
                  protect: set[BlockKey] | tuple[()]) -> LookupResult:
         """An evicted block whose write is still pending comes back from its copy, so there is
         never a window in which a block is in no tier at all."""
-        reservation = self._pool.reserve(key, protect)
-        if reservation is None:
-            self._counters.promotions_no_slot += 1
-            self._counters.misses += 1
+        slot = self._reserve_for(key, protect)
+        if slot is None:
             return LookupResult.MISS
-        if reservation.evicted is not None:
-            self._on_evicted(reservation.evicted, reservation.slot)
-        self._pool.view(reservation.slot)[:] = copy.payload
+        self._pool.view(slot)[:] = copy.payload
         self._pool.commit(key)
         self._counters.copies_readmitted += 1
         self._counters.hits += 1

@@ -7,12 +7,15 @@ Thread ownership:
   ``_store_jobs``), the recent load failures (``_load_failures``), the counters (``_counters``),
   the lifecycle (``_state``) and everything in the lookup manager. It submits jobs, and
   collects finished ones with :meth:`get_finished_jobs`.
-- **I/O threads** (``io_threads`` per tier, a ``ThreadPoolExecutor``) run one
-  :class:`TransferJob` at a time, taken from the ready queues (``_ready_loads`` before
+- **I/O threads** (``io_threads`` per tier, a ``ThreadPoolExecutor``) run one part of a
+  :class:`TransferJob` at a time (a store is one part; a load is split into parts so that its
+  reads run in parallel), taken from the ready queues (``_ready_loads`` before
   ``_ready_stores``: ``collections.deque``, appended by the scheduler, popped by I/O threads,
-  each job popped exactly once): they call the backend, fill in the job's ``results``,
-  ``error`` and ``seconds`` and post the job to ``_finished`` (a ``queue.SimpleQueue``). After
-  posting they never touch the job again; before posting the scheduler never reads those fields.
+  each part popped exactly once). They call the backend and record the part's answers in the
+  job under ``_settle_lock`` (``running``, ``parts_left``, ``partial``, ``first_error``); the
+  thread that finishes the last part fills in ``results``, ``error`` and ``seconds`` and posts
+  the job to ``_finished`` (a ``queue.SimpleQueue``). After posting no I/O thread touches the
+  job again; before posting the scheduler never reads those fields.
 - **Probe worker** (inside the lookup manager) calls ``backend.probe``.
 - The backend is thread-safe by contract. The counters are the scheduler thread's and are
   published by the manager (:mod:`kvtier.metrics`); only probe durations are observed on the
@@ -34,9 +37,11 @@ or dead tier never stalls the engine. Loads are never shed, and they go first: a
 thread takes the oldest waiting load before any waiting store, so a promotion a request waits
 for never queues behind a backlog of cascades.
 
-With ``max_keys_per_call`` a job's keys go to the backend in consecutive calls of at most that
-many keys (one I/O thread, in order); a call that raises or answers short fails its keys and the
-rest of the job, and the keys moved by earlier calls stay moved.
+A load of more than ``_MIN_LOAD_PART_KEYS`` keys is split into up to ``io_threads`` parts that
+run side by side (with ``max_keys_per_call``, parts of at most that many keys); a store runs its
+keys in consecutive calls of at most ``max_keys_per_call`` (one I/O thread, in order). A call
+that raises or answers short fails its keys and the rest of its part; keys moved by other calls
+stay moved.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 from kvtier.backends.base import Backend, Buffer, RateLimitedLog
@@ -64,6 +69,7 @@ _MAX_KEYS_PER_CALL = Setting("max_keys_per_call", Kind.INT, None,
                              "keys per backend get/put call (None: no limit)", minimum=1)
 
 _log = logging.getLogger("kvtier.tier")
+_MIN_LOAD_PART_KEYS = 8  # a load is split across I/O threads in parts of at least this many
 _PROBE_SHUTDOWN_WAIT_S = 2.0
 
 
@@ -105,8 +111,13 @@ class TransferJob:
     deadline: float = float("inf")  # time.monotonic() past which a load job fails
     settled: bool = False           # results are final (set once, under the tier's settle lock)
     abandoned: bool = False         # a load failed by its deadline while its I/O still runs
-    started: bool = False           # an I/O thread began it (under the settle lock)
-    ended: bool = False             # its backend calls returned (under the settle lock)
+    # Progress of its parts (a load runs as parts on several I/O threads), under the settle
+    # lock: parts in a backend call now, parts not finished, per-key answers, first error.
+    running: int = 0
+    parts_left: int = 1
+    partial: list[bool] = field(default_factory=list)
+    first_error: str | None = None
+    busy_s: float = 0.0
 
     @property
     def succeeded(self) -> list[BlockKey]:
@@ -222,6 +233,15 @@ class RecentLoadFailures:
             self._until.pop(key, None)
 
 
+@dataclass(slots=True)
+class _Part:
+    """Keys ``start:end`` of a job: what one I/O thread runs."""
+
+    job: TransferJob
+    start: int
+    end: int
+
+
 class SecondaryTier:
     """A backend + its :class:`AsyncLookupManager` + transfer jobs on I/O threads."""
 
@@ -272,6 +292,7 @@ class SecondaryTier:
         self._max_store_jobs = max_pending_store_jobs
         self._max_keys_per_call = max_keys_per_call
         self._executor = IoThreadPool(io_threads, f"kvtier-io-{name}")
+        self._io_threads = io_threads
         self._load_timeout_s = float(load_timeout_s)
         self._load_deadlines: deque[TransferJob] = deque()  # loads in submission order
         self._settle_lock = threading.Lock()  # a job's results are settled exactly once
@@ -279,8 +300,8 @@ class SecondaryTier:
         self._released: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()  # abandoned, I/O over
         self._abandoned = 0  # abandoned loads not yet released (scheduler thread)
         self._outstanding: dict[int, TransferJob] = {}
-        self._ready_loads: deque[TransferJob] = deque()
-        self._ready_stores: deque[TransferJob] = deque()
+        self._ready_loads: deque[_Part] = deque()
+        self._ready_stores: deque[_Part] = deque()
         self._job_ids = itertools.count()
         self._store_bytes = 0
         self._store_jobs = 0
@@ -377,20 +398,37 @@ class SecondaryTier:
 
     def _start(self, job: TransferJob) -> None:
         self._outstanding[job.job_id] = job
-        (self._ready_loads if job.kind is JobKind.LOAD else self._ready_stores).append(job)
+        parts = self._parts(job)
+        job.parts_left = len(parts)
+        job.partial = [False] * len(job.keys)
+        ready = self._ready_loads if job.kind is JobKind.LOAD else self._ready_stores
+        ready.extend(parts)
         try:
-            self._executor.submit(self._run_next)
+            for _ in parts:
+                self._executor.submit(self._run_next)
         except RuntimeError as exc:  # executor shut down underneath us: fail the jobs, no hang
-            # Tasks already submitted each pop one job (or find none and return); every job
-            # still waiting now is failed here, so no job is run twice or left behind.
-            for ready in (self._ready_loads, self._ready_stores):
+            # Tasks already submitted each pop one part (or find none and return); every part
+            # still waiting now fails its job here, so no part is run twice or left behind.
+            for queued in (self._ready_loads, self._ready_stores):
                 while True:
                     try:
-                        waiting = ready.popleft()
+                        waiting = queued.popleft().job
                     except IndexError:
                         break
                     self._settle(waiting, (False,) * len(waiting.keys),
                                  f"executor unavailable: {exc!r}")
+
+    def _parts(self, job: TransferJob) -> list[_Part]:
+        """A store is one part (its calls in order); a load is split across the I/O threads,
+        as an engine's own file tier reads with parallel threads: parts of at least
+        ``_MIN_LOAD_PART_KEYS`` keys, at most ``max_keys_per_call``."""
+        count = len(job.keys)
+        if job.kind is JobKind.STORE or count == 0:
+            return [_Part(job, 0, count)]
+        size = max(_MIN_LOAD_PART_KEYS, -(-count // self._io_threads))
+        if self._max_keys_per_call is not None:
+            size = min(size, self._max_keys_per_call)
+        return [_Part(job, start, min(count, start + size)) for start in range(0, count, size)]
 
     def get_finished_jobs(self, *, wait: bool = False,
                           timeout: float | None = None) -> list[TransferJob]:
@@ -448,7 +486,7 @@ class SecondaryTier:
                 return False
             job.results = results
             job.error = error
-            job.abandoned = abandon and job.started and not job.ended
+            job.abandoned = abandon and job.running > 0
             job.settled = True
         if job.abandoned:
             self._abandoned += 1
@@ -520,57 +558,69 @@ class SecondaryTier:
 
     # ---- I/O thread ---------------------------------------------------------------------------
     def _run_next(self) -> None:
-        """Run the oldest waiting load, else the oldest waiting store (one per submitted task)."""
+        """Run the oldest waiting load part, else the oldest store (one per submitted task)."""
         for ready in (self._ready_loads, self._ready_stores):
             try:
-                job = ready.popleft()
+                part = ready.popleft()
             except IndexError:
                 continue
-            if not job.settled:  # else it expired while waiting
-                self._run(job)
+            self._run_part(part)
             return
 
-    def _run(self, job: TransferJob) -> None:
-        started = time.perf_counter()
+    def _run_part(self, part: _Part) -> None:
+        job = part.job
         with self._settle_lock:
-            if job.settled:  # expired between the pop and now: never start it
+            if job.settled:  # expired (or failed) before this part began: never start it
                 return
-            job.started = True
+            job.running += 1
+        began = time.perf_counter()
+        answers, error = self._call(job, part.start, part.end)
+        busy = time.perf_counter() - began
+        with self._settle_lock:
+            job.running -= 1
+            job.busy_s += busy  # busy time summed over the threads that ran its parts
+            job.partial[part.start : part.end] = answers
+            if error is not None and job.first_error is None:
+                job.first_error = error
+            job.parts_left -= 1
+            done = job.parts_left == 0
+            released = job.abandoned and job.running == 0
+        if released:  # timed out meanwhile: its keys already failed; its buffers are free now
+            self._released.put(job)
+            return
+        if not done:
+            return
+        final = tuple(job.partial)
+        if job.suspects:
+            job.results = final
+            self._read_back(job)
+        job.seconds = job.busy_s
+        self._settle(job, final, job.first_error)
+
+    def _call(self, job: TransferJob, start: int, end: int) -> tuple[list[bool], str | None]:
+        """Keys ``start:end`` of ``job`` through the backend, in calls of at most
+        ``max_keys_per_call``. Keys after a failed call fail; keys moved before stay moved."""
         results: list[bool] = []
-        step = self._max_keys_per_call
-        starts: Iterable[int] = [0] if step is None else range(0, len(job.keys), step)
-        error: str | None = None
+        step = self._max_keys_per_call or max(1, end - start)
         try:
-            for start in starts:
-                end = len(job.keys) if step is None else start + step
-                keys = job.keys[start:end]
+            for first in range(start, end, step):
+                last = min(end, first + step)
+                keys = job.keys[first:last]
                 if job.kind is JobKind.LOAD:
-                    outs = cast("Sequence[memoryview]", job.buffers[start:end])
+                    outs = cast("Sequence[memoryview]", job.buffers[first:last])
                     raw = self._backend.get_many(keys, outs)
                 else:
-                    raw = self._backend.put_many(keys, job.buffers[start:end])
+                    raw = self._backend.put_many(keys, job.buffers[first:last])
                 answers = [item is True for item in raw]
                 if len(answers) != len(keys):
                     raise ValueError(f"backend returned {len(answers)} results for "
                                      f"{len(keys)} keys")
                 results.extend(answers)
         except Exception as exc:  # an I/O thread survives everything; the job fails safe
-            error = repr(exc)
             self._io_log.warning("tier %s: %s job of %d keys failed: %r", self._name,
                                  job.kind.value, len(job.keys), exc)
-        # Keys after a failed call are failed; keys moved by earlier calls stay moved.
-        final = tuple(results) + (False,) * (len(job.keys) - len(results))
-        if job.suspects:
-            job.results = final
-            self._read_back(job)
-        job.seconds = time.perf_counter() - started
-        with self._settle_lock:
-            job.ended = True
-            abandoned = job.abandoned
-        if abandoned:  # timed out meanwhile: its keys already failed; its buffers are free now
-            self._released.put(job)
-            return
-        self._settle(job, final, error)
+            return results + [False] * (end - start - len(results)), repr(exc)
+        return results, None
 
     def _read_back(self, job: TransferJob) -> None:
         """Store job, I/O thread: read back the stored keys whose load failed recently; the

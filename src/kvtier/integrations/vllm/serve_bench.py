@@ -28,13 +28,14 @@ import platform
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -217,6 +218,26 @@ def bundled_trace_rows(name: str = "conversation_trace.jsonl.xz") -> list[dict[s
         return [json.loads(line) for line in text if line.strip()]
 
 
+TRACES = {
+    "conversation": "conversation_trace (Mooncake), bundled",
+    "agentic": "builtin:agentic (kvtier's seeded agentic-coding sessions)",
+}
+
+
+def trace_rows(name: str, count: int) -> list[dict[str, Any]]:
+    """The first ``count`` rows of a bundled trace as ``{timestamp, hash_ids}`` (hash ids are
+    distinct between sessions; the client cuts each prompt to the engine's context)."""
+    if name == "conversation":
+        return bundled_trace_rows()[:count]
+    if name == "agentic":
+        from kvtier.replay.trace import read_trace
+
+        trace = read_trace("builtin:agentic", max_requests=count)
+        return [{"timestamp": request.timestamp_ms, "hash_ids": list(request.hash_ids)}
+                for request in trace.requests]
+    raise ServeBenchError(f"unknown --trace {name!r}; expected one of {sorted(TRACES)}")
+
+
 def write_trace(rows: Sequence[Mapping[str, Any]], path: Path, *, kind: TraceKind,
                 block_size: int, max_prompt_tokens: int, output_len: int) -> dict[str, Any]:
     """The window as ``timed_trace`` JSONL: one hash id = one engine block of the prompt.
@@ -330,6 +351,8 @@ class BenchSettings:
     workdir: Path
     model_dir: Path | None
     keep_workdir: bool
+    rounds: int = 1
+    trace: str = "conversation"
 
 
 def _python() -> list[str]:
@@ -507,8 +530,9 @@ def summarize(name: str, passed: PassResult, startup_s: float,
     raw, delta = passed.raw, passed.metrics_delta
     ttfts = [float(value) for value in raw.get("ttfts", []) if value]
     itls = [float(value) for chunk in raw.get("itls", []) for value in chunk]
+    # The counter's samples only: its ``_created`` timestamps carry the same source labels.
     by_source = {key.partition("[")[2].rstrip("]"): int(value) for key, value in delta.items()
-                 if key.startswith("vllm:prompt_tokens_cached_by_source") and "[" in key}
+                 if key.startswith("vllm:prompt_tokens_cached_by_source_total[")}
     kvtier = {key.removeprefix("vllm:kvtier_"): int(value) for key, value in delta.items()
               if key.startswith("vllm:kvtier_") and not key.endswith("_created") and value}
     return ConfigResult(
@@ -581,10 +605,15 @@ def targets(results: Mapping[str, ConfigResult]) -> list[dict[str, Any]]:
              "met": (not math.isnan(value)) and value <= limit} for name, value, limit in rows]
 
 
-def outputs_match(results: Mapping[str, ConfigResult], left: str, right: str) -> bool | None:
+def outputs_match(results: Mapping[str, ConfigResult], left: str, right: str,
+                  rounds: Sequence[Mapping[str, ConfigResult]] = ()) -> bool | None:
+    """Whether ``left`` generated exactly ``right``'s texts (in every round given)."""
     if left not in results or right not in results:
         return None
-    return results[left].generated_texts == results[right].generated_texts
+    for each in rounds or (results,):
+        if each[left].generated_texts != each[right].generated_texts:
+            return False
+    return True
 
 
 def plot_cdf(results: Mapping[str, ConfigResult], path: Path) -> None:
@@ -614,14 +643,17 @@ def plot_cdf(results: Mapping[str, ConfigResult], path: Path) -> None:
 # -- orchestration -------------------------------------------------------------------------
 
 
-def server_specs(settings: BenchSettings) -> list[ServerSpec]:
-    file_dir = settings.workdir / "kvtier-file-tier"
+def server_specs(settings: BenchSettings, root: Path | None = None) -> list[ServerSpec]:
+    """The configurations to run, their tier directories under ``root`` (one per round, so
+    every round starts on empty tiers; default the workdir)."""
+    root = settings.workdir if root is None else root
+    file_dir = root / "kvtier-file-tier"
     both = (Pass.WARM, Pass.MEASURED)
     specs = {
         "prefix-cache-only": ServerSpec("prefix-cache-only", TierKind.NONE, TraceKind.REUSE,
                                         both),
         "vllm-fs": ServerSpec("vllm-fs", TierKind.VLLM_FS, TraceKind.REUSE, both,
-                              settings.workdir / "vllm-fs-tier"),
+                              root / "vllm-fs-tier"),
         "kvtier-file": ServerSpec("kvtier-file", TierKind.KVTIER_FILE, TraceKind.REUSE, both,
                                   file_dir),
         "kvtier-file-restart": ServerSpec("kvtier-file-restart", TierKind.KVTIER_FILE,
@@ -632,7 +664,7 @@ def server_specs(settings: BenchSettings) -> list[ServerSpec]:
                                         (Pass.MEASURED,)),
         "no-reuse-kvtier": ServerSpec("no-reuse-kvtier", TierKind.KVTIER_FILE,
                                       TraceKind.NO_REUSE, (Pass.MEASURED,),
-                                      settings.workdir / "no-reuse-file-tier"),
+                                      root / "no-reuse-file-tier"),
     }
     if "kvtier-file-restart" in settings.configs and "kvtier-file" not in settings.configs:
         raise ServeBenchError("kvtier-file-restart needs kvtier-file in the same run (it "
@@ -640,9 +672,62 @@ def server_specs(settings: BenchSettings) -> list[ServerSpec]:
     return [specs[name] for name in CONFIG_NAMES if name in settings.configs]
 
 
+def round_order(specs: Sequence[ServerSpec], round_index: int) -> list[ServerSpec]:
+    """Round ``round_index``'s order: the configurations rotated by one per round, so each
+    runs early and late on a machine that drifts; kvtier-file-restart stays right after
+    kvtier-file (it restarts on that server's warm tier)."""
+    units: list[list[ServerSpec]] = [[spec] for spec in specs
+                                     if spec.name != "kvtier-file-restart"]
+    restart = [spec for spec in specs if spec.name == "kvtier-file-restart"]
+    for unit in units:
+        if unit[0].name == "kvtier-file":
+            unit.extend(restart)
+    shift = round_index % len(units) if units else 0
+    return [spec for unit in units[shift:] + units[:shift] for spec in unit]
+
+
+def _median(values: Sequence[float]) -> float:
+    finite = [value for value in values if not math.isnan(value)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def combine_rounds(rounds: Sequence[ConfigResult]) -> ConfigResult:
+    """One configuration over its rounds: the median of each per-round statistic; the TTFT
+    samples and result files of every round (the CDF shows them all)."""
+    if not rounds:
+        raise ServeBenchError("combine_rounds needs at least one round")
+    first = rounds[0]
+
+    def median_int(values: Iterable[int]) -> int:
+        return int(statistics.median(list(values)))
+
+    def median_counts(counts: Sequence[Mapping[str, int]]) -> dict[str, int]:
+        names = sorted({name for count in counts for name in count})
+        return {name: median_int(count.get(name, 0) for count in counts) for name in names}
+
+    return ConfigResult(
+        name=first.name,
+        ttft_mean_s=_median([r.ttft_mean_s for r in rounds]),
+        ttft_p50_s=_median([r.ttft_p50_s for r in rounds]),
+        ttft_p99_s=_median([r.ttft_p99_s for r in rounds]),
+        itl_p50_s=_median([r.itl_p50_s for r in rounds]),
+        throughput_req_s=_median([r.throughput_req_s for r in rounds]),
+        requests=first.requests, failed=sum(r.failed for r in rounds),
+        cached_prompt_tokens=median_int(r.cached_prompt_tokens for r in rounds),
+        prompt_tokens=median_int(r.prompt_tokens for r in rounds),
+        cached_by_source=median_counts([r.cached_by_source for r in rounds]),
+        kvtier_counters=median_counts([r.kvtier_counters for r in rounds]),
+        startup_s=_median([r.startup_s for r in rounds]),
+        ttfts_s=[value for r in rounds for value in r.ttfts_s],
+        generated_texts=first.generated_texts,
+        result_files=[path for r in rounds for path in r.result_files],
+    )
+
+
 def run_one(settings: BenchSettings, spec: ServerSpec, model_dir: Path,
-            traces: Mapping[TraceKind, Path], redis_url: str | None) -> ConfigResult:
-    result_dir = settings.workdir / "results"
+            traces: Mapping[TraceKind, Path], redis_url: str | None,
+            root: Path | None = None) -> ConfigResult:
+    result_dir = (settings.workdir if root is None else root) / "results"
     result_dir.mkdir(parents=True, exist_ok=True)
     if spec.tier_dir is not None:
         spec.tier_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -689,7 +774,7 @@ def run_benchmark(settings: BenchSettings) -> dict[str, Any]:
     settings.workdir.mkdir(parents=True, exist_ok=True)
     model_dir = settings.model_dir or settings.workdir / "model"
     build_random_llama(model_dir, settings.model, settings.max_model_len)
-    rows = bundled_trace_rows()
+    rows = trace_rows(settings.trace, settings.window_start + settings.requests)
     window = rows[settings.window_start : settings.window_start + settings.requests]
     if len(window) < settings.requests:
         raise ServeBenchError(f"--requests {settings.requests} from --window-start "
@@ -701,15 +786,9 @@ def run_benchmark(settings: BenchSettings) -> dict[str, Any]:
                                           max_prompt_tokens=max_prompt,
                                           output_len=settings.output_len)
                   for kind in TraceKind}
-    results: dict[str, ConfigResult] = {}
-    specs = server_specs(settings)
-    needs_redis = any(spec.tier is TierKind.KVTIER_REDIS for spec in specs)
-    with _maybe_valkey(needs_redis, settings.workdir / "valkey") as redis_url:
-        for spec in specs:
-            print(f"== {spec.name}: starting vllm serve", file=sys.stderr, flush=True)
-            results[spec.name] = run_one(settings, spec, model_dir, traces, redis_url)
-            print(f"== {spec.name}: TTFT p50 {results[spec.name].ttft_p50_s:.3f}s",
-                  file=sys.stderr, flush=True)
+    per_round = run_rounds(settings, model_dir, traces)
+    names = [spec.name for spec in server_specs(settings)]
+    results = {name: combine_rounds([each[name] for each in per_round]) for name in names}
     return {
         "machine": machine_info(),
         "model": {"preset": settings.preset, **asdict(settings.model),
@@ -718,21 +797,62 @@ def run_benchmark(settings: BenchSettings) -> dict[str, Any]:
                   "block_size": settings.block_size, "max_model_len": settings.max_model_len,
                   "engine_kv_cache_bytes": settings.kv_cache_bytes,
                   "cpu_tier_bytes": settings.cpu_tier_bytes},
-        "trace": {"name": "conversation_trace (Mooncake)", "window_start": settings.window_start,
+        "trace": {"name": TRACES[settings.trace], "window_start": settings.window_start,
                   "requests": settings.requests, "output_len": settings.output_len,
                   "passes": "warm + measured (same requests); restart and no-reuse: measured",
                   "max_concurrency": settings.max_concurrency,
                   "request_rate": settings.request_rate, **trace_info},
-        "configs": {name: _config_json(result) for name, result in results.items()},
+        "rounds": settings.rounds,
+        "statistic": "per-config median over interleaved rounds (order rotated each round)",
+        "configs": {name: {**_config_json(result),
+                           "per_round": [_round_json(each[name]) for each in per_round]}
+                    for name, result in results.items()},
         "targets": targets(results),
-        "outputs_match": {"kvtier-file vs prefix-cache-only":
-                          outputs_match(results, "kvtier-file", "prefix-cache-only"),
-                          "kvtier-redis vs prefix-cache-only":
-                          outputs_match(results, "kvtier-redis", "prefix-cache-only"),
-                          "kvtier-file-restart vs prefix-cache-only":
-                          outputs_match(results, "kvtier-file-restart", "prefix-cache-only")},
+        "outputs_match": {f"{name} vs prefix-cache-only":
+                          outputs_match(results, name, "prefix-cache-only", per_round)
+                          for name in ("kvtier-file", "kvtier-redis", "kvtier-file-restart")},
         "_results": results,
     }
+
+
+def run_rounds(settings: BenchSettings, model_dir: Path,
+               traces: Mapping[TraceKind, Path]) -> list[dict[str, ConfigResult]]:
+    """Every configuration once per round, each round on fresh tiers, the order rotated."""
+    specs = server_specs(settings)
+    needs_redis = any(spec.tier is TierKind.KVTIER_REDIS for spec in specs)
+    per_round: list[dict[str, ConfigResult]] = []
+    with _maybe_valkey(needs_redis, settings.workdir / "valkey") as redis_url:
+        for index in range(settings.rounds):
+            root = settings.workdir / f"round-{index + 1}"
+            results: dict[str, ConfigResult] = {}
+            for spec in round_order(server_specs(settings, root), index):
+                print(f"== round {index + 1}/{settings.rounds} {spec.name}: starting vllm "
+                      "serve", file=sys.stderr, flush=True)
+                if spec.tier is TierKind.KVTIER_REDIS and redis_url is not None:
+                    _flush_valkey(redis_url)  # every round starts on an empty tier
+                results[spec.name] = run_one(settings, spec, model_dir, traces, redis_url,
+                                             root)
+                print(f"== round {index + 1} {spec.name}: TTFT p50 "
+                      f"{results[spec.name].ttft_p50_s:.3f}s", file=sys.stderr, flush=True)
+            per_round.append(results)
+    return per_round
+
+
+def _flush_valkey(url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+
+
+def _round_json(result: ConfigResult) -> dict[str, Any]:
+    return {"ttft_p50_s": result.ttft_p50_s, "ttft_p99_s": result.ttft_p99_s,
+            "ttft_mean_s": result.ttft_mean_s, "throughput_req_s": result.throughput_req_s,
+            "cached_prompt_tokens": result.cached_prompt_tokens,
+            "cached_by_source": result.cached_by_source}
 
 
 def _config_json(result: ConfigResult) -> dict[str, Any]:
@@ -764,6 +884,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-mib", type=int, help="engine KV cache (MiB)")
     parser.add_argument("--cpu-tier-mib", type=int, help="CPU offload tier (MiB)")
     parser.add_argument("--requests", type=int, help="trace requests per pass")
+    parser.add_argument("--trace", choices=sorted(TRACES), default="conversation",
+                        help="bundled trace to replay: the Mooncake conversation trace or "
+                        "builtin:agentic (prompts cut to --max-model-len)")
     parser.add_argument("--window-start", type=int, default=0,
                         help="first trace row of the window (default 0)")
     parser.add_argument("--output-len", type=int, help="output tokens per request")
@@ -783,6 +906,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "removed unless --keep)")
     parser.add_argument("--model-dir", type=Path, help="reuse a model built earlier")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="interleaved rounds (order rotated each round, fresh tiers); "
+                        "the report gives per-config medians (default 1)")
     parser.add_argument("--json", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, help="write a TTFT CDF per config (PNG)")
 
@@ -806,7 +932,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                               f"of 32")
     for flag, value in (("--requests", args.requests), ("--max-concurrency",
                                                         args.max_concurrency),
-                        ("--output-len", args.output_len)):
+                        ("--output-len", args.output_len), ("--rounds", args.rounds)):
         if value is not None and value < 1:
             raise ServeBenchError(f"{flag} must be >= 1, got {value}")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvtier-serve-bench-"))
@@ -820,6 +946,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         request_rate=str(args.request_rate), reserved_cpus=args.reserved_cpus,
         hash_seed=args.hash_seed, o_direct=args.io_mode == "direct", configs=configs,
         workdir=workdir, model_dir=args.model_dir, keep_workdir=bool(args.keep or args.workdir),
+        rounds=args.rounds, trace=args.trace,
     )
 
 
