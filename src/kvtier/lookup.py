@@ -1030,7 +1030,7 @@ class AsyncLookupManager(abc.ABC):
             verdicts.append(verdict)
         return verdicts
 
-    # ------------------------------------------------------------------ test hook
+    # ------------------------------------------------------------------ in-flight probes
 
     @property
     def probes_in_flight(self) -> bool:
@@ -1043,6 +1043,8 @@ class AsyncLookupManager(abc.ABC):
         that would otherwise spin its scheduler thread while waiting on probes: the wait
         releases the GIL, so the probe worker is not starved (see ``KvtierTier``)."""
         return self._wait_for_results(timeout)
+
+    # ------------------------------------------------------------------ test hook
 
     def _wait_for_results(self, timeout: float) -> bool:
         """Private, for tests: block until the worker posted a result for every sent batch."""
