@@ -83,7 +83,7 @@ from kvtier.config import (
 from kvtier.keys import BlockKey, Namespace, RequestContext, validate_keys
 from kvtier.metrics import KvtierMetrics, manager_samples
 from kvtier.primary import PrimaryPool
-from kvtier.tier import JobKind, LookupFactory, SecondaryTier, TransferJob
+from kvtier.tier import IO_YIELD_S, JobKind, LookupFactory, SecondaryTier, TransferJob
 
 __all__ = [
     "BlockPromoted",
@@ -790,11 +790,27 @@ class TieringManager:
         self._submit_queued()
         for tier in self._tiers:
             tier.flush()
+        self._yield_to_io()
         if self._metrics is not None:
             now = self._clock()
             if now >= self._next_publish:
                 self._next_publish = now + _METRICS_INTERVAL_S
                 self.publish_metrics()
+
+    def _yield_to_io(self) -> None:
+        """With transfers or probes in flight, wait at most ``IO_YIELD_S`` for them (applying
+        what finishes), which hands the GIL to the tiers' threads: a scheduler that steps back
+        to back would otherwise starve them (see :data:`kvtier.tier.IO_YIELD_S`)."""
+        deadline = time.monotonic() + IO_YIELD_S
+        for index, tier in enumerate(self._tiers):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if tier.outstanding_jobs:
+                for job in tier.get_finished_jobs(wait=True, timeout=remaining):
+                    self._apply_job(index, job)
+            elif tier.lookup_manager.probes_in_flight:
+                tier.lookup_manager.wait_for_probes(remaining)
 
     def on_request_finished(self, ctx: RequestContext) -> None:
         """Release the request's lookup state and any pins it still holds.

@@ -70,6 +70,11 @@ _MAX_KEYS_PER_CALL = Setting("max_keys_per_call", Kind.INT, None,
 
 _log = logging.getLogger("kvtier.tier")
 _MIN_LOAD_PART_KEYS = 8  # a load is split across I/O threads in parts of at least this many
+# How long an engine's scheduler thread waits, at the end of a step with transfers or probes in
+# flight, so that they get the GIL: a thread that never blocks keeps it for Python's whole switch
+# interval (5 ms) each time an I/O thread returns from a system call, and a file transfer makes
+# several per block. Used by the TieringManager and by the vLLM KvtierTier.
+IO_YIELD_S = 0.0005
 _PROBE_SHUTDOWN_WAIT_S = 2.0
 
 

@@ -976,6 +976,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     results: dict[str, ConfigResult] = report.pop("_results")
     print(format_table(results))
     for row in report["targets"]:
+        if math.isnan(row["measured"]):
+            print(f"target {row['target']}: not measured (a configuration was not run)")
+            continue
         verdict = "met" if row["met"] else "MISSED"
         print(f"target {row['target']}: {row['measured']:.3f} (<= {row['limit']}) {verdict}")
     for pair, same in report["outputs_match"].items():
