@@ -36,6 +36,8 @@ NOT_RUN_HERE: dict[str, str] = {
     "min on 2 cores); its smoke test runs in the vLLM lane (tests/integrations/test_vllm_serve.py)",
     '.venv/bin/pytest -m "not vllm"': "the main suite, this test included",
     "scripts/setup-vllm-venv.sh .venv-vllm": "the vLLM lane of scripts/test.sh",
+    "PYTHONPATH=src .venv-vllm/bin/python benchmarks/engine_load.py": "the engine-load benchmark "
+    "(~13 min on 2 cores); its pure parts are tested in tests/test_engine_load_bench.py",
     "kvtier replay sessions/": "needs your own directory of per-session JSON traces (the "
                                "replay tests build such directories: tests/replay)",
     "vllm serve": "needs the model from the Hugging Face Hub; the vLLM lane runs the same "
