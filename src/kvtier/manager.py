@@ -806,11 +806,8 @@ class TieringManager:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            if tier.outstanding_jobs:
-                for job in tier.get_finished_jobs(wait=True, timeout=remaining):
-                    self._apply_job(index, job)
-            elif tier.lookup_manager.probes_in_flight:
-                tier.lookup_manager.wait_for_probes(remaining)
+            for job in tier.yield_to_io(remaining):
+                self._apply_job(index, job)
 
     def on_request_finished(self, ctx: RequestContext) -> None:
         """Release the request's lookup state and any pins it still holds.

@@ -304,6 +304,7 @@ class SecondaryTier:
         self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
         self._released: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()  # abandoned, I/O over
         self._abandoned = 0  # abandoned loads not yet released (scheduler thread)
+        self._loads_outstanding = 0  # load jobs submitted and not yet collected
         self._outstanding: dict[int, TransferJob] = {}
         self._ready_loads: deque[_Part] = deque()
         self._ready_stores: deque[_Part] = deque()
@@ -362,6 +363,7 @@ class SecondaryTier:
                           sum(out.nbytes for out in outs),
                           deadline=time.monotonic() + self._load_timeout_s)
         self._load_deadlines.append(job)
+        self._loads_outstanding += 1
         self._counters.loads_submitted += 1
         self._counters.load_keys += len(keys)
         self._start(job)
@@ -505,21 +507,25 @@ class SecondaryTier:
         wait up to that long for every abandoned load to end (shutdown and tests)."""
         released: list[TransferJob] = []
         deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                released.append(self._released.get_nowait())
-                continue
-            except queue.Empty:
-                pass
+        while len(released) < self._abandoned:  # each released job was counted abandoned
             remaining = deadline - time.monotonic()
-            if len(released) >= self._abandoned or remaining <= 0:
-                break
             try:
-                released.append(self._released.get(timeout=remaining))
+                released.append(self._released.get(timeout=remaining) if remaining > 0
+                                else self._released.get_nowait())
             except queue.Empty:
                 break
         self._abandoned -= len(released)
         return released
+
+    def yield_to_io(self, timeout: float, *, stores: bool = True) -> list[TransferJob]:
+        """With transfers (loads only, ``stores=False``) or else probes in flight, wait at most
+        ``timeout`` for them, which hands the GIL to their threads (see :data:`IO_YIELD_S`);
+        returns the jobs collected meanwhile (scheduler thread)."""
+        if self._loads_outstanding or (stores and self._outstanding):
+            return self.get_finished_jobs(wait=True, timeout=timeout)
+        if self._lookup.probes_in_flight:
+            self._lookup.wait_for_probes(timeout)
+        return []
 
     def _collect(self, job: TransferJob) -> None:
         if self._outstanding.pop(job.job_id, None) is None:
@@ -534,6 +540,7 @@ class SecondaryTier:
         moved = sum(memoryview(buffer).nbytes
                     for buffer, ok in zip(job.buffers, job.results, strict=True) if ok)
         if job.kind is JobKind.LOAD:
+            self._loads_outstanding -= 1
             failed = job.failed
             self._counters.loaded_keys += len(job.keys) - len(failed)
             self._counters.read_bytes += moved

@@ -17,8 +17,7 @@ missing, so vLLM keeps the good prefix and recomputes the rest.
 Threads and state ownership:
 
 - Scheduler thread (vLLM's scheduler; every public method): ``_jobs`` / ``_vllm_job_ids``
-  (submitted jobs not yet reported, by vLLM job id / by SecondaryTier job id),
-  ``_loads_in_flight`` (the loads among them), ``_collected``
+  (submitted jobs not yet reported, by vLLM job id / by SecondaryTier job id), ``_collected``
   (jobs finished but not yet reported: collected by ``drain_jobs``, shed, or skipped because
   every key is in ``_held``), ``_abandoned`` (loads failed at their deadline, reported once
   their I/O ended), ``_held`` (:class:`HeldKeys`), ``_skipped`` and
@@ -299,7 +298,6 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             self._tier.shutdown()
             raise
         self._jobs: dict[int, int] = {}  # vLLM job id -> SecondaryTier job id, until reported
-        self._loads_in_flight: set[int] = set()  # vLLM ids of load jobs not reported yet
         self._vllm_job_ids: dict[int, int] = {}  # SecondaryTier job id -> vLLM job id
         self._collected: list[TierJob] = []  # finished, reported by the next get_finished_jobs
         self._abandoned: dict[int, TierJob] = {}  # timed-out loads whose I/O still runs
@@ -366,10 +364,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         self._tier.flush()
         if _IO_YIELD_S <= 0:
             return
-        if self._loads_in_flight:
-            self._collected.extend(self._tier.get_finished_jobs(wait=True, timeout=_IO_YIELD_S))
-        elif self._tier.lookup_manager.probes_in_flight:
-            self._tier.lookup_manager.wait_for_probes(_IO_YIELD_S)
+        self._collected.extend(self._tier.yield_to_io(_IO_YIELD_S, stores=False))
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         if not self._tier.closed:
@@ -403,7 +398,6 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         job: TierJob | None
         if kind is JobKind.LOAD:
             job = self._tier.submit_load(keys, [self._slot_view(slot) for slot in slots])
-            self._loads_in_flight.add(job_id)
         else:
             keys, slots = self._without_held(job_id, keys, slots)
             if not keys:
@@ -453,7 +447,6 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                        self._url, job.job_id)
             return None
         del self._jobs[job_id]
-        self._loads_in_flight.discard(job_id)
         good = job.succeeded
         failed = len(job.keys) - len(good)
         if failed:
