@@ -334,7 +334,7 @@ def prompt_ids(tokens: int, seed: int, vocab_size: int) -> list[int]:
 
 
 def _preset() -> Any:
-    from kvtier.integrations.vllm.serve_bench import PRESETS
+    from kvtier.bench.serve import PRESETS
 
     return PRESETS["cpu"]
 
@@ -565,7 +565,7 @@ def _seed(round_index: int, tokens: int) -> int:
 
 
 def run(settings: Settings) -> tuple[list[Sample], list[str]]:
-    from kvtier.integrations.vllm.serve_bench import build_random_llama
+    from kvtier.bench.serve import build_random_llama
 
     preset = _preset()
     work = Path(settings.work_dir or tempfile.mkdtemp(prefix="kvtier-engine-load-"))

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.keys import KEY_BYTES, BlockKey, Namespace, RequestContext, chain_keys
-from kvtier.lookup import AsyncLookupManager
+from kvtier.lookup.manager import AsyncLookupManager
 from kvtier.replay import trace as _trace_module
 from kvtier.replay.trace import BUILTIN_PREFIX, BUILTIN_TRACES, read_trace
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from kvtier.keys import Namespace, RequestContext, chain_keys
-from kvtier.manager import TieringManager, open_manager
+from kvtier.tiering.manager import TieringManager, open_manager
 
 BLOCK = 4096
 

@@ -6,14 +6,14 @@ One command (run with the vLLM venv that ``scripts/setup-vllm-venv.sh`` builds):
 
 Side by side, each on a fresh server with the same requests: prefix-cache-only, vllm-fs,
 kvtier-file, kvtier-redis, kvtier-file-restart, no-reuse-baseline, no-reuse-kvtier. The same
-as ``kvtier bench serve``; see :mod:`kvtier.integrations.vllm.serve_bench`.
+as ``kvtier bench serve``; see :mod:`kvtier.bench.serve`.
 """
 
 from __future__ import annotations
 
 import sys
 
-from kvtier.integrations.vllm.serve_bench import main
+from kvtier.bench.serve import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from kvtier.config import settings_markdown
-from kvtier.metrics import metrics_markdown
+from kvtier.ops.metrics import metrics_markdown
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = {"settings": settings_markdown, "metrics": metrics_markdown}

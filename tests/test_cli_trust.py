@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from kvtier.cli._runguard import SCRATCH_PREFIX, Scrubber, remove_stale_scratch
 from kvtier.config import ConfigError, KvtierConfig, load_config
-from kvtier.runguard import SCRATCH_PREFIX, Scrubber, remove_stale_scratch
 
 PASSWORD = "Pa55-w0rd-s3cr3t-9f1c"
 FAST = ["--step-ms", "0", "--block-bytes", "4KiB", "--no-progress", "--max-requests", "40"]
@@ -186,7 +186,7 @@ def test_stale_scratch_of_dead_runs_is_removed_and_live_runs_kept(tmp_path: Path
     (stale / "file-tier").mkdir(parents=True)
     (stale / "file-tier" / "block").write_bytes(b"x" * 4096)
     (stale / "owner").write_text(f"{dead.stdout.strip()} 12345\n")
-    from kvtier.runguard import ScratchDir
+    from kvtier.cli._runguard import ScratchDir
 
     with ScratchDir(tmp_path) as live:
         unrelated = tmp_path / "not-kvtier"

@@ -320,8 +320,8 @@ def _signature_defaults(function: Any) -> dict[str, Any]:
 
 
 def test_constructor_defaults_come_from_the_tables() -> None:
-    from kvtier.lookup import AsyncLookupManager
-    from kvtier.tier import SecondaryTier
+    from kvtier.lookup.manager import AsyncLookupManager
+    from kvtier.tiering.tier import SecondaryTier
 
     tier_defaults = _signature_defaults(SecondaryTier.__init__)
     tier_fields = {item.name: item.default for item in dataclasses.fields(TierConfig)}

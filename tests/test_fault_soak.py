@@ -29,7 +29,7 @@ import pytest
 
 from kvtier.backends import Backend, open_backend
 from kvtier.keys import BlockKey, Namespace, RequestContext, chain_keys
-from kvtier.manager import StoreMode, TieringManager, open_manager
+from kvtier.tiering.manager import StoreMode, TieringManager, open_manager
 
 SEED = int(os.environ.get("KVTIER_SOAK_SEED", "20261201"))  # rerun a failure by its seed
 BLOCK = 4096

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.logs import LOGGER_NAME, follow_host_logger
+from kvtier.ops.logs import LOGGER_NAME, follow_host_logger
 
 _SRC = Path(__file__).resolve().parent.parent / "src"
 _STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
@@ -63,7 +63,7 @@ def test_records_follow_the_host_logger(clean_kvtier_logger: logging.Logger) -> 
     host.setLevel(logging.INFO)
     try:
         logging.getLogger("kvtier.integrations.vllm._tier").info("namespace digest %s", "ab12")
-        logging.getLogger("kvtier.lookup").debug("below the host's level")
+        logging.getLogger("kvtier.lookup.manager").debug("below the host's level")
         assert [r.getMessage() for r in records] == ["namespace digest ab12"]
         assert not clean_kvtier_logger.propagate
     finally:

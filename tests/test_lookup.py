@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvtier.keys import BlockKey, RequestContext
-from kvtier.lookup import (
+from kvtier.lookup.manager import (
     LOOKUP_SETTINGS,
     AsyncLookupManager,
     BreakerState,
@@ -603,7 +603,7 @@ def test_every_fault_resolves_every_key_of_the_call_false(
     tier.script = [FAULTS[fault]]
     for k in keys:
         tier.lookup(k, ctx("r1"))
-    with caplog.at_level(logging.WARNING, logger="kvtier.lookup"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.lookup.manager"):
         step(tier)
     assert [tier.lookup(k, ctx("r1")) for k in keys] == [False, False, False]
     assert tier.stats.probe_errors == 3
@@ -647,7 +647,7 @@ def test_fault_logging_is_rate_limited(
 ) -> None:
     tier = make(tier_name="noisy", breaker_threshold=100)
     tier.script = [lambda keys: 1 / 0] * 5
-    with caplog.at_level(logging.WARNING, logger="kvtier.lookup"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.lookup.manager"):
         for i in range(5):
             tier.lookup(key(i), ctx("r1"))
             step(tier)
@@ -859,7 +859,7 @@ def test_duplicate_result_is_counted_and_safe_verdict_kept(
                           [True], 0, result.answered_at)
     tier._inflight_batches[result.batch_id] = object()  # type: ignore[assignment]
     tier._result_queue.put(forged)
-    with caplog.at_level(logging.WARNING, logger="kvtier.lookup"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.lookup.manager"):
         tier.drain_results()
     assert tier.stats.invariant_violations == 1
     assert tier.lookup(key(1), ctx("r1")) is False

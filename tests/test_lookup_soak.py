@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from kvtier.keys import BlockKey, RequestContext
-from kvtier.lookup import AsyncLookupManager, BreakerState
+from kvtier.lookup.manager import AsyncLookupManager, BreakerState
 
 WAIT_S = 10.0
 

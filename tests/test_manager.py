@@ -14,7 +14,8 @@ from kvtier.backends import Buffer
 from kvtier.backends.base import Backend
 from kvtier.config import ConfigError
 from kvtier.keys import BlockKey, RequestContext
-from kvtier.manager import (
+from kvtier.policies import ARCPolicy
+from kvtier.tiering.manager import (
     BlockPromoted,
     BlockRemoved,
     BlockStored,
@@ -27,7 +28,6 @@ from kvtier.manager import (
     TieringManager,
     open_manager,
 )
-from kvtier.policies import ARCPolicy
 
 BLOCK = 256
 HIT, PENDING, RETRY, MISS = (LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY,

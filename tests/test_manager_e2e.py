@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvtier.keys import Namespace, RequestContext, chain_keys
-from kvtier.manager import LookupResult, PromotionFailed, TieringManager, open_manager
+from kvtier.tiering.manager import LookupResult, PromotionFailed, TieringManager, open_manager
 
 BLOCK = 16 * 1024
 KINDS = ["file", "redis", "redis_cluster", "s3"]

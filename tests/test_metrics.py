@@ -13,8 +13,7 @@ import pytest
 
 from kvtier.config import ConfigError
 from kvtier.keys import RequestContext
-from kvtier.manager import open_manager
-from kvtier.metrics import (
+from kvtier.ops.metrics import (
     STANDALONE_PREFIX,
     VLLM_PREFIX,
     VOCABULARY,
@@ -26,6 +25,7 @@ from kvtier.metrics import (
     manager_samples,
     metrics_markdown,
 )
+from kvtier.tiering.manager import open_manager
 
 CONFIG = {"block_bytes": 64, "primary_bytes": 256, "namespace": {"model": "m"},
           "secondary_tiers": ["memory://"]}

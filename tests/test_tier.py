@@ -12,8 +12,8 @@ import pytest
 from kvtier.backends import BackendUnavailableError, Buffer, open_backend
 from kvtier.backends.base import Backend
 from kvtier.keys import BlockKey, Namespace, RequestContext
-from kvtier.metrics import KvtierMetrics
-from kvtier.tier import JobKind, SecondaryTier, TierClosedError
+from kvtier.ops.metrics import KvtierMetrics
+from kvtier.tiering.tier import JobKind, SecondaryTier, TierClosedError
 
 BLOCK = 256
 
@@ -331,7 +331,7 @@ def test_shutdown_is_idempotent_and_ends_every_thread(namespace: Namespace) -> N
 
 
 def test_lookup_factory_replaces_the_lookup_manager(namespace: Namespace) -> None:
-    from kvtier.lookup import AsyncLookupManager
+    from kvtier.lookup.manager import AsyncLookupManager
 
     seen: dict[str, Any] = {}
 

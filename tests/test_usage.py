@@ -1,4 +1,4 @@
-"""``kvtier.usage`` / ``kvtier.purge`` (kvtier.inventory) and the ``usage`` / ``purge`` /
+"""``kvtier.usage`` / ``kvtier.purge`` (kvtier.ops.inventory) and the ``usage`` / ``purge`` /
 ``inspect --digest`` commands, against real media: files, a real Valkey, a real 3-node Valkey
 Cluster and a real SeaweedFS S3 server."""
 
@@ -18,8 +18,8 @@ import pytest
 import kvtier
 from kvtier import cli, codec
 from kvtier.backends import Backend, OpenMode, open_backend
-from kvtier.inventory import MediumError, NamespaceUsage, UsageError, manifest_document
 from kvtier.keys import Namespace
+from kvtier.ops.inventory import MediumError, NamespaceUsage, UsageError, manifest_document
 
 KINDS = ("file", "redis", "redis_cluster", "s3")
 PAYLOAD = 3000

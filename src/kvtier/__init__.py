@@ -13,25 +13,25 @@ from kvtier.keys import BlockKey, Namespace, RequestContext, chain_keys
 
 if TYPE_CHECKING:
     from kvtier.backends import Backend, open_backend
-    from kvtier.inventory import NamespaceUsage, PurgeResult, purge, usage
-    from kvtier.lookup import AsyncLookupManager, LookupPhase, LookupStats
-    from kvtier.manager import LookupResult, TieringManager, open_manager
+    from kvtier.lookup.manager import AsyncLookupManager, LookupPhase, LookupStats
+    from kvtier.ops.inventory import NamespaceUsage, PurgeResult, purge, usage
+    from kvtier.tiering.manager import LookupResult, TieringManager, open_manager
 
 __version__ = "0.1.0"
 
 _LAZY: dict[str, str] = {
-    "AsyncLookupManager": "kvtier.lookup",
-    "LookupPhase": "kvtier.lookup",
-    "LookupStats": "kvtier.lookup",
+    "AsyncLookupManager": "kvtier.lookup.manager",
+    "LookupPhase": "kvtier.lookup.manager",
+    "LookupStats": "kvtier.lookup.manager",
     "Backend": "kvtier.backends",
     "open_backend": "kvtier.backends",
-    "TieringManager": "kvtier.manager",
-    "LookupResult": "kvtier.manager",
-    "open_manager": "kvtier.manager",
-    "NamespaceUsage": "kvtier.inventory",
-    "PurgeResult": "kvtier.inventory",
-    "purge": "kvtier.inventory",
-    "usage": "kvtier.inventory",
+    "TieringManager": "kvtier.tiering.manager",
+    "LookupResult": "kvtier.tiering.manager",
+    "open_manager": "kvtier.tiering.manager",
+    "NamespaceUsage": "kvtier.ops.inventory",
+    "PurgeResult": "kvtier.ops.inventory",
+    "purge": "kvtier.ops.inventory",
+    "usage": "kvtier.ops.inventory",
 }
 
 __all__ = [

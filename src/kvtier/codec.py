@@ -43,6 +43,7 @@ from typing import TypeAlias
 
 import xxhash
 
+from kvtier.errors import KvtierError
 from kvtier.keys import NAMESPACE_DIGEST_BYTES
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
@@ -72,7 +73,7 @@ class IntegrityMode(enum.IntEnum):
     MAC = 1       # keyed HMAC-SHA256: integrity and authenticity
 
 
-class FrameError(Exception):
+class FrameError(KvtierError):
     """A stored frame is not the block that was asked for (corrupt, foreign or truncated)."""
 
 

@@ -62,9 +62,8 @@ import yaml
 
 import kvtier.backends as _backends
 from kvtier.backends import SCHEMES
-from kvtier.deadlines import DEFAULT_LOAD_TIMEOUT_S
 from kvtier.keys import Namespace
-from kvtier.lookup import LOOKUP_SETTINGS
+from kvtier.lookup.manager import LOOKUP_SETTINGS
 from kvtier.policies import PolicyName
 from kvtier.primary import PrimaryBacking
 from kvtier.settings import (
@@ -75,6 +74,7 @@ from kvtier.settings import (
     SettingsTable,
     parse_size,
 )
+from kvtier.tiering.io_pool import DEFAULT_LOAD_TIMEOUT_S
 
 __all__ = [
     "CONFIG_SETTINGS",

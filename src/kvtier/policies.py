@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
+from kvtier.errors import KvtierError
 from kvtier.keys import BlockKey
 
 SkipPredicate = Callable[[BlockKey], bool]
@@ -28,7 +29,7 @@ class PolicyName(enum.Enum):
     ARC = "arc"
 
 
-class PolicyError(RuntimeError):
+class PolicyError(KvtierError, RuntimeError):
     """A caller broke the policy's contract (inserting a resident key, removing an absent one)."""
 
 

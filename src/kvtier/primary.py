@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.errors import ClosedError, KvtierError
 from kvtier.keys import BlockKey
 from kvtier.policies import EvictionPolicy, PolicyName, make_policy
 from kvtier.settings import ConfigError
@@ -59,12 +60,11 @@ class PrimaryBacking(enum.Enum):
     MMAP_FILE = "mmap_file"          # a file mapped MAP_SHARED (e.g. under /dev/shm or hugetlbfs)
 
 
-class PoolError(RuntimeError):
+class PoolError(KvtierError, RuntimeError):
     """A caller broke the pool's contract (pinning an absent key, committing twice, ...)."""
 
 
-class PoolClosedError(PoolError):
-    """The pool was closed."""
+PoolClosedError = ClosedError  # the one closed error; this name is kept for callers
 
 
 class ArenaError(ConfigError):

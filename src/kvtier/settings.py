@@ -27,6 +27,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.errors import KvtierError
+
 __all__ = [
     "ENV_PREFIX",
     "ConfigError",
@@ -39,7 +41,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(KvtierError, ValueError):
     """A setting is missing, unknown or invalid; the message names its key path."""
 
 

@@ -280,7 +280,7 @@ def test_shutdown_does_not_wait_for_a_probe_stuck_in_the_backend(
         return backend
 
     monkeypatch.setattr("kvtier.integrations.vllm._tier.open_backend", open_stuck)
-    monkeypatch.setattr("kvtier.tier._PROBE_SHUTDOWN_WAIT_S", 0.05)
+    monkeypatch.setattr("kvtier.tiering.tier._PROBE_SHUTDOWN_WAIT_S", 0.05)
     stack = Engine("memory://")
     backend = stuck[0]
     closed = threading.Event()

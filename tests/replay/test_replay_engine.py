@@ -12,7 +12,7 @@ from uuid import uuid4
 import pytest
 
 from kvtier.keys import BlockKey, RequestContext
-from kvtier.lookup import AsyncLookupManager
+from kvtier.lookup.manager import AsyncLookupManager
 from kvtier.replay import engine
 from kvtier.replay.engine import ReplayOptions, Route, replay
 from kvtier.replay.errors import ReplayIntegrityError, ReplayStuckError

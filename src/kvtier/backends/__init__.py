@@ -167,7 +167,7 @@ class OpenMode(enum.Enum):
     """What an opened backend is for."""
 
     READ_WRITE = "read-write"
-    """Storing blocks: the namespace manifest is written next to them (see kvtier.inventory)."""
+    """Storing blocks: the namespace manifest is written next to them (see kvtier.ops.inventory)."""
     INSPECT = "inspect"
     """Looking only (``kvtier inspect``): nothing is written to the medium at open."""
 
@@ -260,13 +260,13 @@ def redacted_options(options: Mapping[str, Any]) -> dict[str, Any]:
             for name, value in options.items()}
 
 
-# ------------------------------------------------------------------ usage (kvtier.inventory)
+# ------------------------------------------------------------------ usage (kvtier.ops.inventory)
 
 _log = logging.getLogger(__name__)
 
 
 def backend_module(url: str) -> ModuleType:
-    """The module implementing ``url``'s scheme: ``from_url`` and, for ``kvtier.inventory``,
+    """The module implementing ``url``'s scheme: ``from_url`` and, for ``kvtier.ops.inventory``,
     ``list_namespaces`` / ``delete_namespaces`` (and ``write_manifest`` where the medium is
     shared). Raises ``ValueError`` for a URL without a known scheme."""
     scheme = _scheme_of(url)
@@ -286,7 +286,7 @@ def _write_manifest(module: ModuleType, backend: Backend) -> None:
     write = getattr(module, "write_manifest", None)
     if write is None:
         return
-    from kvtier.inventory import manifest_document
+    from kvtier.ops.inventory import manifest_document
 
     try:
         write(backend, manifest_document(backend.namespace))

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 from kvtier import codec
 from kvtier.codec import Buffer, as_byte_view, check_key
+from kvtier.errors import ClosedError, KvtierError
 from kvtier.keys import BlockKey, Namespace
 from kvtier.settings import ConfigError, Kind, Secret, Setting
 
@@ -69,11 +70,10 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 
-class BackendClosedError(RuntimeError):
-    """A backend method was called after ``close()``."""
+BackendClosedError = ClosedError  # the one closed error; this name is kept for callers
 
 
-class BackendUnavailableError(RuntimeError):
+class BackendUnavailableError(KvtierError, RuntimeError):
     """:meth:`Backend.probe` could not answer for every key (I/O error, lost connection).
 
     ``exists`` turns such keys into False; ``probe`` raises instead, so that a lookup manager can

@@ -824,7 +824,7 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBac
     )
 
 
-# ------------------------------------------------------------------ usage (kvtier.inventory)
+# ------------------------------------------------------------------ usage (kvtier.ops.inventory)
 
 MANIFEST_NAME = "namespace.json"
 """The namespace manifest's file name in ``<root>/<digest>/``; never a block's name (those end
@@ -857,7 +857,7 @@ def _usage_root(url: str, options: dict[str, Any]) -> Path:
 
 
 def _namespace_dirs(root: Path) -> list[Path]:
-    from kvtier.inventory import is_digest
+    from kvtier.ops.inventory import is_digest
 
     if not root.is_dir():
         raise ValueError(f"file tier root {str(root)!r} is not a directory")
@@ -866,8 +866,8 @@ def _namespace_dirs(root: Path) -> list[Path]:
 
 
 def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:
-    """One :class:`kvtier.inventory.NamespaceUsage` per namespace directory under the root."""
-    from kvtier.inventory import NamespaceUsage, parse_manifest
+    """One :class:`kvtier.ops.inventory.NamespaceUsage` per namespace directory under the root."""
+    from kvtier.ops.inventory import NamespaceUsage, parse_manifest
 
     found = []
     for directory in _namespace_dirs(_usage_root(url, options)):

@@ -161,7 +161,7 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> MemoryB
                          auth_key=load_auth_key(parsed, "memory"))
 
 
-# ------------------------------------------------------------------ usage (kvtier.inventory)
+# ------------------------------------------------------------------ usage (kvtier.ops.inventory)
 
 
 def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:

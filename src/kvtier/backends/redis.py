@@ -727,7 +727,7 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> RedisBa
     return RedisBackend(namespace, parse_redis_url(url, options))
 
 
-# ------------------------------------------------------------------ usage (kvtier.inventory)
+# ------------------------------------------------------------------ usage (kvtier.ops.inventory)
 
 _MANIFEST_SUFFIX: Final = b"namespace"
 """``kvtier:<digest>:namespace`` holds the namespace manifest; a block's suffix is hex."""
@@ -759,7 +759,7 @@ def _primaries(url: str, options: dict[str, Any]) -> tuple[RedisBackend, list[re
 
 def _split_name(name: bytes) -> tuple[str, bytes] | None:
     """(digest, suffix) of a ``kvtier:<digest>:<suffix>`` name, else None."""
-    from kvtier.inventory import is_digest
+    from kvtier.ops.inventory import is_digest
 
     if not name.startswith(_KEY_PREFIX):
         return None
@@ -781,7 +781,7 @@ def _scan(node: redis.Redis, pattern: bytes) -> Iterator[list[bytes]]:
 
 def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:
     """SCAN ``kvtier:*`` on every primary; STRLEN and OBJECT IDLETIME per block, pipelined."""
-    from kvtier.inventory import NamespaceUsage, parse_manifest
+    from kvtier.ops.inventory import NamespaceUsage, parse_manifest
 
     found: dict[str, NamespaceUsage] = {}
     manifests: dict[str, bytes | None] = {}

@@ -645,7 +645,7 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> S3Backe
     return S3Backend(namespace, settings)
 
 
-# ------------------------------------------------------------------ usage (kvtier.inventory)
+# ------------------------------------------------------------------ usage (kvtier.ops.inventory)
 
 MANIFEST_NAME = "namespace.json"
 """``<prefix>/<digest>/namespace.json`` holds the namespace manifest; a block's name is hex."""
@@ -684,7 +684,7 @@ def _usage_store(url: str, options: dict[str, Any]) -> tuple[S3Store, str]:
 
 def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:
     """LIST the prefix; one entry per ``<digest>/`` with its blocks' sizes and LastModified."""
-    from kvtier.inventory import NamespaceUsage, is_digest, parse_manifest
+    from kvtier.ops.inventory import NamespaceUsage, is_digest, parse_manifest
 
     store, base = _usage_store(url, options)
     found: dict[str, NamespaceUsage] = {}

@@ -69,7 +69,7 @@ CAUSAL_RULE = ("session causality: a session's next request waits until its prev
                "finished, plus the recorded gap / speed")
 
 if TYPE_CHECKING:
-    from kvtier.manager import TieringManager
+    from kvtier.tiering.manager import TieringManager
 
 _PAYLOAD_SEED = 0x6B76_7469_6572  # "kvtier"
 _KEY_PREFIX_BYTES = 16
@@ -207,7 +207,7 @@ def _note_promotions(
 ) -> None:
     """Apply the manager's events, oldest first, to ``promoted_from``: ``key -> index of the
     tier its latest promotion came from``, kept while the block stays in the primary pool."""
-    from kvtier.manager import PRIMARY, BlockPromoted, BlockRemoved
+    from kvtier.tiering.manager import PRIMARY, BlockPromoted, BlockRemoved
 
     for event in events:
         if isinstance(event, BlockPromoted):
@@ -237,7 +237,7 @@ class _Instance:
         self.manager = manager
         self.options = options
         self.gpu_blocks = gpu_blocks
-        from kvtier.manager import StoreMode
+        from kvtier.tiering.manager import StoreMode
 
         self._store_mode = StoreMode.PREFIX
         self.block_tokens = block_tokens
@@ -477,7 +477,7 @@ def _replay(
     tier_urls: tuple[str, ...],
     progress: ProgressCallback | None,
 ) -> ReplayResult:
-    from kvtier.manager import open_manager
+    from kvtier.tiering.manager import open_manager
 
     tag = options.namespace_tag or uuid.uuid4().hex[:12]
     namespace_fields: dict[str, Any] = {

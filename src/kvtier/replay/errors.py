@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from kvtier.errors import KvtierError
 
-class ReplayError(RuntimeError):
+
+class ReplayError(KvtierError, RuntimeError):
     """The replay could not go on."""
 
 

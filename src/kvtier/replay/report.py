@@ -16,12 +16,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.errors import KvtierError
 from kvtier.replay.results import ReplayReport, ReplayResult, TierKind, TierResult
 
 JSON_SCHEMA_VERSION = 1
 
 
-class ReportError(RuntimeError):
+class ReportError(KvtierError, RuntimeError):
     """The report could not be written (missing optional package, unwritable path)."""
 
 

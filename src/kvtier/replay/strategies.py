@@ -20,11 +20,11 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.keys import BlockKey, RequestContext
-from kvtier.lookup import AsyncLookupManager
+from kvtier.lookup.manager import AsyncLookupManager
 
 if TYPE_CHECKING:
     from kvtier.backends.base import Backend
-    from kvtier.tier import LookupFactory
+    from kvtier.tiering.tier import LookupFactory
 
 
 class Strategy(enum.Enum):

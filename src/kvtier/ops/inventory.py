@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from kvtier.errors import KvtierError
 from kvtier.keys import NAMESPACE_DIGEST_BYTES, Namespace
 
 __all__ = [
@@ -52,11 +53,11 @@ MIN_DIGEST_PREFIX = 6
 _DIGEST_RE = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
 
 
-class UsageError(ValueError):
+class UsageError(KvtierError, ValueError):
     """A bad URL or selector (unknown or ambiguous digest, unknown field)."""
 
 
-class MediumError(RuntimeError):
+class MediumError(KvtierError, RuntimeError):
     """The medium could not be listed or purged (unreachable server, I/O error)."""
 
 

@@ -2,7 +2,7 @@
 
 Thread ownership:
 
-- **Scheduler thread** (the thread that owns the :class:`~kvtier.manager.TieringManager`) owns
+- **Scheduler thread** (the thread that owns the :class:`~kvtier.tiering.TieringManager`) owns
   the job table (``_outstanding``), the outstanding-store accounting (``_store_bytes``,
   ``_store_jobs``), the recent load failures (``_load_failures``), the counters (``_counters``),
   the lifecycle (``_state``) and everything in the lookup manager. It submits jobs, and
@@ -18,7 +18,7 @@ Thread ownership:
   job again; before posting the scheduler never reads those fields.
 - **Probe worker** (inside the lookup manager) calls ``backend.probe``.
 - The backend is thread-safe by contract. The counters are the scheduler thread's and are
-  published by the manager (:mod:`kvtier.metrics`); only probe durations are observed on the
+  published by the manager (:mod:`kvtier.ops.metrics`); only probe durations are observed on the
   probe worker (thread-safe).
 
 A load job reads straight into caller-provided ``memoryview``s (primary slots that the caller
@@ -59,16 +59,17 @@ from typing import Any, cast
 
 from kvtier.backends.base import Backend, Buffer, RateLimitedLog
 from kvtier.config import TIER_SETTINGS, LookupConfig
-from kvtier.deadlines import IoThreadPool
+from kvtier.errors import ClosedError
 from kvtier.keys import BlockKey, RequestContext
-from kvtier.lookup import AsyncLookupManager, LookupStats
-from kvtier.metrics import ProbeMetrics
+from kvtier.lookup.manager import AsyncLookupManager, LookupStats
+from kvtier.ops.metrics import ProbeMetrics
 from kvtier.settings import Kind, Setting
+from kvtier.tiering.io_pool import IoThreadPool
 
 _MAX_KEYS_PER_CALL = Setting("max_keys_per_call", Kind.INT, None,
                              "keys per backend get/put call (None: no limit)", minimum=1)
 
-_log = logging.getLogger("kvtier.tier")
+_log = logging.getLogger("kvtier.tiering.tier")
 _MIN_LOAD_PART_KEYS = 8  # a load is split across I/O threads in parts of at least this many
 # How long an engine's scheduler thread waits, at the end of a step with transfers or probes in
 # flight, so that they get the GIL: a thread that never blocks keeps it for Python's whole switch
@@ -86,8 +87,7 @@ class JobKind(enum.Enum):
     STORE = "store"
 
 
-class TierClosedError(RuntimeError):
-    """A secondary tier was used after :meth:`SecondaryTier.shutdown`."""
+TierClosedError = ClosedError  # the one closed error; this name is kept for callers
 
 
 class _TierState(enum.Enum):
@@ -135,7 +135,7 @@ class TransferJob:
 
 @dataclass(slots=True)
 class TierCounters:
-    """The tier's counters (scheduler thread); :mod:`kvtier.metrics` publishes them."""
+    """The tier's counters (scheduler thread); :mod:`kvtier.ops.metrics` publishes them."""
 
     lookup_answers: int = 0  # lookups answered present or absent (not "ask again")
     lookup_hits: int = 0

@@ -80,10 +80,11 @@ from kvtier.config import (
     WritePolicy,
     load_config,
 )
+from kvtier.errors import ClosedError, KvtierError
 from kvtier.keys import BlockKey, Namespace, RequestContext, validate_keys
-from kvtier.metrics import KvtierMetrics, manager_samples
+from kvtier.ops.metrics import KvtierMetrics, manager_samples
 from kvtier.primary import PrimaryPool
-from kvtier.tier import IO_YIELD_S, JobKind, LookupFactory, SecondaryTier, TransferJob
+from kvtier.tiering.tier import IO_YIELD_S, JobKind, LookupFactory, SecondaryTier, TransferJob
 
 __all__ = [
     "BlockPromoted",
@@ -102,7 +103,7 @@ __all__ = [
     "open_manager",
 ]
 
-_log = logging.getLogger("kvtier.manager")
+_log = logging.getLogger("kvtier.tiering.manager")
 
 PRIMARY = "primary"
 _TRANSFER_CHUNK_KEYS = 64      # keys per load/store job: one backend batch call each
@@ -187,12 +188,11 @@ class StoreShed(_TierEvent):
 ManagerEvent = BlockStored | BlockRemoved | BlockPromoted | PromotionFailed | StoreShed
 
 
-class KeyNotResidentError(ValueError):
+class KeyNotResidentError(KvtierError, ValueError):
     """``prepare_load`` was asked for a key that is not resident in the primary pool."""
 
 
-class ManagerClosedError(RuntimeError):
-    """A scheduler method was called after :meth:`TieringManager.shutdown`."""
+ManagerClosedError = ClosedError  # the one closed error; this name is kept for callers
 
 
 class _ManagerState(enum.Enum):
@@ -800,7 +800,7 @@ class TieringManager:
     def _yield_to_io(self) -> None:
         """With transfers or probes in flight, wait at most ``IO_YIELD_S`` for them (applying
         what finishes), which hands the GIL to the tiers' threads: a scheduler that steps back
-        to back would otherwise starve them (see :data:`kvtier.tier.IO_YIELD_S`)."""
+        to back would otherwise starve them (see :data:`kvtier.tiering.tier.IO_YIELD_S`)."""
         deadline = time.monotonic() + IO_YIELD_S
         for index, tier in enumerate(self._tiers):
             remaining = deadline - time.monotonic()
@@ -1063,7 +1063,7 @@ class TieringManager:
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Flush write-back blocks, wait for transfers, stop every thread, close backends and
         the pool. Idempotent. Returns within ``timeout + tiers * SHUTDOWN_EXTRA_PER_TIER_S``
-        seconds (see :mod:`kvtier.deadlines`); transfers still stuck then are abandoned on
+        seconds (see :mod:`kvtier.tiering.io_pool`); transfers still stuck then are abandoned on
         daemon threads, which never hold up interpreter exit. ``None``: wait without bound."""
         if self._state is _ManagerState.CLOSED:
             return
@@ -1127,7 +1127,7 @@ def open_manager(
     ``config`` is a :class:`KvtierConfig`, a dict, a YAML file path, or None for the ``KVTIER_*``
     environment; ``overrides`` replace top-level keys. ``clock`` drives every tier's lookup
     manager (tests inject one); ``lookup_factory`` replaces each tier's lookup manager (see
-    :class:`~kvtier.tier.SecondaryTier`). Raises :class:`ConfigError` naming the
+    :class:`~kvtier.tiering.tier.SecondaryTier`). Raises :class:`ConfigError` naming the
     bad key path, including for a backend URL or option the backend rejects.
     """
     cfg = load_config(config, **overrides)

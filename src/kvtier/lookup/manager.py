@@ -39,8 +39,9 @@ from typing import Any, Final
 import numpy as np
 
 from kvtier.backends.base import RateLimitedLog
+from kvtier.errors import ClosedError, KvtierError
 from kvtier.keys import BlockKey, RequestContext, validate_keys
-from kvtier.lookup_breaker import BreakerState, CircuitBreaker
+from kvtier.lookup.breaker import BreakerState, CircuitBreaker
 from kvtier.settings import Kind, Setting, SettingsTable
 
 __all__ = [
@@ -53,7 +54,7 @@ __all__ = [
     "OwnerThreadError",
 ]
 
-_log = logging.getLogger("kvtier.lookup")
+_log = logging.getLogger("kvtier.lookup.manager")
 
 _LOG_INTERVAL_S: Final = 10.0
 _MAX_SECONDS: Final = 3600.0
@@ -98,11 +99,10 @@ class LookupPhase(enum.Enum):
     RESOLVED = "resolved"  # a verdict is known
 
 
-class LookupManagerClosedError(RuntimeError):
-    """A lookup manager was used after :meth:`AsyncLookupManager.shutdown`."""
+LookupManagerClosedError = ClosedError  # the one closed error; this name is kept for callers
 
 
-class OwnerThreadError(RuntimeError):
+class OwnerThreadError(KvtierError, RuntimeError):
     """A scheduler-side method was called from a thread other than the manager's owner thread.
 
     The contract: ``lookup``, ``flush``, ``drain_results``, ``cleanup``, ``mark_miss``,

@@ -42,6 +42,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvtier.errors import KvtierError
+
 CONFIG_NAMES = (
     "prefix-cache-only", "vllm-fs", "kvtier-file", "kvtier-redis", "kvtier-file-restart",
     "no-reuse-baseline", "no-reuse-kvtier",
@@ -52,7 +54,7 @@ STOP_DEADLINE_S = 30.0
 SHM_GLOB = "vllm_offload_*.mmap"
 
 
-class ServeBenchError(RuntimeError):
+class ServeBenchError(KvtierError, RuntimeError):
     """The benchmark could not run (a server did not start, the client failed)."""
 
 

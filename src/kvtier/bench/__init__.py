@@ -1,0 +1,1 @@
+"""Everything ``kvtier bench`` runs: the serving benchmark against vLLM's own tiers."""

@@ -1,0 +1,1 @@
+"""Operations: inventory (usage, purge, manifests), the metrics vocabulary, log setup."""
