@@ -53,7 +53,8 @@ from typing import Any
 from kvtier.keys import KEY_BYTES, BlockKey, Namespace, RequestContext, chain_keys
 from kvtier.lookup.manager import AsyncLookupManager
 from kvtier.replay import trace as _trace_module
-from kvtier.replay.trace import BUILTIN_PREFIX, BUILTIN_TRACES, read_trace
+from kvtier.replay.reader import read_trace
+from kvtier.replay.trace import BUILTIN_PREFIX, BUILTIN_TRACES
 
 _VLLM_MODULE = "vllm.v1.kv_offload.tiering.async_lookup"
 

@@ -16,9 +16,10 @@ from kvtier.lookup.manager import AsyncLookupManager
 from kvtier.replay import engine
 from kvtier.replay.engine import ReplayOptions, Route, replay
 from kvtier.replay.errors import ReplayIntegrityError, ReplayStuckError
+from kvtier.replay.reader import read_trace
 from kvtier.replay.results import ReplayResult, TierKind
 from kvtier.replay.strategies import Strategy
-from kvtier.replay.trace import Trace, read_trace
+from kvtier.replay.trace import Trace
 
 from ._traces import TraceWriter, full, record
 

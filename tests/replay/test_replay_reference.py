@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.replay import reference
-from kvtier.replay.trace import read_trace
+from kvtier.replay.reader import read_trace
 
 from ._traces import TraceWriter, full, record
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.replay.trace import TraceFormatError, TraceRequest, read_trace
+from kvtier.replay.reader import read_trace
+from kvtier.replay.trace import TraceFormatError, TraceRequest
 
 from ._traces import TraceWriter, full, record
 

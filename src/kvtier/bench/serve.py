@@ -232,7 +232,7 @@ def trace_rows(name: str, count: int) -> list[dict[str, Any]]:
     if name == "conversation":
         return bundled_trace_rows()[:count]
     if name == "agentic":
-        from kvtier.replay.trace import read_trace
+        from kvtier.replay.reader import read_trace
 
         trace = read_trace("builtin:agentic", max_requests=count)
         return [{"timestamp": request.timestamp_ms, "hash_ids": list(request.hash_ids)}

@@ -342,7 +342,7 @@ def _load_trace(args: argparse.Namespace) -> Any:
 def _validation_for(trace: Any) -> tuple[Any, str]:
     """Validate the reference simulation against published numbers when they apply."""
     from kvtier.replay import reference
-    from kvtier.replay.trace import read_trace
+    from kvtier.replay.reader import read_trace
 
     known = reference.published_for(trace)
     if known is None:
@@ -741,9 +741,9 @@ def _stored_namespace(url: str, digest: str) -> Any:
 def _run_bench(args: argparse.Namespace) -> int:
     from kvtier.config import ConfigError
     from kvtier.replay.errors import ReplayError
+    from kvtier.replay.reader import read_trace
     from kvtier.replay.report import compare_table
     from kvtier.replay.strategies import Strategy
-    from kvtier.replay.trace import read_trace
 
     _check_memory(args)
     trace = read_trace(DEFAULT_TRACE, max_requests=args.requests)

@@ -1,7 +1,8 @@
 """Mooncake-format request traces: reading and validation.
 
-This module owns no mutable state after :func:`read_trace` returns: a :class:`Trace` and its
-:class:`TraceRequest` records are frozen and may be shared between threads.
+This module owns no mutable state once a trace is read: a :class:`Trace` and its
+:class:`TraceRequest` records are frozen and may be shared between threads. The entry point
+that dispatches on the source is :func:`kvtier.replay.reader.read_trace`.
 
 Format (JSON Lines, one request per line, sorted by arrival)::
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import enum
 import gzip
-import hashlib
 import json
 import lzma
 import math
@@ -330,70 +330,6 @@ def _lines(data: bytes, source: str) -> Iterator[tuple[int, str]]:
     for number, line_text in enumerate(text.split("\n"), start=1):
         if line_text.strip():
             yield number, line_text
-
-
-def read_trace(
-    source: str | Path,
-    *,
-    block_tokens: int = DEFAULT_BLOCK_TOKENS,
-    skip_bad_lines: bool = False,
-    max_requests: int | None = None,
-    hash_convention: HashConvention | str = HashConvention.AUTO,
-    seed: int = 0,
-) -> Trace:
-    """Read and validate a trace: Mooncake JSONL (plain, ``.gz`` or ``.xz``, or
-    ``builtin:NAME``), a per-session JSON document, a directory of them, or ``builtin:agentic``
-    (generated with ``seed``; ``seed`` also orders the sessions of a directory).
-
-    A malformed line raises :class:`TraceFormatError` naming its line and field, or with
-    ``skip_bad_lines`` is skipped and counted in ``Trace.skipped_lines``. Requests must be sorted
-    by ``timestamp`` (ties keep file order); a line that goes back in time is malformed.
-    """
-    source_name = str(source)
-    if not _is_int(block_tokens) or block_tokens < 1:
-        raise ValueError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
-    if max_requests is not None and (not _is_int(max_requests) or max_requests < 1):
-        raise ValueError(f"max_requests must be an integer >= 1 or None, got {max_requests!r}")
-    try:
-        convention = HashConvention(hash_convention)
-    except ValueError:
-        raise ValueError(
-            f"hash_convention must be one of {[c.value for c in HashConvention]}, "
-            f"got {hash_convention!r}"
-        ) from None
-    if source_name.startswith(BUILTIN_PREFIX) and source_name[len(BUILTIN_PREFIX):] in (
-            BUILTIN_GENERATED):
-        from kvtier.replay.agentic import generate_trace
-
-        return _cut(generate_trace(seed=seed), max_requests)
-    if not source_name.startswith(BUILTIN_PREFIX) and Path(source_name).is_dir():
-        from kvtier.replay.sessions import read_session_dir
-
-        return _cut(read_session_dir(Path(source_name), convention, seed), max_requests)
-    data = read_source_bytes(source_name)
-    digest = hashlib.sha256(data).hexdigest()
-    if data.lstrip()[:1] == b"{":
-        from kvtier.replay.sessions import session_document
-
-        document = session_document(data, source_name)
-        if document is not None:
-            from kvtier.replay.sessions import sessions_to_trace
-
-            trace = sessions_to_trace([(source_name, document)], convention, seed, digest,
-                                      source_name)
-            return _cut(trace, max_requests)
-    return _read_jsonl(data, source_name, digest, block_tokens, skip_bad_lines, max_requests,
-                       convention)
-
-
-def _cut(trace: Trace, max_requests: int | None) -> Trace:
-    """The first ``max_requests`` requests of ``trace`` (their dependencies come earlier)."""
-    if max_requests is None or len(trace.requests) <= max_requests:
-        return trace
-    requests = trace.requests[:max_requests]
-    sessions = len({r.session for r in requests if r.session is not None})
-    return Trace(trace.source, trace.sha256, trace.block_tokens, requests, trace.skipped_lines,
-                 trace.skip_reasons, False, trace.hash_convention, sessions)
 
 
 def convention_label(found: dict[HashConvention | None, int]) -> str:
