@@ -314,7 +314,8 @@ def _console() -> Any:
 
 
 def _load_trace(args: argparse.Namespace) -> Any:
-    from kvtier.replay.trace import TraceFormatError, read_trace
+    from kvtier.replay.reader import read_trace
+    from kvtier.replay.trace import TraceFormatError
 
     source = args.trace or DEFAULT_TRACE
     max_requests = args.max_requests
