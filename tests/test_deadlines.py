@@ -92,11 +92,11 @@ def test_an_abandoned_load_keeps_its_primary_slot_out_of_use_until_its_call_ends
         stats = m.get_stats()
         assert stats["manager"]["promotions_failed"] == 1
         assert stats["manager"]["retired_slots"] == 1
-        assert m.pool.free_slots == 1 and m.pool.retired_slots == 1
+        assert m.pool.free_slots == 1 and m.pool.occupancy().retired == 1
         assert m.lookup(key, reader) is LookupResult.MISS  # quarantined: recompute
         backend.release.set()
         assert m.wait_idle(10)  # waits for the call to end: the slot is back
-        assert m.pool.retired_slots == 0 and m.pool.free_slots == 2
+        assert m.pool.occupancy().retired == 0 and m.pool.free_slots == 2
         assert m.get_stats()["manager"]["retired_slots"] == 0
         m.on_request_finished(reader)
     finally:

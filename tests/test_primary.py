@@ -114,7 +114,7 @@ def test_reserve_many_is_all_or_nothing_and_respects_protect() -> None:
             fill(pool, k(i))
         pool.pin(k(0))
         assert pool.reserve_many([k(10), k(11), k(12)]) is None
-        assert pool.resident_blocks == 3
+        assert pool.occupancy().resident == 3
         assert pool.reserve_many([k(10), k(11)], protect={k(1)}) is None
         reservations = pool.reserve_many([k(10), k(11)])
         assert reservations is not None
@@ -224,8 +224,8 @@ def test_pool_invariants_under_random_operations(ops: list[tuple[str, int]], pol
             elif op == "discard":
                 removed = pool.discard(key)
                 assert removed == (state is SlotState.RESIDENT and key not in pins)
-            assert pool.free_slots + pool.filling_slots + pool.resident_blocks == 5
-            assert len(pool.policy) == pool.resident_blocks
+            assert pool.free_slots + pool.occupancy().filling + pool.occupancy().resident == 5
+            assert len(pool.policy) == pool.occupancy().resident
             assert all(pool.is_resident(p) for p in pins)
             slots = [pool.slot_of(key) for key in map(k, range(13))]
             used = [slot for slot in slots if slot is not None]

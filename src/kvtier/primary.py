@@ -74,6 +74,19 @@ class ArenaError(ConfigError):
 
 
 @dataclass(frozen=True, slots=True)
+class PoolOccupancy:
+    """A snapshot of the pool's slots: free, resident, filling, pinned (slots with a pin),
+    ``pins`` (the pins summed) and retired (out of use until an abandoned load's I/O ends)."""
+
+    free: int
+    resident: int
+    filling: int
+    pinned: int
+    pins: int
+    retired: int
+
+
+@dataclass(slots=True, frozen=True)
 class Reservation:
     """A slot reserved for ``key``; ``evicted`` is the key that had to leave it, if any."""
 
@@ -159,10 +172,6 @@ class PrimaryPool:
         return self._num_slots
 
     @property
-    def backing(self) -> PrimaryBacking:
-        return self._backing
-
-    @property
     def path(self) -> str | None:
         """The shared-memory name or the mapped file's path, for another process to map."""
         return self._path
@@ -220,21 +229,16 @@ class PrimaryPool:
     def free_slots(self) -> int:
         return len(self._free)
 
-    @property
-    def resident_blocks(self) -> int:
-        return len(self._slot_of) - len(self._filling)
-
-    @property
-    def filling_slots(self) -> int:
-        return len(self._filling)
-
-    @property
-    def pinned_slots(self) -> int:
-        return len(self._pins)
-
-    @property
-    def total_pins(self) -> int:
-        return sum(self._pins.values())
+    def occupancy(self) -> PoolOccupancy:
+        """How the slots are used now (one snapshot; all counts are slots except ``pins``)."""
+        return PoolOccupancy(
+            free=len(self._free),
+            resident=len(self._slot_of) - len(self._filling),
+            filling=len(self._filling),
+            pinned=len(self._pins),
+            pins=sum(self._pins.values()),
+            retired=len(self._retired),
+        )
 
     # ---- transitions ----------------------------------------------------------------------
     def reserve(
@@ -270,7 +274,8 @@ class PrimaryPool:
         protected = sum(
             1 for key in protect if self.is_resident(key) and key not in self._pins
         )
-        return len(self._free) + self.resident_blocks - len(self._pins) - protected
+        resident = len(self._slot_of) - len(self._filling)
+        return len(self._free) + resident - len(self._pins) - protected
 
     def reserve_many(
         self, keys: Sequence[BlockKey], protect: Collection[BlockKey] = ()
@@ -324,11 +329,6 @@ class PrimaryPool:
             raise PoolError(f"reclaim of slot {slot} that is not retired")
         self._retired.discard(slot)
         self._free.append(slot)
-
-    @property
-    def retired_slots(self) -> int:
-        """Slots out of circulation until an abandoned load's I/O ends."""
-        return len(self._retired)
 
     def discard(self, key: BlockKey) -> bool:
         """RESIDENT and unpinned -> FREE. False (nothing done) when absent or pinned."""

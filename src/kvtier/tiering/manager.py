@@ -996,14 +996,15 @@ class TieringManager:
             state=self._state.value,
         )
         closed = self._state is _ManagerState.CLOSED
+        used = None if closed else pool.occupancy()
         primary = {
             "num_slots": pool.num_slots,
             "block_bytes": pool.block_bytes,
-            "free_slots": pool.num_slots if closed else pool.free_slots,
-            "resident_blocks": 0 if closed else pool.resident_blocks,
-            "filling_slots": 0 if closed else pool.filling_slots,
-            "pinned_slots": 0 if closed else pool.pinned_slots,
-            "pins": 0 if closed else pool.total_pins,
+            "free_slots": pool.num_slots if used is None else used.free,
+            "resident_blocks": 0 if used is None else used.resident,
+            "filling_slots": 0 if used is None else used.filling,
+            "pinned_slots": 0 if used is None else used.pinned,
+            "pins": 0 if used is None else used.pins,
             "evictions": pool.evictions,
             "eviction_policy": type(pool.policy).__name__,
         }
