@@ -43,6 +43,8 @@ class ExpiryMap(Generic[K, V]):
         """Insert or replace ``key`` as the newest entry; return the values evicted for the
         bound (oldest first)."""
         evicted = self._lru.put(key, (value, expiry))
+        if not evicted:  # the common case: no list to build
+            return []
         self.evictions += len(evicted)
         return [entry.value[0] for entry in evicted]
 
