@@ -17,7 +17,7 @@ echo "== main suite"
 .venv/bin/python -m pytest -m "not vllm" "$@"
 
 echo "== lookup manager under python -O"
-.venv/bin/python -O -m pytest -q -p no:cacheprovider tests/test_lookup.py tests/test_lookup_soak.py
+.venv/bin/python -O -m pytest -q -p no:cacheprovider tests/lookup
 
 if [ "${KVTIER_SKIP_VLLM:-0}" != "1" ]; then
     echo "== vLLM lane"

@@ -430,7 +430,7 @@ def test_cache_hits_refresh_recency_and_the_release_queue_stays_bounded(
     for round_ in range(500):  # key 0 is served from the cache and released again and again
         assert tier.lookup(key(0), ctx(f"again{round_}")) is True
         tier.cleanup(f"again{round_}")
-    assert len(tier._idle) <= 2 * 2 + 64
+    assert len(tier._keys.verdicts) <= 2
     tier.lookup(key(2), ctx("r2"))
     step(tier)
     tier.cleanup("r2")  # evicts the least recently released verdict: key 1, not key 0
@@ -851,14 +851,14 @@ def test_duplicate_result_is_counted_and_safe_verdict_kept(
     tier.lookup(key(1), ctx("r1"))
     tier.flush()
     assert tier._wait_for_results(WAIT_S)
-    result = tier._result_queue.get_nowait()
-    tier._result_queue.put(result)
+    result = tier._worker.results.get_nowait()
+    tier._worker.results.put(result)
     tier.drain_results()
     assert tier.lookup(key(1), ctx("r1")) is False
     forged = type(result)(result.batch_id, [(key(1), result.answers[0][1], True, True)],
                           [True], 0, result.answered_at)
     tier._inflight_batches[result.batch_id] = object()  # type: ignore[assignment]
-    tier._result_queue.put(forged)
+    tier._worker.results.put(forged)
     with caplog.at_level(logging.WARNING, logger="kvtier.lookup.manager"):
         tier.drain_results()
     assert tier.stats.invariant_violations == 1
@@ -907,7 +907,7 @@ def test_shutdown_is_idempotent_and_leaves_nothing(make: Callable[..., SetTier])
     stats = tier.stats
     assert isinstance(stats, LookupStats) and stats.lookups == 3
     assert (stats.cached_verdicts, stats.quarantined_keys) == (0, 0)
-    assert not tier._worker.is_alive()
+    assert not tier._worker.thread.is_alive()
     with pytest.raises(LookupManagerClosedError, match=r"closing.*shut down"):
         tier.lookup(key(1), ctx("r1"))
     with pytest.raises(LookupManagerClosedError):
@@ -926,10 +926,10 @@ def test_shutdown_does_not_wait_past_timeout_for_a_stuck_call(
     assert tier.entered.wait(WAIT_S)
     tier.shutdown(timeout=0.05)
     assert tier.tracked_keys == 0
-    assert tier._worker.is_alive()
+    assert tier._worker.thread.is_alive()
     hold.set()
-    tier._worker.join(WAIT_S)
-    assert not tier._worker.is_alive()
+    tier._worker.thread.join(WAIT_S)
+    assert not tier._worker.thread.is_alive()
 
 
 def test_stats_is_a_snapshot(make: Callable[..., SetTier]) -> None:
