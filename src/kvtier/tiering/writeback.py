@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvtier.keys import BlockKey
+from kvtier.lru import BoundedLRU
 from kvtier.primary import PrimaryPool
 from kvtier.tiering.events import (
     PRIMARY,
@@ -65,7 +66,7 @@ class WriteBack:
         self._pins = pins
         self._counters = counters
         self._events = events
-        self._unwritten: dict[BlockKey, None] = {}
+        self._unwritten: BoundedLRU[BlockKey, None] = BoundedLRU(None)  # oldest first
         self._copies: dict[BlockKey, _Copy] = {}
         self._queued: list[list[QueuedStore]] = [[] for _ in range(num_tiers)]
         self._max_waiting = max(1, int(pool.num_slots * MAX_WAITING_CASCADE_FRACTION))
@@ -76,9 +77,10 @@ class WriteBack:
         if not self._tiers:
             return
         copies = self._copies
+        unwritten = self._unwritten
         for key in keys:
-            if key not in copies:
-                self._unwritten[key] = None
+            if key not in copies and key not in unwritten:  # else it keeps its age
+                unwritten.put(key, None)
 
     def cascade_unwritten(self) -> None:
         """Write-through: queue the oldest unwritten blocks for every tier, pinned, while the
@@ -92,10 +94,11 @@ class WriteBack:
         if room <= 0:
             return
         pool = self._pool
-        batch = [key for key, _ in zip(unwritten, range(room), strict=False)]
-        for key in batch:
-            del unwritten[key]
-        batch = [key for key in batch if pool.is_resident(key)]  # discarded meanwhile: gone
+        batch: list[BlockKey] = []
+        for _ in range(min(room, len(unwritten))):
+            oldest = unwritten.pop_oldest()
+            if oldest is not None and pool.is_resident(oldest.key):  # else discarded: gone
+                batch.append(oldest.key)
         for key in batch:
             view = pool.view(self._pins.pin_cascade(key, tiers))
             for queue_ in self._queued:
@@ -120,7 +123,7 @@ class WriteBack:
         self._events.emit(BlockRemoved((key,), PRIMARY))
         if key not in self._unwritten:
             return
-        del self._unwritten[key]
+        self._unwritten.pop(key)
         payload = bytes(self._pool.view(slot))  # the slot is about to be rewritten
         self._copies[key] = _Copy(payload, self._tiers)
         for queue_ in self._queued:
