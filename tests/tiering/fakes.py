@@ -53,6 +53,7 @@ class FakeTier:
     stores: list[tuple[list[bytes], list[Any]]] = field(default_factory=list)
     shed_counts: list[int] = field(default_factory=list)
     released: list[TransferJob] = field(default_factory=list)
+    done: list[TransferJob] = field(default_factory=list)  # handed out by get_finished_jobs
     next_id: int = 0
 
     def submit_load(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> TransferJob:
@@ -70,6 +71,11 @@ class FakeTier:
 
     def count_shed(self, keys: int) -> None:
         self.shed_counts.append(keys)
+
+    def get_finished_jobs(self, wait: bool = False,
+                          timeout: float | None = None) -> list[TransferJob]:
+        done, self.done = self.done, []
+        return done
 
     def take_released_loads(self, wait_s: float = 0.0) -> list[TransferJob]:
         released, self.released = self.released, []

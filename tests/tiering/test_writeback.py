@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from kvtier.primary import PrimaryPool
 from kvtier.tiering.events import PRIMARY, BlockRemoved, BlockStored, Counters, EventLog, StoreShed
 from kvtier.tiering.pins import PinLedger
 from kvtier.tiering.tier import JobKind
-from kvtier.tiering.writeback import WriteBack
+from kvtier.tiering.writeback import Backlog, WriteBack
 from tiering.fakes import BLOCK, FakeTier, finished, k, make_pool, resident, tables
 
 
@@ -116,3 +118,15 @@ def test_flush_unwritten_pins_every_resident_block_for_every_tier() -> None:
     writeback.flush_unwritten()
     assert pins.cascade_pins == 6 and counters.write_backs == 3
     assert writeback.sizes()["queued_stores"] == 6 and not writeback.has_unwritten
+
+
+def test_waiting_for_room_gives_up_at_the_deadline_and_submits() -> None:
+    writeback, pool, _pins, counters, _events = table()
+    resident(pool, k(1))
+    writeback.note_stored([k(1)])
+    writeback.cascade_unwritten()
+    tier = FakeTier(accept=False)
+    applied: list[object] = []
+    writeback.submit(0, tier, backlog=Backlog.WAIT_FOR_ROOM,  # type: ignore[arg-type]
+                     deadline=time.monotonic(), apply=lambda index, job: applied.append(job))
+    assert tier.stores[0][0] == [k(1)] and counters.cascades_shed == 0 and applied == []

@@ -53,7 +53,7 @@ from kvtier.tiering.plans import KeyNotResidentError, LoadPlan, LookupResult, St
 from kvtier.tiering.promotions import MAX_PROMOTION_ROUNDS, PromotionTable
 from kvtier.tiering.tier import SecondaryTier
 from kvtier.tiering.transfers import Transfers
-from kvtier.tiering.writeback import WriteBack
+from kvtier.tiering.writeback import Backlog, WriteBack
 
 __all__ = [
     "PRIMARY",
@@ -508,7 +508,7 @@ class TieringManager:
         try:
             self._transfers.poll()
             self._writeback.flush_unwritten()
-            self._transfers.submit(force=True, timeout=left())
+            self._transfers.submit(Backlog.WAIT_FOR_ROOM, left())
             self._transfers.poll(wait=True, timeout=left())
         finally:
             self._state = _ManagerState.CLOSED

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from kvtier.tiering.promotions import PromotionTable
 from kvtier.tiering.tier import IO_YIELD_S, JobKind, SecondaryTier, TransferJob
-from kvtier.tiering.writeback import WriteBack
+from kvtier.tiering.writeback import Backlog, WriteBack
 
 __all__ = ["Transfers"]
 
@@ -41,13 +41,14 @@ class Transfers:
         else:
             self._writeback.apply_store(tier_index, name, job)
 
-    def submit(self, *, force: bool = False, timeout: float | None = None) -> None:
-        """Submit the step's queued loads and stores. ``force`` (shutdown) waits, up to
-        ``timeout`` s in all, for room instead of shedding."""
+    def submit(self, backlog: Backlog = Backlog.WAIT_NEXT_STEP,
+               timeout: float | None = None) -> None:
+        """Submit the step's queued loads and stores. ``Backlog.WAIT_FOR_ROOM`` (shutdown)
+        waits, up to ``timeout`` s in all, for room instead of shedding."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for index, tier in enumerate(self._tiers):
             self._promotions.submit(index, tier)
-            self._writeback.submit(index, tier, force=force, deadline=deadline,
+            self._writeback.submit(index, tier, backlog=backlog, deadline=deadline,
                                    apply=self.apply)
 
     def poll(self, *, wait: bool = False, timeout: float | None = None) -> None:

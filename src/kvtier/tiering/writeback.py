@@ -16,6 +16,7 @@ next step; beyond ``MAX_WAITING_CASCADE_FRACTION`` of the pool per tier the olde
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -35,9 +36,16 @@ from kvtier.tiering.pins import PinLedger
 from kvtier.tiering.promotions import TRANSFER_CHUNK_KEYS
 from kvtier.tiering.tier import SecondaryTier, TransferJob
 
-__all__ = ["MAX_WAITING_CASCADE_FRACTION", "QueuedStore", "WriteBack"]
+__all__ = ["MAX_WAITING_CASCADE_FRACTION", "Backlog", "QueuedStore", "WriteBack"]
 
 MAX_WAITING_CASCADE_FRACTION = 0.5  # cascades waiting for a backlogged tier, share of the pool
+
+
+class Backlog(enum.Enum):
+    """What submitting does with the stores a backlogged tier cannot take now."""
+
+    WAIT_NEXT_STEP = "wait_next_step"  # they wait for the next step; the oldest excess is shed
+    WAIT_FOR_ROOM = "wait_for_room"    # shutdown: wait for room until the deadline, then shed
 
 
 @dataclass(slots=True)
@@ -100,9 +108,7 @@ class WriteBack:
             if oldest is not None and pool.is_resident(oldest.key):  # else discarded: gone
                 batch.append(oldest.key)
         for key in batch:
-            view = pool.view(self._pins.pin_cascade(key, tiers))
-            for queue_ in self._queued:
-                queue_.append(QueuedStore(key, view, True))
+            self._queue_pinned(key)
         self._counters.cascades_queued += len(batch) * tiers
 
     def flush_unwritten(self) -> None:
@@ -110,11 +116,15 @@ class WriteBack:
         pool = self._pool
         for key in self._unwritten:
             if pool.is_resident(key):
-                view = pool.view(self._pins.pin_cascade(key, self._tiers))
-                for queue_ in self._queued:
-                    queue_.append(QueuedStore(key, view, True))
+                self._queue_pinned(key)
                 self._counters.write_backs += 1
         self._unwritten.clear()
+
+    def _queue_pinned(self, key: BlockKey) -> None:
+        """Queue resident ``key`` for every tier from its slot, pinned once per tier write."""
+        view = self._pool.view(self._pins.pin_cascade(key, self._tiers))
+        for queue_ in self._queued:
+            queue_.append(QueuedStore(key, view, True))
 
     def on_evicted(self, key: BlockKey, slot: int) -> None:
         """``key`` just lost ``slot`` to a new reservation, its bytes still there: counted and
@@ -159,12 +169,13 @@ class WriteBack:
                 del self._copies[key]
 
     # ---- transfers ---------------------------------------------------------------------------
-    def submit(self, tier_index: int, tier: SecondaryTier, *, force: bool = False,
-               deadline: float | None = None,
+    def submit(self, tier_index: int, tier: SecondaryTier, *,
+               backlog: Backlog = Backlog.WAIT_NEXT_STEP, deadline: float | None = None,
                apply: Callable[[int, TransferJob], None] | None = None) -> None:
-        """Submit the stores queued for ``tier`` in chunks. A backlogged tier's rest waits (or
-        is shed); ``force`` (shutdown) waits until ``deadline`` for room, applying finished
-        jobs with ``apply``, then sheds."""
+        """Submit the stores queued for ``tier`` in chunks. What a backlogged tier cannot
+        take waits for the next step (the oldest excess shed), or with
+        ``Backlog.WAIT_FOR_ROOM`` (shutdown) this call waits for room until ``deadline``,
+        applying finished jobs with ``apply``, and then sheds."""
         stores = self._queued[tier_index]
         if not stores:
             return
@@ -174,10 +185,10 @@ class WriteBack:
             keys = [item.key for item in chunk]
             payloads = [item.payload for item in chunk]
             nbytes = sum(memoryview(p).nbytes for p in payloads)
-            if not force and not tier.can_accept_store(nbytes):
+            if backlog is Backlog.WAIT_NEXT_STEP and not tier.can_accept_store(nbytes):
                 self._wait_or_shed(tier_index, tier, stores[start:])
                 break
-            if force:
+            if backlog is Backlog.WAIT_FOR_ROOM:
                 self._wait_for_room(tier_index, tier, nbytes, deadline, apply)
             job = tier.submit_store(keys, payloads)
             if job is None:
