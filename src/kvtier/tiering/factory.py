@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 
-from kvtier.config import ConfigError, KvtierConfig, MetricsRegistry, load_config
+from kvtier.config import KvtierConfig, MetricsRegistry, load_config
 from kvtier.ops.metrics import KvtierMetrics
 from kvtier.primary import PrimaryPool
+from kvtier.settings import ConfigError
 from kvtier.tiering.tier import LookupFactory, SecondaryTier
 
 if TYPE_CHECKING:
