@@ -1,8 +1,8 @@
 """The tiering layer: ``TieringManager`` (the step loop and public API) over the primary pool
 and one ``SecondaryTier`` per configured backend (a backend, its lookup manager, its jobs).
 
-Names are re-exported lazily so that importing one submodule (``kvtier.tiering.io_pool``) does
-not import the whole manager.
+The manager's names are imported lazily, so that ``kvtier.config`` can import
+``kvtier.tiering.io_pool`` without importing the manager (which imports the config).
 """
 
 from __future__ import annotations
@@ -17,6 +17,6 @@ __all__ = ["LookupResult", "TieringManager", "open_manager"]
 
 
 def __getattr__(name: str) -> Any:
-    if name not in __all__:
-        raise AttributeError(f"module 'kvtier.tiering' has no attribute {name!r}")
-    return getattr(importlib.import_module("kvtier.tiering.manager"), name)
+    if name in __all__:
+        return getattr(importlib.import_module("kvtier.tiering.manager"), name)
+    raise AttributeError(f"module 'kvtier.tiering' has no attribute {name!r}")

@@ -1,0 +1,51 @@
+"""What the manager answers the engine: lookup results, load and store plans, store modes.
+
+Owns no state: immutable values built by the scheduler thread and handed to the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvtier.errors import KvtierError
+from kvtier.keys import BlockKey
+
+__all__ = ["KeyNotResidentError", "LoadPlan", "LookupResult", "StoreMode", "StorePlan"]
+
+
+class LookupResult(enum.Enum):
+    HIT = "hit"                  # resident in the primary pool: loadable now
+    HIT_PENDING = "hit_pending"  # a promotion from a secondary tier is in flight
+    RETRY = "retry"              # a secondary tier has not answered yet: ask next step
+    MISS = "miss"                # nowhere (or no slot to promote into): recompute
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """Where to read each key: ``slots[i]`` holds ``keys[i]`` (pinned until complete_load)."""
+
+    keys: tuple[BlockKey, ...]
+    slots: tuple[int, ...]
+
+
+class StoreMode(enum.Enum):
+    """What ``prepare_store`` does when the pool cannot take every new key now."""
+
+    ALL = "all"        # reserve every new key or none (returns None)
+    PREFIX = "prefix"  # reserve the leading new keys that fit; the rest is ``deferred``
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """Write ``keys[i]`` into ``slots[i]``; ``evicted`` lists every key this call evicted;
+    ``deferred`` the new keys that did not fit now (``StoreMode.PREFIX``), in order."""
+
+    keys: tuple[BlockKey, ...]
+    slots: tuple[int, ...]
+    evicted: tuple[BlockKey, ...]
+    deferred: tuple[BlockKey, ...] = ()
+
+
+class KeyNotResidentError(KvtierError, ValueError):
+    """``prepare_load`` was asked for a key that is not resident in the primary pool."""
