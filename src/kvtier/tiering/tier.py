@@ -58,13 +58,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 from kvtier.backends.base import Backend, Buffer, RateLimitedLog
-from kvtier.config import TIER_SETTINGS, LookupConfig
 from kvtier.errors import ClosedError
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.lookup.manager import AsyncLookupManager, LookupStats
 from kvtier.ops.metrics import ProbeMetrics
 from kvtier.settings import Kind, Setting
 from kvtier.tiering.io_pool import IoThreadPool
+from kvtier.tiering.tier_settings import LookupConfig, TierSettings
 
 _MAX_KEYS_PER_CALL = Setting("max_keys_per_call", Kind.INT, None,
                              "keys per backend get/put call (None: no limit)", minimum=1)
@@ -254,31 +254,30 @@ class SecondaryTier:
         self,
         name: str,
         backend: Backend,
+        settings: TierSettings | None = None,
         *,
         lookup: LookupConfig | Mapping[str, Any] | None = None,
-        io_threads: int = TIER_SETTINGS.default("io_threads"),
-        max_pending_store_bytes: int = TIER_SETTINGS.default("max_pending_store_bytes"),
-        max_pending_store_jobs: int = TIER_SETTINGS.default("max_pending_store_jobs"),
         metrics: ProbeMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         lookup_factory: LookupFactory | None = None,
         max_keys_per_call: int | None = None,
-        load_timeout_s: float = TIER_SETTINGS.default("load_timeout_s"),
+        **settings_values: Any,
     ) -> None:
-        """``lookup_factory(name, backend, options)`` replaces the default lookup manager (one
+        """``settings``: the tier's I/O settings (None: the defaults). ``settings_values``
+        (``io_threads=2``, ...) is the keyword spelling of the same record, for callers that
+        have no record (``open_manager`` today); it cannot be combined with ``settings``.
+        ``lookup_factory(name, backend, options)`` replaces the default lookup manager (one
         ``backend.probe`` call per probe batch); ``options`` are the configured lookup settings
         plus ``clock``. ``max_keys_per_call`` (None: no limit) splits each job's backend calls.
-        Bad settings raise :class:`~kvtier.settings.ConfigError` (a ValueError) naming them.
-        A load job not finished ``load_timeout_s`` after submission fails for its keys."""
+        Bad settings raise :class:`~kvtier.settings.ConfigError` (a ValueError) naming them."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"tier name must be a non-empty str, got {name!r}")
-        for setting, value in (("io_threads", io_threads),
-                               ("max_pending_store_bytes", max_pending_store_bytes),
-                               ("max_pending_store_jobs", max_pending_store_jobs)):
-            TIER_SETTINGS[setting].parse(value, f"tier {name!r}: {setting}")
+        if settings is not None and settings_values:
+            raise TypeError(f"tier {name!r}: pass settings or {sorted(settings_values)}, not both")
+        if settings is None:
+            settings = TierSettings.parse(settings_values, f"tier {name!r}")
         if max_keys_per_call is not None:
             _MAX_KEYS_PER_CALL.parse(max_keys_per_call, f"tier {name!r}: max_keys_per_call")
-        TIER_SETTINGS["load_timeout_s"].parse(load_timeout_s, f"tier {name!r}: load_timeout_s")
         if isinstance(lookup, LookupConfig):
             lookup_options: Mapping[str, Any] = lookup.as_kwargs()
         elif lookup is None:
@@ -293,12 +292,9 @@ class SecondaryTier:
             else lookup_factory(name, backend, {**lookup_options, "clock": clock})
         )
         self._load_failures = RecentLoadFailures(self._lookup.quarantine_s, clock)
-        self._max_store_bytes = max_pending_store_bytes
-        self._max_store_jobs = max_pending_store_jobs
+        self._settings = settings
         self._max_keys_per_call = max_keys_per_call
-        self._executor = IoThreadPool(io_threads, f"kvtier-io-{name}")
-        self._io_threads = io_threads
-        self._load_timeout_s = float(load_timeout_s)
+        self._executor = IoThreadPool(settings.io_threads, f"kvtier-io-{name}")
         self._load_deadlines: deque[TransferJob] = deque()  # loads in submission order
         self._settle_lock = threading.Lock()  # a job's results are settled exactly once
         self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
@@ -361,7 +357,7 @@ class SecondaryTier:
             raise ValueError(f"submit_load got {len(keys)} keys but {len(outs)} buffers")
         job = TransferJob(next(self._job_ids), JobKind.LOAD, tuple(keys), tuple(outs),
                           sum(out.nbytes for out in outs),
-                          deadline=time.monotonic() + self._load_timeout_s)
+                          deadline=time.monotonic() + self._settings.load_timeout_s)
         self._load_deadlines.append(job)
         self._loads_outstanding += 1
         self._counters.loads_submitted += 1
@@ -371,9 +367,10 @@ class SecondaryTier:
 
     def can_accept_store(self, nbytes: int) -> bool:
         """Whether a store job of ``nbytes`` would be accepted now (backpressure)."""
-        if self._store_jobs >= self._max_store_jobs:
+        if self._store_jobs >= self._settings.max_pending_store_jobs:
             return False
-        return self._store_jobs == 0 or self._store_bytes + nbytes <= self._max_store_bytes
+        limit = self._settings.max_pending_store_bytes
+        return self._store_jobs == 0 or self._store_bytes + nbytes <= limit
 
     def submit_store(self, keys: Sequence[BlockKey],
                      payloads: Sequence[Buffer]) -> TransferJob | None:
@@ -432,7 +429,7 @@ class SecondaryTier:
         count = len(job.keys)
         if job.kind is JobKind.STORE or count == 0:
             return [_Part(job, 0, count)]
-        size = max(_MIN_LOAD_PART_KEYS, -(-count // self._io_threads))
+        size = max(_MIN_LOAD_PART_KEYS, -(-count // self._settings.io_threads))
         if self._max_keys_per_call is not None:
             size = min(size, self._max_keys_per_call)
         return [_Part(job, start, min(count, start + size)) for start in range(0, count, size)]
@@ -478,10 +475,11 @@ class SecondaryTier:
         now = time.monotonic()
         while pending and (pending[0].settled or pending[0].deadline <= now):
             job = pending.popleft()
-            if self._settle(job, (False,) * len(job.keys),
-                            f"load timed out after {self._load_timeout_s:g} s", abandon=True):
+            limit = self._settings.load_timeout_s
+            if self._settle(job, (False,) * len(job.keys), f"load timed out after {limit:g} s",
+                            abandon=True):
                 self._io_log.warning("tier %s: load job of %d keys timed out after %g s",
-                                     self._name, len(job.keys), self._load_timeout_s)
+                                     self._name, len(job.keys), limit)
 
     def _settle(self, job: TransferJob, results: tuple[bool, ...], error: str | None, *,
                 abandon: bool = False) -> bool:
