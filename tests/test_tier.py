@@ -77,7 +77,7 @@ def test_store_then_lookup_knows_at_once_without_a_probe(tier: SecondaryTier) ->
     assert job.results == (True, True)
     ctx = RequestContext("r")
     assert tier.lookup(k(1), ctx) is True
-    assert tier.lookup_stats.backend_calls == 0
+    assert tier.stats().lookup.backend_calls == 0
     tier.cleanup("r")
     assert tier.lookup_manager.tracked_keys == 0
 
@@ -94,7 +94,7 @@ def test_load_writes_exact_bytes_and_failed_keys_are_quarantined(tier: Secondary
     assert bytes(outs[1]) == bytes(BLOCK)  # untouched
     ctx = RequestContext("r")
     assert tier.lookup(k(2), ctx) is False  # quarantined: answered without a probe
-    assert tier.lookup_stats.quarantine_hits == 1
+    assert tier.stats().lookup.quarantine_hits == 1
     stats = tier.stats()
     assert stats["load_keys_failed"] == 1
     assert stats["backend_gets"] >= 1
@@ -114,7 +114,7 @@ def test_lookup_probes_the_backend_once_per_step(tier: SecondaryTier) -> None:
         fresh.lookup_manager.drain_results()
         assert fresh.lookup(k(5), ctxs[0]) is True
         assert fresh.lookup(k(6), ctxs[0]) is False
-        assert fresh.lookup_stats.backend_calls == 1
+        assert fresh.stats().lookup.backend_calls == 1
     finally:
         fresh.lookup_manager.shutdown()
 
@@ -131,7 +131,7 @@ def test_backpressure_sheds_stores_while_the_backend_is_held(namespace: Namespac
         assert gate.entered.acquire(timeout=10)  # the I/O thread is inside put_many
         second = tier.submit_store([k(2)], [payload(2)])
         assert second is not None
-        assert tier.outstanding_store_bytes == 2 * BLOCK
+        assert tier.stats().outstanding_store_bytes == 2 * BLOCK
         shed = tier.submit_store([k(3)], [payload(3)])
         assert shed is None
         assert tier.stats()["store_keys_shed"] == 1
@@ -140,7 +140,7 @@ def test_backpressure_sheds_stores_while_the_backend_is_held(namespace: Namespac
         gate.release.set()
         done = tier.get_finished_jobs(wait=True, timeout=10)
         assert {job.job_id for job in done} == {first.job_id, second.job_id, load.job_id}
-        assert tier.outstanding_store_bytes == 0 and tier.outstanding_jobs == 0
+        assert tier.stats().outstanding_store_bytes == 0 and tier.outstanding_jobs == 0
         assert tier.can_accept_store(2 * BLOCK)
     finally:
         gate.release.set()
@@ -388,7 +388,7 @@ def test_a_failed_existence_check_counts_as_a_probe_error_and_feeds_the_breaker(
         assert tier.lookup_manager._wait_for_results(10)
         tier.lookup_manager.drain_results()
         assert tier.lookup(k(1), ctx) is False
-        stats = tier.lookup_stats
+        stats = tier.stats().lookup
         assert stats.probe_errors == 1
         assert stats.breaker_state.value == "open"
     finally:
@@ -415,7 +415,7 @@ def test_a_store_of_a_key_whose_load_failed_does_not_lift_its_quarantine(
         assert store.results == (True,)  # put-if-absent: the old object is still there
         ctx = RequestContext("r")
         assert tier.lookup(k(1), ctx) is False  # still quarantined: no doomed promotion
-        assert tier.lookup_stats.quarantine_hits == 1
+        assert tier.stats().lookup.quarantine_hits == 1
         assert tier.stats()["store_keys_read_back"] == 1  # the read-back failed too
         assert tier.stats()["quarantines_lifted"] == 0
         tier.cleanup("r")
@@ -423,7 +423,7 @@ def test_a_store_of_a_key_whose_load_failed_does_not_lift_its_quarantine(
         assert tier.submit_store([other], [payload(2)]) is not None
         tier.get_finished_jobs(wait=True, timeout=10)
         assert tier.lookup(other, ctx) is True
-        assert tier.lookup_stats.backend_calls == 0
+        assert tier.stats().lookup.backend_calls == 0
     finally:
         tier.shutdown(10)
 
@@ -459,3 +459,56 @@ def test_a_verified_re_store_lifts_the_quarantine(tmp_path: Any, namespace: Name
         assert load.results == (True,) and bytes(out) == payload(1)
     finally:
         tier.shutdown(10)
+
+
+def test_recent_load_failures_expire_oldest_first_and_stay_bounded() -> None:
+    from kvtier.tiering.tier import RecentLoadFailures
+
+    now = [0.0]
+    failures = RecentLoadFailures(10.0, clock=lambda: now[0], max_keys=2)
+    failures.add([k(1)])
+    now[0] = 5.0
+    failures.add([k(2), k(3)])  # bounded: k(1), the oldest, is dropped
+    assert len(failures) == 2 and not failures.contains(k(1))
+    assert failures.without([k(1), k(2), k(4)]) == [k(1), k(4)]
+    now[0] = 15.0  # k(2) and k(3) (until 15.0) expire
+    assert failures.without([k(2), k(3)]) == [k(2), k(3)] and len(failures) == 0
+    failures.add([k(5)])
+    failures.discard([k(5), k(6)])
+    assert not failures.contains(k(5))
+    RecentLoadFailures(0.0).add([k(7)])  # a zero hold keeps nothing
+
+
+def test_tier_stats_is_a_typed_snapshot_with_a_flat_view() -> None:
+    from kvtier.lookup.manager import LookupStats
+    from kvtier.tiering.tier_stats import TierCounters, TierStats
+
+    counters = TierCounters(loaded_keys=3)
+    stats = TierStats(LookupStats(backend_calls=2), counters, outstanding_jobs=1,
+                      backend={"errors": 4})
+    assert stats.value("counters.loaded_keys") == 3
+    assert stats.value("lookup.backend_calls") == 2 and stats.value("outstanding_jobs") == 1
+    assert stats.value("backend.errors") == 4 and stats.value("backend.blocks") is None
+    assert stats["backend_errors"] == 4 and stats["backend_calls"] == 2
+    assert TierStats(LookupStats(), TierCounters()).value("backend.errors") is None
+
+
+def test_tier_stats_snapshots_do_not_move(tier: SecondaryTier) -> None:
+    before = tier.stats()
+    tier.submit_store([k(1)], [payload(1)])
+    tier.get_finished_jobs(wait=True, timeout=10)
+    assert before.counters.stored_keys == 0 and tier.stats().counters.stored_keys == 1
+    assert tier.stats().backend is not None
+
+
+def test_tier_takes_one_settings_record() -> None:
+    from kvtier.tiering.tier_settings import TierSettings
+
+    backend = open_backend("memory://", Namespace(model="m"))
+    tier = SecondaryTier("rec", backend, TierSettings(io_threads=1, max_pending_store_jobs=1))
+    try:
+        assert tier.can_accept_store(BLOCK)
+    finally:
+        tier.shutdown()
+    with pytest.raises(TypeError, match="not both"):
+        SecondaryTier("both", backend, TierSettings(), io_threads=2)

@@ -52,19 +52,22 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, cast
 
 from kvtier.backends.base import Backend, Buffer, RateLimitedLog
 from kvtier.errors import ClosedError
 from kvtier.keys import BlockKey, RequestContext
-from kvtier.lookup.manager import AsyncLookupManager, LookupStats
+from kvtier.lookup.manager import AsyncLookupManager
+from kvtier.lru import BoundedLRU
 from kvtier.ops.metrics import ProbeMetrics
 from kvtier.settings import Kind, Setting
 from kvtier.tiering.io_pool import IoThreadPool
 from kvtier.tiering.tier_settings import LookupConfig, TierSettings
+from kvtier.tiering.tier_stats import TierCounters, TierStats
 
 _MAX_KEYS_PER_CALL = Setting("max_keys_per_call", Kind.INT, None,
                              "keys per backend get/put call (None: no limit)", minimum=1)
@@ -133,33 +136,6 @@ class TransferJob:
         return [key for key, ok in zip(self.keys, self.results, strict=True) if not ok]
 
 
-@dataclass(slots=True)
-class TierCounters:
-    """The tier's counters (scheduler thread); :mod:`kvtier.ops.metrics` publishes them."""
-
-    lookup_answers: int = 0  # lookups answered present or absent (not "ask again")
-    lookup_hits: int = 0
-    loads_submitted: int = 0
-    load_keys: int = 0
-    loaded_keys: int = 0
-    load_keys_failed: int = 0
-    stores_submitted: int = 0
-    store_keys: int = 0
-    stored_keys: int = 0
-    store_keys_failed: int = 0
-    stores_shed: int = 0
-    store_keys_shed: int = 0
-    store_keys_read_back: int = 0
-    quarantines_lifted: int = 0
-    read_bytes: int = 0
-    write_bytes: int = 0
-    read_seconds: float = 0.0
-    write_seconds: float = 0.0
-    job_errors: int = 0
-    loads_abandoned: int = 0  # loads failed by their deadline while the backend call still ran
-    invariant_violations: int = 0
-
-
 class BackendLookupManager(AsyncLookupManager):
     """The tier's lookup manager: one ``backend.probe`` call per probe batch.
 
@@ -196,14 +172,13 @@ class RecentLoadFailures:
     when it fails (the damaged object is still there) the key stays quarantined until it ends.
     """
 
-    __slots__ = ("_clock", "_hold_s", "_max_keys", "_until")
+    __slots__ = ("_clock", "_hold_s", "_until")
 
     def __init__(self, hold_s: float, clock: Callable[[], float] = time.monotonic,
                  max_keys: int = 65536) -> None:
         self._hold_s = hold_s
         self._clock = clock
-        self._max_keys = max_keys
-        self._until: OrderedDict[BlockKey, float] = OrderedDict()  # in expiry order
+        self._until: BoundedLRU[BlockKey, float] = BoundedLRU(max_keys)  # in expiry order
 
     def __len__(self) -> int:
         return len(self._until)
@@ -213,10 +188,7 @@ class RecentLoadFailures:
             return
         until = self._clock() + self._hold_s
         for key in keys:
-            self._until[key] = until
-            self._until.move_to_end(key)
-        while len(self._until) > self._max_keys:
-            self._until.popitem(last=False)
+            self._until.put(key, until)
 
     def without(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """``keys`` less those whose load failed within the hold time."""
@@ -224,10 +196,11 @@ class RecentLoadFailures:
             return list(keys)
         now = self._clock()
         while self._until:
-            oldest, until = next(iter(self._until.items()))
-            if until > now:
+            oldest = next(iter(self._until))
+            until = self._until.get(oldest)
+            if until is not None and until > now:
                 break
-            del self._until[oldest]
+            self._until.pop(oldest)
         return [key for key in keys if key not in self._until]
 
     def contains(self, key: BlockKey) -> bool:
@@ -235,7 +208,7 @@ class RecentLoadFailures:
 
     def discard(self, keys: Iterable[BlockKey]) -> None:
         for key in keys:
-            self._until.pop(key, None)
+            self._until.pop(key)
 
 
 @dataclass(slots=True)
@@ -652,30 +625,19 @@ class SecondaryTier:
     def outstanding_jobs(self) -> int:
         return len(self._outstanding)
 
-    @property
-    def outstanding_store_bytes(self) -> int:
-        return self._store_bytes
-
-    @property
-    def lookup_stats(self) -> LookupStats:
-        return self._lookup.stats
-
-    def stats(self) -> dict[str, Any]:
-        """Lookup counters, transfer counters, and the backend's counters (``backend_*``)."""
-        result: dict[str, Any] = {}
-        result.update(self._lookup.stats.as_dict())
-        result["tracked_keys"] = self._lookup.tracked_keys
-        result.update(asdict(self._counters))
-        result["outstanding_jobs"] = len(self._outstanding)
-        result["outstanding_store_bytes"] = self._store_bytes
-        result["abandoned_loads"] = self._abandoned  # still running, buffers not yet released
+    def stats(self) -> TierStats:
+        """A typed snapshot: lookup counters, transfer counters, the backend's counters."""
+        backend_stats: Mapping[str, Any] | None
         try:
-            backend_stats = self._backend.stats()
+            backend_stats = MappingProxyType(dict(self._backend.stats()))
         except Exception as exc:
-            backend_stats = {}
+            backend_stats = None
             _log.debug("tier %s: backend stats unavailable: %r", self._name, exc)
-        result.update({f"backend_{name}": value for name, value in backend_stats.items()})
-        return result
+        return TierStats(
+            lookup=self._lookup.stats, counters=replace(self._counters),
+            tracked_keys=self._lookup.tracked_keys, outstanding_jobs=len(self._outstanding),
+            outstanding_store_bytes=self._store_bytes, abandoned_loads=self._abandoned,
+            backend=backend_stats)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def _require_running(self, operation: str) -> None:

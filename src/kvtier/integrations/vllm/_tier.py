@@ -338,7 +338,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         """The tier's counters (:meth:`SecondaryTier.stats`: lookups, transfers, ``backend_*``),
         the one source :meth:`get_stats` publishes from; plus ``store_keys_skipped`` (stores of
         blocks the backend already held, see :class:`HeldKeys`)."""
-        snapshot = self._tier.stats()
+        snapshot = self._tier.stats().flat()
         snapshot["store_keys_skipped"] = self._store_keys_skipped
         return snapshot
 
