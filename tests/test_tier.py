@@ -14,6 +14,7 @@ from kvtier.backends.base import Backend
 from kvtier.keys import BlockKey, Namespace, RequestContext
 from kvtier.ops.metrics import KvtierMetrics
 from kvtier.tiering.tier import JobKind, SecondaryTier, TierClosedError
+from kvtier.tiering.tier_settings import TierSettings
 
 BLOCK = 256
 
@@ -122,8 +123,9 @@ def test_lookup_probes_the_backend_once_per_step(tier: SecondaryTier) -> None:
 def test_backpressure_sheds_stores_while_the_backend_is_held(namespace: Namespace) -> None:
     gate = Gate(open_backend("memory://", namespace))
     metrics = KvtierMetrics()
-    tier = SecondaryTier("held", gate, io_threads=1, max_pending_store_bytes=2 * BLOCK,
-                         max_pending_store_jobs=8, metrics=metrics)
+    tier = SecondaryTier("held", gate, TierSettings(
+        io_threads=1, max_pending_store_bytes=2 * BLOCK, max_pending_store_jobs=8),
+        metrics=metrics)
     try:
         gate.release.clear()
         first = tier.submit_store([k(1)], [payload(1)])
@@ -167,7 +169,7 @@ def test_a_waiting_load_runs_before_waiting_stores(namespace: Namespace) -> None
     """A promotion never queues behind a backlog of cascades on the tier's I/O threads."""
     gate = OrderedGate(open_backend("memory://", namespace))
     gate.inner.put_many([k(9)], [payload(9)])
-    tier = SecondaryTier("prio", gate, io_threads=1)
+    tier = SecondaryTier("prio", gate, TierSettings(io_threads=1))
     try:
         gate.release.clear()
         assert tier.submit_store([k(1)], [payload(1)]) is not None
@@ -190,8 +192,8 @@ def test_a_waiting_load_runs_before_waiting_stores(namespace: Namespace) -> None
 def test_job_count_limit_and_one_oversized_job_is_accepted_when_idle(
         namespace: Namespace) -> None:
     gate = Gate(open_backend("memory://", namespace))
-    tier = SecondaryTier("jobs", gate, io_threads=1, max_pending_store_bytes=BLOCK // 2,
-                         max_pending_store_jobs=1)
+    tier = SecondaryTier("jobs", gate, TierSettings(
+        io_threads=1, max_pending_store_bytes=BLOCK // 2, max_pending_store_jobs=1))
     try:
         gate.release.clear()
         big = tier.submit_store([k(1), k(2)], [payload(1), payload(2)])
@@ -239,7 +241,7 @@ class CountingGate(Gate):
 def test_max_keys_per_call_splits_jobs_and_keeps_keys_moved_by_other_calls(
         namespace: Namespace) -> None:
     gate = CountingGate(open_backend("memory://", namespace))
-    tier = SecondaryTier("split", gate, max_keys_per_call=2, io_threads=1)
+    tier = SecondaryTier("split", gate, TierSettings(io_threads=1), max_keys_per_call=2)
     try:
         stored = tier.submit_store([k(i) for i in range(5)], [payload(i) for i in range(5)])
         tier.get_finished_jobs(wait=True, timeout=10)
@@ -280,7 +282,7 @@ class BarrierGate(Gate):
 
 def test_a_load_reads_its_parts_in_parallel_on_the_io_threads(namespace: Namespace) -> None:
     gate = BarrierGate(open_backend("memory://", namespace), parties=4)
-    tier = SecondaryTier("parallel", gate, io_threads=4)  # type: ignore[arg-type]
+    tier = SecondaryTier("parallel", gate, TierSettings(io_threads=4))  # type: ignore[arg-type]
     try:
         keys = [k(i) for i in range(32)]
         assert gate.inner.put_many(keys, [payload(i) for i in range(32)]) == [True] * 32
@@ -305,7 +307,7 @@ def test_remove_deletes_and_updates_the_verdict(tier: SecondaryTier) -> None:
 def test_bad_arguments(namespace: Namespace) -> None:
     backend = open_backend("memory://", namespace)
     with pytest.raises(ValueError, match="io_threads: expected an integer >= 1, got 0"):
-        SecondaryTier("x", backend, io_threads=0)
+        SecondaryTier("x", backend, io_threads=0)  # the keyword spelling: open_manager's
     with pytest.raises(ValueError, match="tier name"):
         SecondaryTier("", backend)
     tier = SecondaryTier("x", backend)
@@ -317,7 +319,8 @@ def test_bad_arguments(namespace: Namespace) -> None:
 
 
 def test_shutdown_is_idempotent_and_ends_every_thread(namespace: Namespace) -> None:
-    tier = SecondaryTier("bye", open_backend("memory://", namespace), io_threads=3)
+    tier = SecondaryTier("bye", open_backend("memory://", namespace),
+                         TierSettings(io_threads=3))
     tier.submit_store([k(1)], [payload(1)])
     tier.lookup(k(2), RequestContext("r"))
     tier.flush()
@@ -502,8 +505,6 @@ def test_tier_stats_snapshots_do_not_move(tier: SecondaryTier) -> None:
 
 
 def test_tier_takes_one_settings_record() -> None:
-    from kvtier.tiering.tier_settings import TierSettings
-
     backend = open_backend("memory://", Namespace(model="m"))
     tier = SecondaryTier("rec", backend, TierSettings(io_threads=1, max_pending_store_jobs=1))
     try:

@@ -3,12 +3,16 @@
 This module owns no mutable state: configs are frozen dataclasses and the settings tables are
 frozen, safe to share between threads.
 
-Every setting is declared once, in one :class:`~kvtier.settings.SettingsTable` per component:
-:data:`CONFIG_SETTINGS` (top level), :data:`NAMESPACE_SETTINGS`, :data:`TIER_SETTINGS` (one
-secondary tier), :data:`LOOKUP_SETTINGS` (a tier's lookup manager) and :data:`VLLM_TIER_SETTINGS`
-(the vLLM ``KvtierTier``, which reuses the shared settings' declarations). The tables give the
-constructors their defaults, validate dict / YAML / environment values, name the ``KVTIER_*``
-variables, and generate the README's settings tables (:func:`settings_markdown`).
+Every setting is declared once, in one :class:`~kvtier.settings.SettingsTable` beside the
+component that takes it: :data:`CONFIG_SETTINGS` (top level, here),
+:data:`~kvtier.namespace_settings.NAMESPACE_SETTINGS`, :data:`~kvtier.tiering.tier_settings.
+TIER_SETTINGS` (one secondary tier; its I/O settings are the typed record
+:class:`~kvtier.tiering.tier_settings.TierSettings`), :data:`~kvtier.lookup.manager.
+LOOKUP_SETTINGS` (a tier's lookup manager) and :data:`~kvtier.integrations.vllm._settings.
+VLLM_TIER_SETTINGS` (the vLLM ``KvtierTier``). This module is the top-floor loader: it imports
+those tables (and re-exports them), nothing below it imports this module. It validates dict /
+YAML / environment values into typed records, names the ``KVTIER_*`` variables, and generates
+the README's settings tables (:func:`settings_markdown`).
 
 Every validation error is a :class:`ConfigError` (a ``ValueError``) whose message names the key
 path (``secondary_tiers[1].lookup.quarantine_s``), the bad value and what was expected; unknown

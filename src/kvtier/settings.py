@@ -9,6 +9,11 @@ source of truth: constructors, the config loader, URL query options, ``KVTIER_*`
 variables, the vLLM tier's keyword arguments and the README's settings tables are all derived
 from it, so a setting and its validation exist exactly once.
 
+A component's settings reach it as one typed, frozen record: a dataclass whose fields are
+declared with :func:`setting_field` (the record is the declaration; :func:`record_table` derives
+the table, :func:`parse_record` builds a record from a mapping, and the record's
+``__post_init__`` calls :func:`check_record`, so no record holds an unchecked value).
+
 Values arrive as Python objects (dict / YAML / keyword arguments) or as strings (URL query
 strings, environment variables); :meth:`Setting.parse` accepts both. A bad value raises
 :class:`ConfigError` naming the key path, the value (``'***'`` for secrets) and what was expected.

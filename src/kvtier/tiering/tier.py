@@ -4,9 +4,10 @@ Thread ownership:
 
 - **Scheduler thread** (the thread that owns the :class:`~kvtier.tiering.TieringManager`) owns
   the job table (``_outstanding``), the outstanding-store accounting (``_store_bytes``,
-  ``_store_jobs``), the recent load failures (``_load_failures``), the counters (``_counters``),
-  the lifecycle (``_state``) and everything in the lookup manager. It submits jobs, and
-  collects finished ones with :meth:`get_finished_jobs`.
+  ``_store_jobs``), the recent load failures (``_load_failures``), the counters (``_counters``,
+  which :meth:`SecondaryTier.stats` copies into a frozen ``TierStats``), the lifecycle
+  (``_state``) and everything in the lookup manager. It submits jobs, and collects finished
+  ones with :meth:`get_finished_jobs`.
 - **I/O threads** (``io_threads`` per tier, a ``ThreadPoolExecutor``) run one part of a
   :class:`TransferJob` at a time (a store is one part; a load is split into parts so that its
   reads run in parallel), taken from the ready queues (``_ready_loads`` before
@@ -16,32 +17,12 @@ Thread ownership:
   thread that finishes the last part fills in ``results``, ``error`` and ``seconds`` and posts
   the job to ``_finished`` (a ``queue.SimpleQueue``). After posting no I/O thread touches the
   job again; before posting the scheduler never reads those fields.
-- **Probe worker** (inside the lookup manager) calls ``backend.probe``.
-- The backend is thread-safe by contract. The counters are the scheduler thread's and are
-  published by the manager (:mod:`kvtier.ops.metrics`); only probe durations are observed on the
-  probe worker (thread-safe).
+- **Probe worker** (inside the lookup manager) calls ``backend.probe`` and observes its
+  duration (``metrics``: thread-safe).
+- The backend is thread-safe by contract. The settings (``_settings``, a frozen
+  :class:`~kvtier.tiering.tier_settings.TierSettings`) are read by every thread.
 
-A load job reads straight into caller-provided ``memoryview``s (primary slots that the caller
-keeps out of reach of eviction while the job runs) and the backend verifies the frame there
-(namespace, key, length, checksum): one pass over the bytes, no scratch copy. On failure the
-buffers' contents are unspecified; the caller must not publish them. A load past its deadline is
-failed at once for its keys and marked ``abandoned``: its stuck backend call may still write the
-buffers, so the caller keeps them out of use until :meth:`SecondaryTier.take_released_loads`
-returns the job (its I/O ended; I/O threads post it to ``_released``, a ``queue.SimpleQueue``).
-A store job reads caller-provided buffers that must stay unchanged until the job is collected.
-
-Backpressure: a tier accepts at most ``max_pending_store_jobs`` outstanding store jobs and
-``max_pending_store_bytes`` of outstanding store payload (one job is always accepted when none
-is outstanding). :meth:`submit_store` sheds (returns None, counts) what does not fit, so a slow
-or dead tier never stalls the engine. Loads are never shed, and they go first: an idle I/O
-thread takes the oldest waiting load before any waiting store, so a promotion a request waits
-for never queues behind a backlog of cascades.
-
-A load of more than ``_MIN_LOAD_PART_KEYS`` keys is split into up to ``io_threads`` parts that
-run side by side (with ``max_keys_per_call``, parts of at most that many keys); a store runs its
-keys in consecutive calls of at most ``max_keys_per_call`` (one I/O thread, in order). A call
-that raises or answers short fails its keys and the rest of its part; keys moved by other calls
-stay moved.
+Transfers, deadlines and backpressure: see :class:`SecondaryTier`.
 """
 
 from __future__ import annotations
@@ -221,7 +202,30 @@ class _Part:
 
 
 class SecondaryTier:
-    """A backend + its :class:`AsyncLookupManager` + transfer jobs on I/O threads."""
+    """A backend + its :class:`AsyncLookupManager` + transfer jobs on I/O threads.
+
+    A load job reads straight into caller-provided ``memoryview``s (primary slots that the caller
+    keeps out of reach of eviction while the job runs) and the backend verifies the frame there
+    (namespace, key, length, checksum): one pass over the bytes, no scratch copy. On failure the
+    buffers' contents are unspecified; the caller must not publish them. A load past its deadline is
+    failed at once for its keys and marked ``abandoned``: its stuck backend call may still write the
+    buffers, so the caller keeps them out of use until :meth:`SecondaryTier.take_released_loads`
+    returns the job (its I/O ended; I/O threads post it to ``_released``, a ``queue.SimpleQueue``).
+    A store job reads caller-provided buffers that must stay unchanged until the job is collected.
+
+    Backpressure: a tier accepts at most ``max_pending_store_jobs`` outstanding store jobs and
+    ``max_pending_store_bytes`` of outstanding store payload (one job is always accepted when none
+    is outstanding). :meth:`submit_store` sheds (returns None, counts) what does not fit, so a slow
+    or dead tier never stalls the engine. Loads are never shed, and they go first: an idle I/O
+    thread takes the oldest waiting load before any waiting store, so a promotion a request waits
+    for never queues behind a backlog of cascades.
+
+    A load of more than ``_MIN_LOAD_PART_KEYS`` keys is split into up to ``io_threads`` parts that
+    run side by side (with ``max_keys_per_call``, parts of at most that many keys); a store runs its
+    keys in consecutive calls of at most ``max_keys_per_call`` (one I/O thread, in order). A call
+    that raises or answers short fails its keys and the rest of its part; keys moved by other calls
+    stay moved.
+    """
 
     def __init__(
         self,
