@@ -322,16 +322,15 @@ def _signature_defaults(function: Any) -> dict[str, Any]:
 def test_constructor_defaults_come_from_the_tables() -> None:
     from kvtier.lookup.manager import AsyncLookupManager
     from kvtier.tiering.tier import SecondaryTier
+    from kvtier.tiering.tier_settings import TIER_IO_SETTINGS, TierSettings
 
-    tier_defaults = _signature_defaults(SecondaryTier.__init__)
-    tier_fields = {item.name: item.default for item in dataclasses.fields(TierConfig)}
+    assert "settings" in _signature_defaults(SecondaryTier.__init__)  # one record, not kwargs
+    record_fields = {item.name: item.default for item in dataclasses.fields(TierSettings)}
+    assert tuple(record_fields) == TIER_IO_SETTINGS.names
     for setting in TIER_SETTINGS:
-        if setting.name in tier_defaults:
-            assert tier_defaults[setting.name] == setting.default, setting.name
-        if setting.name in tier_fields and setting.name not in ("url", "name"):
-            assert tier_fields[setting.name] == setting.default, setting.name
-    assert {"io_threads", "max_pending_store_bytes", "max_pending_store_jobs"} <= set(
-        tier_defaults)
+        if setting.name not in ("url", "name"):
+            assert record_fields[setting.name] == setting.default, setting.name
+            assert TIER_IO_SETTINGS[setting.name] is setting, setting.name
     config_fields = {item.name: item.default for item in dataclasses.fields(KvtierConfig)}
     for setting in CONFIG_SETTINGS:
         if setting.required:
@@ -374,3 +373,30 @@ def test_a_table_parses_strings_and_objects_alike() -> None:
         table.parse({"sise": 1}, "x")
     with pytest.raises(ConfigError, match=r"KVTIER_DEMO_SIZE \(size\): '2KB' is ambiguous"):
         table.parse_env({"KVTIER_DEMO_SIZE": "2KB"})
+
+
+def test_tier_settings_record_is_generated_from_one_declaration() -> None:
+    from kvtier.settings import ConfigError as SettingsError
+    from kvtier.tiering.tier_settings import TIER_IO_SETTINGS, TierSettings
+
+    record = TierSettings.parse({"max_pending_store_bytes": "8MiB", "io_threads": "2"}, "t")
+    assert (record.io_threads, record.max_pending_store_bytes) == (2, 8 << 20)
+    assert TierSettings(max_pending_store_bytes="1KiB").max_pending_store_bytes == 1024
+    with pytest.raises(SettingsError, match=r"tier\.io_threads: expected an integer >= 1"):
+        TierSettings(io_threads=0)
+    with pytest.raises(SettingsError, match="unknown secondary tier I/O setting"):
+        TierSettings.parse({"io_thread": 1})
+    assert TIER_IO_SETTINGS["io_threads"].env == "KVTIER_IO_THREADS"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.io_threads = 3  # type: ignore[misc]
+
+
+def test_tier_config_holds_one_record_and_reads_through_it() -> None:
+    cfg = load_config({"block_bytes": 1024, "primary_bytes": 4096, "namespace": {"model": "m"},
+                       "secondary_tiers": [{"url": "redis://u:hunter2@h:1/0",
+                                            "io_threads": 3}]})
+    tier = cfg.secondary_tiers[0]
+    assert isinstance(tier, TierConfig)
+    assert tier.settings.io_threads == tier.io_threads == 3
+    assert "hunter2" not in repr(tier)
+    assert load_config(cfg.to_dict()) == cfg

@@ -22,6 +22,7 @@ from kvtier.keys import Namespace, RequestContext, chain_keys
 from kvtier.tiering.io_pool import DEFAULT_LOAD_TIMEOUT_S, SHUTDOWN_EXTRA_PER_TIER_S, IoThreadPool
 from kvtier.tiering.manager import LookupResult, open_manager
 from kvtier.tiering.tier import SecondaryTier
+from kvtier.tiering.tier_settings import TierSettings
 
 BLOCK = 4096
 
@@ -49,7 +50,7 @@ def test_a_load_past_its_deadline_fails_and_its_buffer_is_released_when_the_call
     backend = _HeldBackend()
     key = b"k" * 16
     assert backend.put_many([key], [b"\x07" * BLOCK]) == [True]
-    tier = SecondaryTier("held", backend, load_timeout_s=0.05)  # type: ignore[arg-type]
+    tier = SecondaryTier("held", backend, TierSettings(load_timeout_s=0.05))  # type: ignore[arg-type]
     slot = bytearray(BLOCK)
     job = tier.submit_load([key], [memoryview(slot)])
     assert backend.entered.wait(30)
@@ -193,6 +194,8 @@ def test_a_hung_load_times_out_and_the_process_still_exits(tmp_path: Path) -> No
 
 def test_tier_rejects_a_bad_load_timeout() -> None:
     backend = open_backend("memory://", Namespace(model="m"))
+    with pytest.raises(ValueError, match="load_timeout_s: expected a finite number > 0"):
+        TierSettings(load_timeout_s=0)
     with pytest.raises(ValueError, match="load_timeout_s: expected a finite number > 0"):
         SecondaryTier("t", backend, load_timeout_s=0)
     backend.close()

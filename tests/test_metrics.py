@@ -240,3 +240,22 @@ def test_readme_metric_table_is_the_generated_one() -> None:
         "<!-- metrics:end -->", 1)[0]
     assert block == metrics_markdown(), (
         "README metric table is stale: run .venv/bin/python scripts/update-readme-tables.py")
+
+
+def test_every_tier_metric_names_a_field_of_the_typed_snapshot() -> None:
+    from kvtier.lookup.manager import LookupStats
+    from kvtier.ops.metrics import VOCABULARY, tier_samples
+    from kvtier.tiering.tier_stats import TierCounters, TierStats
+
+    full = {"errors": 1, "corrupt_objects": 2, "blocks": 3, "used_bytes": 4, "max_bytes": 5}
+    stats = TierStats(LookupStats(lookups=7), TierCounters(lookup_answers=2, lookup_hits=1),
+                      backend=full)
+    samples = tier_samples(stats, "1:t", 16)
+    named = {spec.name for spec in VOCABULARY if spec.tier}
+    assert set(samples) == named  # each declared path resolves to a value
+    assert samples["lookups"] == {("1:t",): 7.0}
+    assert samples["lookup_tokens"] == {("1:t",): 32.0}
+    assert samples["breaker_state"] == {("1:t",): 0.0}
+    assert samples["capacity_bytes"] == {("1:t",): 5.0}
+    bare = tier_samples(TierStats(LookupStats(), TierCounters()), "1:t", 16)
+    assert not {"backend_errors", "resident_blocks", "capacity_bytes"} & set(bare)

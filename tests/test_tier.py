@@ -14,6 +14,7 @@ from kvtier.backends.base import Backend
 from kvtier.keys import BlockKey, Namespace, RequestContext
 from kvtier.ops.metrics import KvtierMetrics
 from kvtier.tiering.tier import JobKind, SecondaryTier, TierClosedError
+from kvtier.tiering.tier_settings import TierSettings
 
 BLOCK = 256
 
@@ -77,7 +78,7 @@ def test_store_then_lookup_knows_at_once_without_a_probe(tier: SecondaryTier) ->
     assert job.results == (True, True)
     ctx = RequestContext("r")
     assert tier.lookup(k(1), ctx) is True
-    assert tier.lookup_stats.backend_calls == 0
+    assert tier.stats().lookup.backend_calls == 0
     tier.cleanup("r")
     assert tier.lookup_manager.tracked_keys == 0
 
@@ -94,7 +95,7 @@ def test_load_writes_exact_bytes_and_failed_keys_are_quarantined(tier: Secondary
     assert bytes(outs[1]) == bytes(BLOCK)  # untouched
     ctx = RequestContext("r")
     assert tier.lookup(k(2), ctx) is False  # quarantined: answered without a probe
-    assert tier.lookup_stats.quarantine_hits == 1
+    assert tier.stats().lookup.quarantine_hits == 1
     stats = tier.stats()
     assert stats["load_keys_failed"] == 1
     assert stats["backend_gets"] >= 1
@@ -114,7 +115,7 @@ def test_lookup_probes_the_backend_once_per_step(tier: SecondaryTier) -> None:
         fresh.lookup_manager.drain_results()
         assert fresh.lookup(k(5), ctxs[0]) is True
         assert fresh.lookup(k(6), ctxs[0]) is False
-        assert fresh.lookup_stats.backend_calls == 1
+        assert fresh.stats().lookup.backend_calls == 1
     finally:
         fresh.lookup_manager.shutdown()
 
@@ -122,8 +123,9 @@ def test_lookup_probes_the_backend_once_per_step(tier: SecondaryTier) -> None:
 def test_backpressure_sheds_stores_while_the_backend_is_held(namespace: Namespace) -> None:
     gate = Gate(open_backend("memory://", namespace))
     metrics = KvtierMetrics()
-    tier = SecondaryTier("held", gate, io_threads=1, max_pending_store_bytes=2 * BLOCK,
-                         max_pending_store_jobs=8, metrics=metrics)
+    tier = SecondaryTier("held", gate, TierSettings(
+        io_threads=1, max_pending_store_bytes=2 * BLOCK, max_pending_store_jobs=8),
+        metrics=metrics)
     try:
         gate.release.clear()
         first = tier.submit_store([k(1)], [payload(1)])
@@ -131,7 +133,7 @@ def test_backpressure_sheds_stores_while_the_backend_is_held(namespace: Namespac
         assert gate.entered.acquire(timeout=10)  # the I/O thread is inside put_many
         second = tier.submit_store([k(2)], [payload(2)])
         assert second is not None
-        assert tier.outstanding_store_bytes == 2 * BLOCK
+        assert tier.stats().outstanding_store_bytes == 2 * BLOCK
         shed = tier.submit_store([k(3)], [payload(3)])
         assert shed is None
         assert tier.stats()["store_keys_shed"] == 1
@@ -140,7 +142,7 @@ def test_backpressure_sheds_stores_while_the_backend_is_held(namespace: Namespac
         gate.release.set()
         done = tier.get_finished_jobs(wait=True, timeout=10)
         assert {job.job_id for job in done} == {first.job_id, second.job_id, load.job_id}
-        assert tier.outstanding_store_bytes == 0 and tier.outstanding_jobs == 0
+        assert tier.stats().outstanding_store_bytes == 0 and tier.outstanding_jobs == 0
         assert tier.can_accept_store(2 * BLOCK)
     finally:
         gate.release.set()
@@ -167,7 +169,7 @@ def test_a_waiting_load_runs_before_waiting_stores(namespace: Namespace) -> None
     """A promotion never queues behind a backlog of cascades on the tier's I/O threads."""
     gate = OrderedGate(open_backend("memory://", namespace))
     gate.inner.put_many([k(9)], [payload(9)])
-    tier = SecondaryTier("prio", gate, io_threads=1)
+    tier = SecondaryTier("prio", gate, TierSettings(io_threads=1))
     try:
         gate.release.clear()
         assert tier.submit_store([k(1)], [payload(1)]) is not None
@@ -190,8 +192,8 @@ def test_a_waiting_load_runs_before_waiting_stores(namespace: Namespace) -> None
 def test_job_count_limit_and_one_oversized_job_is_accepted_when_idle(
         namespace: Namespace) -> None:
     gate = Gate(open_backend("memory://", namespace))
-    tier = SecondaryTier("jobs", gate, io_threads=1, max_pending_store_bytes=BLOCK // 2,
-                         max_pending_store_jobs=1)
+    tier = SecondaryTier("jobs", gate, TierSettings(
+        io_threads=1, max_pending_store_bytes=BLOCK // 2, max_pending_store_jobs=1))
     try:
         gate.release.clear()
         big = tier.submit_store([k(1), k(2)], [payload(1), payload(2)])
@@ -239,7 +241,7 @@ class CountingGate(Gate):
 def test_max_keys_per_call_splits_jobs_and_keeps_keys_moved_by_other_calls(
         namespace: Namespace) -> None:
     gate = CountingGate(open_backend("memory://", namespace))
-    tier = SecondaryTier("split", gate, max_keys_per_call=2, io_threads=1)
+    tier = SecondaryTier("split", gate, TierSettings(io_threads=1), max_keys_per_call=2)
     try:
         stored = tier.submit_store([k(i) for i in range(5)], [payload(i) for i in range(5)])
         tier.get_finished_jobs(wait=True, timeout=10)
@@ -280,7 +282,7 @@ class BarrierGate(Gate):
 
 def test_a_load_reads_its_parts_in_parallel_on_the_io_threads(namespace: Namespace) -> None:
     gate = BarrierGate(open_backend("memory://", namespace), parties=4)
-    tier = SecondaryTier("parallel", gate, io_threads=4)  # type: ignore[arg-type]
+    tier = SecondaryTier("parallel", gate, TierSettings(io_threads=4))  # type: ignore[arg-type]
     try:
         keys = [k(i) for i in range(32)]
         assert gate.inner.put_many(keys, [payload(i) for i in range(32)]) == [True] * 32
@@ -305,7 +307,7 @@ def test_remove_deletes_and_updates_the_verdict(tier: SecondaryTier) -> None:
 def test_bad_arguments(namespace: Namespace) -> None:
     backend = open_backend("memory://", namespace)
     with pytest.raises(ValueError, match="io_threads: expected an integer >= 1, got 0"):
-        SecondaryTier("x", backend, io_threads=0)
+        SecondaryTier("x", backend, io_threads=0)  # the keyword spelling: open_manager's
     with pytest.raises(ValueError, match="tier name"):
         SecondaryTier("", backend)
     tier = SecondaryTier("x", backend)
@@ -317,7 +319,8 @@ def test_bad_arguments(namespace: Namespace) -> None:
 
 
 def test_shutdown_is_idempotent_and_ends_every_thread(namespace: Namespace) -> None:
-    tier = SecondaryTier("bye", open_backend("memory://", namespace), io_threads=3)
+    tier = SecondaryTier("bye", open_backend("memory://", namespace),
+                         TierSettings(io_threads=3))
     tier.submit_store([k(1)], [payload(1)])
     tier.lookup(k(2), RequestContext("r"))
     tier.flush()
@@ -388,7 +391,7 @@ def test_a_failed_existence_check_counts_as_a_probe_error_and_feeds_the_breaker(
         assert tier.lookup_manager._wait_for_results(10)
         tier.lookup_manager.drain_results()
         assert tier.lookup(k(1), ctx) is False
-        stats = tier.lookup_stats
+        stats = tier.stats().lookup
         assert stats.probe_errors == 1
         assert stats.breaker_state.value == "open"
     finally:
@@ -415,7 +418,7 @@ def test_a_store_of_a_key_whose_load_failed_does_not_lift_its_quarantine(
         assert store.results == (True,)  # put-if-absent: the old object is still there
         ctx = RequestContext("r")
         assert tier.lookup(k(1), ctx) is False  # still quarantined: no doomed promotion
-        assert tier.lookup_stats.quarantine_hits == 1
+        assert tier.stats().lookup.quarantine_hits == 1
         assert tier.stats()["store_keys_read_back"] == 1  # the read-back failed too
         assert tier.stats()["quarantines_lifted"] == 0
         tier.cleanup("r")
@@ -423,7 +426,7 @@ def test_a_store_of_a_key_whose_load_failed_does_not_lift_its_quarantine(
         assert tier.submit_store([other], [payload(2)]) is not None
         tier.get_finished_jobs(wait=True, timeout=10)
         assert tier.lookup(other, ctx) is True
-        assert tier.lookup_stats.backend_calls == 0
+        assert tier.stats().lookup.backend_calls == 0
     finally:
         tier.shutdown(10)
 
@@ -459,3 +462,54 @@ def test_a_verified_re_store_lifts_the_quarantine(tmp_path: Any, namespace: Name
         assert load.results == (True,) and bytes(out) == payload(1)
     finally:
         tier.shutdown(10)
+
+
+def test_recent_load_failures_expire_oldest_first_and_stay_bounded() -> None:
+    from kvtier.tiering.tier import RecentLoadFailures
+
+    now = [0.0]
+    failures = RecentLoadFailures(10.0, clock=lambda: now[0], max_keys=2)
+    failures.add([k(1)])
+    now[0] = 5.0
+    failures.add([k(2), k(3)])  # bounded: k(1), the oldest, is dropped
+    assert len(failures) == 2 and not failures.contains(k(1))
+    assert failures.without([k(1), k(2), k(4)]) == [k(1), k(4)]
+    now[0] = 15.0  # k(2) and k(3) (until 15.0) expire
+    assert failures.without([k(2), k(3)]) == [k(2), k(3)] and len(failures) == 0
+    failures.add([k(5)])
+    failures.discard([k(5), k(6)])
+    assert not failures.contains(k(5))
+    RecentLoadFailures(0.0).add([k(7)])  # a zero hold keeps nothing
+
+
+def test_tier_stats_is_a_typed_snapshot_with_a_flat_view() -> None:
+    from kvtier.lookup.manager import LookupStats
+    from kvtier.tiering.tier_stats import TierCounters, TierStats
+
+    counters = TierCounters(loaded_keys=3)
+    stats = TierStats(LookupStats(backend_calls=2), counters, outstanding_jobs=1,
+                      backend={"errors": 4})
+    assert stats.value("counters.loaded_keys") == 3
+    assert stats.value("lookup.backend_calls") == 2 and stats.value("outstanding_jobs") == 1
+    assert stats.value("backend.errors") == 4 and stats.value("backend.blocks") is None
+    assert stats["backend_errors"] == 4 and stats["backend_calls"] == 2
+    assert TierStats(LookupStats(), TierCounters()).value("backend.errors") is None
+
+
+def test_tier_stats_snapshots_do_not_move(tier: SecondaryTier) -> None:
+    before = tier.stats()
+    tier.submit_store([k(1)], [payload(1)])
+    tier.get_finished_jobs(wait=True, timeout=10)
+    assert before.counters.stored_keys == 0 and tier.stats().counters.stored_keys == 1
+    assert tier.stats().backend is not None
+
+
+def test_tier_takes_one_settings_record() -> None:
+    backend = open_backend("memory://", Namespace(model="m"))
+    tier = SecondaryTier("rec", backend, TierSettings(io_threads=1, max_pending_store_jobs=1))
+    try:
+        assert tier.can_accept_store(BLOCK)
+    finally:
+        tier.shutdown()
+    with pytest.raises(TypeError, match="not both"):
+        SecondaryTier("both", backend, TierSettings(), io_threads=2)

@@ -3,12 +3,16 @@
 This module owns no mutable state: configs are frozen dataclasses and the settings tables are
 frozen, safe to share between threads.
 
-Every setting is declared once, in one :class:`~kvtier.settings.SettingsTable` per component:
-:data:`CONFIG_SETTINGS` (top level), :data:`NAMESPACE_SETTINGS`, :data:`TIER_SETTINGS` (one
-secondary tier), :data:`LOOKUP_SETTINGS` (a tier's lookup manager) and :data:`VLLM_TIER_SETTINGS`
-(the vLLM ``KvtierTier``, which reuses the shared settings' declarations). The tables give the
-constructors their defaults, validate dict / YAML / environment values, name the ``KVTIER_*``
-variables, and generate the README's settings tables (:func:`settings_markdown`).
+Every setting is declared once, in one :class:`~kvtier.settings.SettingsTable` beside the
+component that takes it: :data:`CONFIG_SETTINGS` (top level, here),
+:data:`~kvtier.namespace_settings.NAMESPACE_SETTINGS`, :data:`~kvtier.tiering.tier_settings.
+TIER_SETTINGS` (one secondary tier; its I/O settings are the typed record
+:class:`~kvtier.tiering.tier_settings.TierSettings`), :data:`~kvtier.lookup.manager.
+LOOKUP_SETTINGS` (a tier's lookup manager) and :data:`~kvtier.integrations.vllm._settings.
+VLLM_TIER_SETTINGS` (the vLLM ``KvtierTier``). This module is the top-floor loader: it imports
+those tables (and re-exports them), nothing below it imports this module. It validates dict /
+YAML / environment values into typed records, names the ``KVTIER_*`` variables, and generates
+the README's settings tables (:func:`settings_markdown`).
 
 Every validation error is a :class:`ConfigError` (a ``ValueError``) whose message names the key
 path (``secondary_tiers[1].lookup.quarantine_s``), the bad value and what was expected; unknown
@@ -54,7 +58,7 @@ import logging
 import os
 import re
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -62,8 +66,10 @@ import yaml
 
 import kvtier.backends as _backends
 from kvtier.backends import SCHEMES
+from kvtier.integrations.vllm._settings import VLLM_TIER_SETTINGS
 from kvtier.keys import Namespace
 from kvtier.lookup.manager import LOOKUP_SETTINGS
+from kvtier.namespace_settings import NAMESPACE_SETTINGS
 from kvtier.policies import PolicyName
 from kvtier.primary import PrimaryBacking
 from kvtier.settings import (
@@ -72,9 +78,11 @@ from kvtier.settings import (
     Kind,
     Setting,
     SettingsTable,
+    env_layer,
+    mapping_of,
     parse_size,
 )
-from kvtier.tiering.io_pool import DEFAULT_LOAD_TIMEOUT_S
+from kvtier.tiering.tier_settings import TIER_SETTINGS, LookupConfig, TierSettings
 
 __all__ = [
     "CONFIG_SETTINGS",
@@ -88,6 +96,7 @@ __all__ = [
     "LookupConfig",
     "MetricsRegistry",
     "TierConfig",
+    "TierSettings",
     "WritePolicy",
     "all_tables",
     "backend_table",
@@ -147,60 +156,6 @@ CONFIG_SETTINGS = SettingsTable("config", [
             minimum=0, env="KVTIER_MAX_EVENTS"),
 ])
 
-NAMESPACE_SETTINGS = SettingsTable("namespace", [
-    Setting("model", Kind.STR, "", "model name (required in a config; under vLLM: vLLM's)",
-            env="KVTIER_NAMESPACE_MODEL"),
-    Setting("revision", Kind.STR, "", "model revision", env="KVTIER_NAMESPACE_REVISION"),
-    Setting("dtype", Kind.STR, "", "KV cache dtype", env="KVTIER_NAMESPACE_DTYPE"),
-    Setting("kv_layout", Kind.STR, "", "KV cache layout", env="KVTIER_NAMESPACE_KV_LAYOUT"),
-    Setting("block_size", Kind.INT, 0, "tokens per block (0: unknown)", minimum=0,
-            unit="tokens", env="KVTIER_NAMESPACE_BLOCK_SIZE"),
-    Setting("world_size", Kind.INT, 1, "ranks sharing the model", minimum=1,
-            env="KVTIER_NAMESPACE_WORLD_SIZE"),
-    Setting("rank", Kind.INT, 0, "this process's rank (< world_size)", minimum=0,
-            env="KVTIER_NAMESPACE_RANK"),
-    Setting("tenant", Kind.STR, "", "tenant: tenants never read each other's blocks",
-            env="KVTIER_NAMESPACE_TENANT"),
-])
-
-TIER_SETTINGS = SettingsTable("secondary tier", [
-    Setting("url", Kind.STR, None, "backend URL: memory://, file:///abs/dir, redis://host:port/db,"
-            " redis+cluster://host:port, s3://bucket/prefix", required=True),
-    Setting("name", Kind.STR, None,
-            "tier name (metrics, stats); default: the scheme, made unique", nullable=True),
-    Setting("io_threads", Kind.INT, 4, "threads moving this tier's bytes", minimum=1,
-            env="KVTIER_IO_THREADS"),
-    Setting("max_pending_store_bytes", Kind.SIZE, 256 * 1024**2,
-            "backpressure: store payload in flight beyond this is shed (counted)", minimum=0,
-            env="KVTIER_MAX_PENDING_STORE_BYTES"),
-    Setting("max_pending_store_jobs", Kind.INT, 1024,
-            "backpressure: store jobs in flight beyond this are shed (counted)", minimum=1,
-            env="KVTIER_MAX_PENDING_STORE_JOBS"),
-    Setting("load_timeout_s", Kind.FLOAT, DEFAULT_LOAD_TIMEOUT_S,
-            "a load job not finished this long after it was submitted fails for its keys (they "
-            "are marked missing and the request recomputes them); its slots stay out of use "
-            "until the stuck backend call returns, so it never writes a slot that holds another "
-            "block (under vLLM, which reuses chunks at once, the job is reported then)",
-            minimum=0, strict_min=True, unit="seconds", env="KVTIER_LOAD_TIMEOUT_S"),
-])
-
-VLLM_TIER_SETTINGS = SettingsTable("vLLM KvtierTier", [
-    TIER_SETTINGS["url"],
-    TIER_SETTINGS["io_threads"],
-    TIER_SETTINGS["load_timeout_s"],
-    Setting("max_blocks_per_call", Kind.INT, 32, "keys per backend get/put call", minimum=1,
-            env="KVTIER_MAX_BLOCKS_PER_CALL"),
-    Setting("locality", Kind.CHOICE, None, "what vLLM is told; default: REMOTE for network "
-            "backends, LOCAL for memory:// and file://", choices=("local", "remote"),
-            nullable=True, env="KVTIER_LOCALITY"),
-    Setting("enable_kv_events", Kind.BOOL, False,
-            "emit KV events for stored blocks (needs vLLM's --kv-events-config)",
-            env="KVTIER_ENABLE_KV_EVENTS"),
-    NAMESPACE_SETTINGS["model"],
-    NAMESPACE_SETTINGS["revision"],
-    NAMESPACE_SETTINGS["tenant"],
-])
-
 OTHER_ENV_VARIABLES: Mapping[str, str] = MappingProxyType({
     "KVTIER_CONFIG": "a YAML config file read first by load_config() / from_env()",
     "KVTIER_SECONDARY_TIERS": "the secondary tiers: a JSON list, or comma-separated URLs",
@@ -251,17 +206,6 @@ def warn_unknown_env(environ: Mapping[str, str]) -> list[str]:
     return unknown
 
 
-def env_layer(table: SettingsTable, explicit: Mapping[str, Any], path: str = "",
-              environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``explicit`` (raw; parse the result) over the values ``environ`` sets for ``table``
-    (parsed here, so an error names the variable): the ``KVTIER_*`` variables are defaults, an
-    explicit value always wins."""
-    env = os.environ if environ is None else environ
-    layered: dict[str, Any] = table.parse_env(env, path)
-    layered.update(explicit)
-    return layered
-
-
 def settings_markdown() -> str:
     """The README's settings section body: one Markdown table per component."""
     parts: list[str] = []
@@ -280,51 +224,22 @@ _TIER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SIZE_OPTIONS = frozenset({"max_bytes"})  # backend options that are sizes (no backend table)
 
 
-def _mapping(value: object, path: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
-    for key in value:
-        if not isinstance(key, str):
-            raise ConfigError(f"{path}: keys must be strings, got {key!r}")
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class LookupConfig:
-    """Per-tier settings of the tier's AsyncLookupManager (:data:`LOOKUP_SETTINGS`); a setting
-    that is not set takes the lookup manager's default."""
-
-    values: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-
-    def __getattr__(self, name: str) -> Any:
-        if name in LOOKUP_SETTINGS:
-            return self.values.get(name)
-        raise AttributeError(name)
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """The settings that are set, as keyword arguments for AsyncLookupManager."""
-        return {name: value for name, value in self.values.items() if value is not None}
-
-    @classmethod
-    def from_dict(cls, values: object, path: str) -> LookupConfig:
-        if values is None:
-            return cls()
-        parsed = LOOKUP_SETTINGS.parse(_mapping(values, path), path, fill_defaults=False)
-        return cls(MappingProxyType(parsed))
-
-
 @dataclass(frozen=True, slots=True)
 class TierConfig:
-    """One secondary tier: a backend URL, its options, lookup settings and I/O limits."""
+    """One secondary tier: a backend URL, its options, lookup settings and I/O settings.
+
+    ``tier.io_threads`` (any :class:`TierSettings` field) reads ``tier.settings``."""
 
     url: str
     name: str
     lookup: LookupConfig = field(default_factory=LookupConfig)
-    io_threads: int = TIER_SETTINGS.default("io_threads")
-    max_pending_store_bytes: int = TIER_SETTINGS.default("max_pending_store_bytes")
-    max_pending_store_jobs: int = TIER_SETTINGS.default("max_pending_store_jobs")
+    settings: TierSettings = field(default_factory=TierSettings)
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    load_timeout_s: float = TIER_SETTINGS.default("load_timeout_s")
+
+    def __getattr__(self, name: str) -> Any:
+        if name in TIER_IO_NAMES:
+            return getattr(self.settings, name)
+        raise AttributeError(name)
 
     @property
     def scheme(self) -> str:
@@ -334,11 +249,11 @@ class TierConfig:
         from kvtier.backends import redact_url, redacted_options
 
         return (f"TierConfig(url={redact_url(self.url)!r}, name={self.name!r}, "
-                f"lookup={self.lookup!r}, io_threads={self.io_threads}, "
-                f"max_pending_store_bytes={self.max_pending_store_bytes}, "
-                f"max_pending_store_jobs={self.max_pending_store_jobs}, "
-                f"load_timeout_s={self.load_timeout_s}, "
+                f"lookup={self.lookup!r}, settings={self.settings!r}, "
                 f"options={redacted_options(self.options)!r})")
+
+
+TIER_IO_NAMES = frozenset(item for item in TIER_SETTINGS.names if item not in ("url", "name"))
 
 
 def _shown_url(url: object) -> object:
@@ -387,7 +302,7 @@ def _tier_from(value: object, path: str, defaults: Mapping[str, Any],
 
     ``defaults`` / ``lookup_defaults``: raw values (from the environment) under the entry's own.
     """
-    entry = {"url": value} if isinstance(value, str) else dict(_mapping(value, path))
+    entry = {"url": value} if isinstance(value, str) else dict(mapping_of(value, path))
     if entry.get("url") is None:
         raise ConfigError(f"{path}.url: missing; every secondary tier needs a backend URL")
     url = _check_url(entry["url"], f"{path}.url")
@@ -400,16 +315,14 @@ def _tier_from(value: object, path: str, defaults: Mapping[str, Any],
             f"digit, not 'primary', got {name!r}"
         )
     lookup = entry.get("lookup")
-    lookup_values = {**lookup_defaults, **(_mapping(lookup, f"{path}.lookup") if lookup else {})}
+    lookup_values = {**lookup_defaults,
+                     **(mapping_of(lookup, f"{path}.lookup") if lookup else {})}
     backend_values = {key: option for key, option in entry.items()
                       if key not in TIER_SETTINGS and key != "lookup"}
     fields_: dict[str, Any] = {
         "url": url,
         "lookup": LookupConfig.from_dict(lookup_values, f"{path}.lookup"),
-        "io_threads": parsed["io_threads"],
-        "max_pending_store_bytes": parsed["max_pending_store_bytes"],
-        "max_pending_store_jobs": parsed["max_pending_store_jobs"],
-        "load_timeout_s": parsed["load_timeout_s"],
+        "settings": TierSettings(**{key: parsed[key] for key in TIER_IO_NAMES}),
         "options": MappingProxyType(_backend_options(url.split("://", 1)[0].lower(),
                                                      backend_values, path)),
     }
@@ -452,7 +365,7 @@ class KvtierConfig:
     @classmethod
     def _from_values(cls, values: Mapping[str, Any], tier_defaults: Mapping[str, Any],
                      lookup_defaults: Mapping[str, Any]) -> KvtierConfig:
-        mapping = _mapping(values, "config")
+        mapping = mapping_of(values, "config")
         unknown = sorted(set(mapping) - _TOP_KEYS)
         if unknown:
             raise ConfigError(f"unknown key(s) {unknown}; expected some of {sorted(_TOP_KEYS)}")
@@ -532,10 +445,7 @@ class KvtierConfig:
             "max_events": self.max_events,
             "namespace": {name: getattr(ns, name) for name in NAMESPACE_SETTINGS.names},
             "secondary_tiers": [
-                {"url": tier.url, "name": tier.name, "io_threads": tier.io_threads,
-                 "max_pending_store_bytes": tier.max_pending_store_bytes,
-                 "max_pending_store_jobs": tier.max_pending_store_jobs,
-                 "load_timeout_s": tier.load_timeout_s,
+                {"url": tier.url, "name": tier.name, **asdict(tier.settings),
                  "lookup": tier.lookup.as_kwargs(), **dict(tier.options)}
                 for tier in self.secondary_tiers
             ],
@@ -579,7 +489,7 @@ def _namespace_from(value: object, env_values: Mapping[str, Any] | None = None) 
         return value
     if isinstance(value, Namespace):
         value = {name: getattr(value, name) for name in NAMESPACE_SETTINGS.names}
-    mapping = {**(env_values or {}), **_mapping(value, "namespace")}
+    mapping = {**(env_values or {}), **mapping_of(value, "namespace")}
     parsed = NAMESPACE_SETTINGS.parse(mapping, "namespace")
     if not parsed["model"]:
         raise ConfigError("namespace.model: missing; expected a non-empty model name")

@@ -9,6 +9,11 @@ source of truth: constructors, the config loader, URL query options, ``KVTIER_*`
 variables, the vLLM tier's keyword arguments and the README's settings tables are all derived
 from it, so a setting and its validation exist exactly once.
 
+A component's settings reach it as one typed, frozen record: a dataclass whose fields are
+declared with :func:`setting_field` (the record is the declaration; :func:`record_table` derives
+the table, :func:`parse_record` builds a record from a mapping, and the record's
+``__post_init__`` calls :func:`check_record`, so no record holds an unchecked value).
+
 Values arrive as Python objects (dict / YAML / keyword arguments) or as strings (URL query
 strings, environment variables); :meth:`Setting.parse` accepts both. A bad value raises
 :class:`ConfigError` naming the key path, the value (``'***'`` for secrets) and what was expected.
@@ -22,10 +27,11 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, TypeVar
 
 from kvtier.errors import KvtierError
 
@@ -36,9 +42,18 @@ __all__ = [
     "Secret",
     "Setting",
     "SettingsTable",
+    "check_record",
+    "env_layer",
     "format_size",
+    "mapping_of",
+    "parse_record",
     "parse_size",
+    "record_table",
+    "setting_field",
 ]
+
+_SETTING_KEY = "kvtier_setting"
+R = TypeVar("R")
 
 
 class ConfigError(KvtierError, ValueError):
@@ -370,3 +385,67 @@ class SettingsTable:
             rows.append(f"| `{setting.name}` | {setting.type_text()} | {setting.default_text()} "
                         f"| {env} | {setting.help} |".replace("  ", " "))
         return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------- records
+
+def setting_field(kind: Kind | Setting, default: Any = None, help: str = "",
+                  **options: Any) -> Any:
+    """A field of a settings record (a frozen dataclass) declared as a setting, named after the
+    field: ``io_threads: int = setting_field(Kind.INT, 4, "threads", minimum=1)``. Pass an
+    existing :class:`Setting` to share its declaration with another table."""
+    if isinstance(kind, Setting):
+        return field(default=kind.default, metadata={_SETTING_KEY: kind})
+    declared = Setting("", kind, default, help, **options)
+    return field(default=default, metadata={_SETTING_KEY: declared})
+
+
+def record_table(component: str, record: type) -> SettingsTable:
+    """The :class:`SettingsTable` of a settings record class (one setting per field, in order).
+
+    The record is the one declaration; the table (env names, docs, validation) is derived."""
+    settings: list[Setting] = []
+    for item in fields(record):
+        declared = item.metadata.get(_SETTING_KEY)
+        if not isinstance(declared, Setting):
+            raise TypeError(f"{record.__name__}.{item.name}: not declared with setting_field()")
+        settings.append(declared if declared.name == item.name
+                        else replace(declared, name=item.name))
+    return SettingsTable(component, settings)
+
+
+def parse_record(record: type[R], table: SettingsTable, values: Mapping[str, Any],
+                 path: str = "") -> R:
+    """The typed record of ``values`` (objects or strings), defaults filled; unknown or bad
+    values raise :class:`ConfigError` naming ``path``."""
+    return record(**table.parse(values, path))
+
+
+def check_record(record: object, table: SettingsTable, path: str = "") -> None:
+    """Validate (and normalise: ``"4GiB"`` -> 4294967296) every field of a frozen settings
+    record in place; a record's ``__post_init__`` calls this, so no record holds a bad value."""
+    prefix = f"{path}." if path else ""
+    for setting in table:
+        value = setting.parse(getattr(record, setting.name), prefix + setting.name)
+        object.__setattr__(record, setting.name, value)
+
+
+def env_layer(table: SettingsTable, explicit: Mapping[str, Any], path: str = "",
+              environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``explicit`` (raw; parse the result) over the values ``environ`` sets for ``table``
+    (parsed here, so an error names the variable): the ``KVTIER_*`` variables are defaults, an
+    explicit value always wins."""
+    env = os.environ if environ is None else environ
+    layered: dict[str, Any] = table.parse_env(env, path)
+    layered.update(explicit)
+    return layered
+
+
+def mapping_of(value: object, path: str) -> Mapping[str, Any]:
+    """``value`` if it is a mapping with string keys, else :class:`ConfigError` naming ``path``."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
+    for key in value:
+        if not isinstance(key, str):
+            raise ConfigError(f"{path}: keys must be strings, got {key!r}")
+    return value

@@ -576,7 +576,7 @@ def test_auth_key_under_vllm_never_serves_a_foreign_writers_frames(tmp_path: Pat
     assert len(_stored_files(tmp_path)) == 2
     with engine(_file_url(tmp_path), auth_key=owner_key, load_timeout_s=5,
                 lookup={"verdict_ttl_s": 0}) as owner:
-        assert owner.tier._tier._load_timeout_s == 5.0  # the vLLM option reaches the tier
+        assert owner.tier._tier._settings.load_timeout_s == 5.0  # the vLLM option reaches the tier
         context = owner.new_request()
         assert owner.lookup_until_final(keys, context) == [LookupResult.MISS] * 2
         stats = owner.tier.stats_snapshot()

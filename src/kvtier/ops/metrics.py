@@ -11,8 +11,10 @@ the name is the tier type (``tier="1:KvtierTier"``), the label vLLM's own
 ``vllm:kv_offload_tiering_*`` metrics carry, so the two join on ``tier``.
 
 Counters live in one place per component (the manager's counters, each tier's
-``TierCounters`` and lookup stats, the backend's stats); :func:`manager_samples` and
-:func:`tier_samples` read them into :data:`Samples` (cumulative values, by metric and label
+``TierStats`` snapshot: its counters, lookup stats and backend stats). A tier metric's spec names
+the ``TierStats`` field it reads, so a new metric is one declaration here and one increment
+where it is counted; :func:`manager_samples` and :func:`tier_samples` read them into
+:data:`Samples` (cumulative values, by metric and label
 values). Standalone, the manager hands a fresh snapshot to :meth:`KvtierMetrics.publish` and a
 scrape reads it; under vLLM, whose stats carry increments, :class:`DeltaTracker` turns the same
 snapshots into increments. That is the only delta bookkeeping.
@@ -50,7 +52,9 @@ __all__ = [
     "MetricSpec",
     "ProbeDurations",
     "ProbeMetrics",
+    "Reading",
     "Samples",
+    "TierSnapshot",
     "exposed_names",
     "manager_samples",
     "metrics_markdown",
@@ -79,106 +83,117 @@ class MetricKind(enum.Enum):
     HISTOGRAM = "histogram"
 
 
+class Reading(enum.Enum):
+    """How a tier metric's value is read from the field its spec names."""
+
+    AS_IS = "as_is"              # the number (absent when the tier does not report it)
+    TOKENS = "tokens"            # keys times the namespace's tokens per block
+    BREAKER = "breaker"          # the breaker state as 0 closed, 1 half-open, 2 open
+    POSITIVE = "positive"        # absent unless a positive int (a limit that may be unset)
+
+
 @dataclass(frozen=True, slots=True)
 class MetricSpec:
-    """One metric: ``name`` without prefix and without the ``_total`` counters get."""
+    """One metric: ``name`` without prefix and without the ``_total`` counters get.
+
+    ``tier``: the secondary tier's stats field it reads (a ``TierStats`` path such as
+    ``"counters.loaded_keys"`` or ``"backend.errors"``, see :mod:`kvtier.tiering.tier_stats`);
+    empty for metrics that only the primary pool or the probe histogram has."""
 
     name: str
     kind: MetricKind
     help: str
     labels: tuple[str, ...] = ("tier",)
     standalone_only: bool = False  # about kvtier's own primary pool (vLLM owns it there)
+    tier: str = ""
+    reading: Reading = Reading.AS_IS
 
     def exposed(self, prefix: str = STANDALONE_PREFIX) -> str:
         """The name a scrape shows (counters end in ``_total``)."""
         return prefix + self.name + ("_total" if self.kind is MetricKind.COUNTER else "")
 
 
-def _counter(name: str, help_text: str, *, standalone_only: bool = False) -> MetricSpec:
-    return MetricSpec(name, MetricKind.COUNTER, help_text, standalone_only=standalone_only)
+def _counter(name: str, help_text: str, tier: str = "", *, standalone_only: bool = False,
+             reading: Reading = Reading.AS_IS) -> MetricSpec:
+    return MetricSpec(name, MetricKind.COUNTER, help_text, standalone_only=standalone_only,
+                      tier=tier, reading=reading)
 
 
-def _gauge(name: str, help_text: str) -> MetricSpec:
-    return MetricSpec(name, MetricKind.GAUGE, help_text)
+def _gauge(name: str, help_text: str, tier: str = "",
+           reading: Reading = Reading.AS_IS) -> MetricSpec:
+    return MetricSpec(name, MetricKind.GAUGE, help_text, tier=tier, reading=reading)
 
 
 VOCABULARY: tuple[MetricSpec, ...] = (
     # lookups (tier 0:primary: the manager's answers; other tiers: that tier's answers)
-    _counter("lookups", "Lookup calls, 'ask again' answers included"),
-    _counter("lookup_hits", "Lookups answered present"),
+    _counter("lookups", "Lookup calls, 'ask again' answers included", "lookup.lookups"),
+    _counter("lookup_hits", "Lookups answered present", "counters.lookup_hits"),
     _counter("lookup_tokens", "Tokens of the keys answered present or absent "
-             "(on 0:primary: every answered key; 0 while namespace.block_size is 0)"),
-    _counter("lookup_hit_tokens", "Tokens of the keys answered present"),
-    _counter("lookup_inflight_reuses", "Lookups that joined a probe already in flight"),
-    _counter("lookup_verdict_cache_hits", "Lookups answered from the verdict cache"),
-    _counter("lookup_quarantine_hits", "Lookups answered absent because the key is quarantined"),
-    _counter("probe_calls", "Backend existence-probe calls"),
-    _counter("probe_error_keys", "Keys resolved absent because a probe call failed"),
-    _counter("probe_timeout_keys", "Keys resolved absent because a probe timed out"),
-    _counter("breaker_opens", "Times the tier's circuit breaker opened"),
+             "(on 0:primary: every answered key; 0 while namespace.block_size is 0)",
+             "counters.lookup_answers", reading=Reading.TOKENS),
+    _counter("lookup_hit_tokens", "Tokens of the keys answered present",
+             "counters.lookup_hits", reading=Reading.TOKENS),
+    _counter("lookup_inflight_reuses", "Lookups that joined a probe already in flight",
+             "lookup.inflight_reuses"),
+    _counter("lookup_verdict_cache_hits", "Lookups answered from the verdict cache",
+             "lookup.verdict_cache_hits"),
+    _counter("lookup_quarantine_hits", "Lookups answered absent because the key is quarantined",
+             "lookup.quarantine_hits"),
+    _counter("probe_calls", "Backend existence-probe calls", "lookup.backend_calls"),
+    _counter("probe_error_keys", "Keys resolved absent because a probe call failed",
+             "lookup.probe_errors"),
+    _counter("probe_timeout_keys", "Keys resolved absent because a probe timed out",
+             "lookup.probe_timeouts"),
+    _counter("breaker_opens", "Times the tier's circuit breaker opened", "lookup.breaker_opens"),
     # transfers
-    _counter("load_jobs", "Load (promotion) jobs submitted"),
-    _counter("store_jobs", "Store (cascade) jobs submitted"),
-    _counter("loaded_blocks", "Blocks loaded and verified"),
-    _counter("load_failed_blocks", "Blocks whose load failed, was missing or corrupt"),
-    _counter("stored_blocks", "Blocks stored (on 0:primary: engine stores completed)"),
-    _counter("store_failed_blocks", "Blocks whose store failed"),
-    _counter("store_shed_blocks", "Blocks not stored because the tier was backlogged"),
+    _counter("load_jobs", "Load (promotion) jobs submitted", "counters.loads_submitted"),
+    _counter("store_jobs", "Store (cascade) jobs submitted", "counters.stores_submitted"),
+    _counter("loaded_blocks", "Blocks loaded and verified", "counters.loaded_keys"),
+    _counter("load_failed_blocks", "Blocks whose load failed, was missing or corrupt",
+             "counters.load_keys_failed"),
+    _counter("stored_blocks", "Blocks stored (on 0:primary: engine stores completed)",
+             "counters.stored_keys"),
+    _counter("store_failed_blocks", "Blocks whose store failed", "counters.store_keys_failed"),
+    _counter("store_shed_blocks", "Blocks not stored because the tier was backlogged",
+             "counters.store_keys_shed"),
     _counter("evicted_blocks", "Blocks evicted from the primary pool", standalone_only=True),
-    _counter("read_bytes", "Payload bytes loaded from the tier"),
-    _counter("write_bytes", "Payload bytes stored to the tier"),
-    _counter("read_seconds", "Busy time of load jobs (summed over I/O threads)"),
-    _counter("write_seconds", "Busy time of store jobs (summed over I/O threads)"),
-    _counter("job_errors", "Transfer jobs whose backend call raised"),
-    _counter("backend_errors", "Backend operations that failed"),
-    _counter("backend_corrupt_objects", "Stored objects that failed verification"),
+    _counter("read_bytes", "Payload bytes loaded from the tier", "counters.read_bytes"),
+    _counter("write_bytes", "Payload bytes stored to the tier", "counters.write_bytes"),
+    _counter("read_seconds", "Busy time of load jobs (summed over I/O threads)",
+             "counters.read_seconds"),
+    _counter("write_seconds", "Busy time of store jobs (summed over I/O threads)",
+             "counters.write_seconds"),
+    _counter("job_errors", "Transfer jobs whose backend call raised", "counters.job_errors"),
+    _counter("backend_errors", "Backend operations that failed", "backend.errors"),
+    _counter("backend_corrupt_objects", "Stored objects that failed verification",
+             "backend.corrupt_objects"),
     # state
-    _gauge("resident_blocks", "Blocks held by the tier now (where the tier can tell)"),
-    _gauge("resident_bytes", "Bytes held by the tier now (where the tier can tell)"),
-    _gauge("capacity_bytes", "The tier's byte limit (where it has one)"),
-    _gauge("quarantined_keys", "Keys quarantined now"),
-    _gauge("breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open"),
-    _gauge("jobs_in_flight", "Transfer jobs submitted and not yet collected"),
+    _gauge("resident_blocks", "Blocks held by the tier now (where the tier can tell)",
+           "backend.blocks"),
+    _gauge("resident_bytes", "Bytes held by the tier now (where the tier can tell)",
+           "backend.used_bytes"),
+    _gauge("capacity_bytes", "The tier's byte limit (where it has one)", "backend.max_bytes",
+           Reading.POSITIVE),
+    _gauge("quarantined_keys", "Keys quarantined now", "lookup.quarantined_keys"),
+    _gauge("breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open",
+           "lookup.breaker_state", Reading.BREAKER),
+    _gauge("jobs_in_flight", "Transfer jobs submitted and not yet collected", "outstanding_jobs"),
     MetricSpec("primary_slots", MetricKind.GAUGE, "Primary pool slots by state",
                labels=("state",), standalone_only=True),
     MetricSpec("probe_duration_seconds", MetricKind.HISTOGRAM,
                "Duration of one backend existence-probe call"),
 )
 _BY_NAME = {spec.name: spec for spec in VOCABULARY}
+_TIER_SPECS = tuple(spec for spec in VOCABULARY if spec.tier)
 _PROBE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                   0.5, 1.0, 2.5, 5.0, 10.0)
 _BREAKER_VALUES = {"closed": 0, "half_open": 1, "open": 2}
 
-# metric -> the tier-stats field it reads (see SecondaryTier.stats()).
-_TIER_FIELDS: Mapping[str, str] = {
-    "lookups": "lookups",
-    "lookup_hits": "lookup_hits",
-    "lookup_inflight_reuses": "inflight_reuses",
-    "lookup_verdict_cache_hits": "verdict_cache_hits",
-    "lookup_quarantine_hits": "quarantine_hits",
-    "probe_calls": "backend_calls",
-    "probe_error_keys": "probe_errors",
-    "probe_timeout_keys": "probe_timeouts",
-    "breaker_opens": "breaker_opens",
-    "load_jobs": "loads_submitted",
-    "store_jobs": "stores_submitted",
-    "loaded_blocks": "loaded_keys",
-    "load_failed_blocks": "load_keys_failed",
-    "stored_blocks": "stored_keys",
-    "store_failed_blocks": "store_keys_failed",
-    "store_shed_blocks": "store_keys_shed",
-    "read_bytes": "read_bytes",
-    "write_bytes": "write_bytes",
-    "read_seconds": "read_seconds",
-    "write_seconds": "write_seconds",
-    "job_errors": "job_errors",
-    "backend_errors": "backend_errors",
-    "backend_corrupt_objects": "backend_corrupt_objects",
-    "quarantined_keys": "quarantined_keys",
-    "jobs_in_flight": "outstanding_jobs",
-    "resident_blocks": "backend_blocks",
-    "resident_bytes": "backend_used_bytes",
-}
+
+class TierSnapshot(Protocol):
+    """A secondary tier's stats snapshot (``kvtier.tiering.tier_stats.TierStats``)."""
+
+    def value(self, path: str) -> Any: ...
 
 
 def exposed_names(prefix: str = STANDALONE_PREFIX, *, vllm: bool = False) -> list[str]:
@@ -212,22 +227,28 @@ def tier_label(position: int, name: str) -> str:
     return f"{position}:{name}"
 
 
-def tier_samples(stats: Mapping[str, Any], label: str, tokens_per_block: int) -> Samples:
-    """One secondary tier's samples from its ``SecondaryTier.stats()``."""
+def _read(spec: MetricSpec, stats: TierSnapshot, tokens_per_block: int) -> float | None:
+    value = stats.value(spec.tier)
+    if spec.reading is Reading.BREAKER:
+        return float(_BREAKER_VALUES.get(str(getattr(value, "value", value)), 0))
+    if value is None:
+        return None
+    if spec.reading is Reading.TOKENS:
+        return float(value) * tokens_per_block
+    if spec.reading is Reading.POSITIVE:
+        is_count = isinstance(value, int) and not isinstance(value, bool)
+        return float(value) if is_count and value > 0 else None
+    return float(value)
+
+
+def tier_samples(stats: TierSnapshot, label: str, tokens_per_block: int) -> Samples:
+    """One secondary tier's samples from its ``SecondaryTier.stats()``: every metric whose
+    spec names a tier field."""
     samples: Samples = {}
-    key = (label,)
-    for metric, field_name in _TIER_FIELDS.items():
-        value = stats.get(field_name)
+    for spec in _TIER_SPECS:
+        value = _read(spec, stats, tokens_per_block)
         if value is not None:
-            samples[metric] = {key: float(value)}
-    answered = float(stats.get("lookup_answers", 0))
-    samples["lookup_tokens"] = {key: answered * tokens_per_block}
-    samples["lookup_hit_tokens"] = {key: float(stats.get("lookup_hits", 0)) * tokens_per_block}
-    samples["breaker_state"] = {key: float(_BREAKER_VALUES.get(str(stats.get("breaker_state")),
-                                                               0))}
-    max_bytes = stats.get("backend_max_bytes")
-    if isinstance(max_bytes, int) and max_bytes > 0:
-        samples["capacity_bytes"] = {key: float(max_bytes)}
+            samples[spec.name] = {(label,): value}
     return samples
 
 

@@ -1,28 +1,36 @@
-"""Reading per-tier counters out of ``TieringManager.get_stats()``. Owns no state."""
+"""Reading per-tier counters out of ``TieringManager.get_stats()``. Owns no state.
+
+Each tier's entry there is its ``SecondaryTier.stats()`` snapshot (a ``TierStats``); a replay
+result field is named by the metric of :data:`kvtier.ops.metrics.VOCABULARY` it sums, so it
+reads exactly the stats field the metric reads. A field whose metric the tier does not report
+(a backend whose ``stats()`` failed) stays None.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvtier.ops.metrics import VOCABULARY
 from kvtier.replay.results import TierKind, TierResult
+from kvtier.tiering.tier_stats import TierStats
 
-# TierResult field <- the tier's stats key (SecondaryTier.stats(): lookup counters, transfer
-# counters, backend counters prefixed "backend_"). A backend whose stats() failed has no
-# "backend_*" keys: those fields then stay None.
-_COUNTERS: dict[str, str] = {
-    "lookups": "lookups",
-    "backend_calls": "backend_calls",
-    "probes": "probes_submitted",
-    "inflight_reuses": "inflight_reuses",
-    "verdict_cache_hits": "verdict_cache_hits",
-    "failed_loads": "load_keys_failed",
-    "failed_stores": "store_keys_failed",
-    "shed_stores": "store_keys_shed",
-    "probe_errors": "probe_errors",
-    "backend_errors": "backend_errors",
-    "corrupt_objects": "backend_corrupt_objects",
-}
+_FIELD_OF_METRIC = {spec.name: spec.tier for spec in VOCABULARY if spec.tier}
+
+# TierResult field -> the TierStats field it sums (by metric name where the vocabulary has one).
+_SUMMED: tuple[tuple[str, str], ...] = (
+    ("lookups", _FIELD_OF_METRIC["lookups"]),
+    ("backend_calls", _FIELD_OF_METRIC["probe_calls"]),
+    ("probes", "lookup.probes_submitted"),
+    ("inflight_reuses", _FIELD_OF_METRIC["lookup_inflight_reuses"]),
+    ("verdict_cache_hits", _FIELD_OF_METRIC["lookup_verdict_cache_hits"]),
+    ("failed_loads", _FIELD_OF_METRIC["load_failed_blocks"]),
+    ("failed_stores", _FIELD_OF_METRIC["store_failed_blocks"]),
+    ("shed_stores", _FIELD_OF_METRIC["store_shed_blocks"]),
+    ("probe_errors", _FIELD_OF_METRIC["probe_error_keys"]),
+    ("backend_errors", _FIELD_OF_METRIC["backend_errors"]),
+    ("corrupt_objects", _FIELD_OF_METRIC["backend_corrupt_objects"]),
+)
 
 
 def secondary_tier_results(
@@ -30,23 +38,23 @@ def secondary_tier_results(
 ) -> list[TierResult]:
     """One TierResult per secondary tier, counters summed over every instance's manager.
 
-    ``read_seconds`` / ``write_seconds`` are each tier's busy seconds (``SecondaryTier.stats()``).
+    ``io_seconds`` is each tier's busy seconds (loads plus stores, ``TierStats.counters``).
     """
     results: list[TierResult] = []
     for name in tier_names:
         tier = TierResult(name=name, kind=TierKind.SECONDARY)
         io_seconds = 0.0
         for stats in manager_stats:
-            tier_stats = stats["tiers"].get(name, {})
-            for attribute, key in _COUNTERS.items():
-                value = tier_stats.get(key)
+            tier_stats = stats["tiers"].get(name)
+            if not isinstance(tier_stats, TierStats):
+                continue
+            for attribute, path in _SUMMED:
+                value = tier_stats.value(path)
                 if value is not None:
                     setattr(tier, attribute, (getattr(tier, attribute) or 0) + int(value))
-            tier.bytes_read += int(tier_stats.get("backend_bytes_read", 0))
-            tier.bytes_written += int(tier_stats.get("backend_bytes_written", 0))
-            read_s, write_s = tier_stats.get("read_seconds"), tier_stats.get("write_seconds")
-            if read_s is not None and write_s is not None:
-                io_seconds += float(read_s) + float(write_s)
+            tier.bytes_read += int(tier_stats.value("backend.bytes_read") or 0)
+            tier.bytes_written += int(tier_stats.value("backend.bytes_written") or 0)
+            io_seconds += tier_stats.counters.read_seconds + tier_stats.counters.write_seconds
         tier.io_seconds = io_seconds or None
         results.append(tier)
     return results

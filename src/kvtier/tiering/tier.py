@@ -4,9 +4,10 @@ Thread ownership:
 
 - **Scheduler thread** (the thread that owns the :class:`~kvtier.tiering.TieringManager`) owns
   the job table (``_outstanding``), the outstanding-store accounting (``_store_bytes``,
-  ``_store_jobs``), the recent load failures (``_load_failures``), the counters (``_counters``),
-  the lifecycle (``_state``) and everything in the lookup manager. It submits jobs, and
-  collects finished ones with :meth:`get_finished_jobs`.
+  ``_store_jobs``), the recent load failures (``_load_failures``), the counters (``_counters``,
+  which :meth:`SecondaryTier.stats` copies into a frozen ``TierStats``), the lifecycle
+  (``_state``) and everything in the lookup manager. It submits jobs, and collects finished
+  ones with :meth:`get_finished_jobs`.
 - **I/O threads** (``io_threads`` per tier, a ``ThreadPoolExecutor``) run one part of a
   :class:`TransferJob` at a time (a store is one part; a load is split into parts so that its
   reads run in parallel), taken from the ready queues (``_ready_loads`` before
@@ -16,32 +17,12 @@ Thread ownership:
   thread that finishes the last part fills in ``results``, ``error`` and ``seconds`` and posts
   the job to ``_finished`` (a ``queue.SimpleQueue``). After posting no I/O thread touches the
   job again; before posting the scheduler never reads those fields.
-- **Probe worker** (inside the lookup manager) calls ``backend.probe``.
-- The backend is thread-safe by contract. The counters are the scheduler thread's and are
-  published by the manager (:mod:`kvtier.ops.metrics`); only probe durations are observed on the
-  probe worker (thread-safe).
+- **Probe worker** (inside the lookup manager) calls ``backend.probe`` and observes its
+  duration (``metrics``: thread-safe).
+- The backend is thread-safe by contract. The settings (``_settings``, a frozen
+  :class:`~kvtier.tiering.tier_settings.TierSettings`) are read by every thread.
 
-A load job reads straight into caller-provided ``memoryview``s (primary slots that the caller
-keeps out of reach of eviction while the job runs) and the backend verifies the frame there
-(namespace, key, length, checksum): one pass over the bytes, no scratch copy. On failure the
-buffers' contents are unspecified; the caller must not publish them. A load past its deadline is
-failed at once for its keys and marked ``abandoned``: its stuck backend call may still write the
-buffers, so the caller keeps them out of use until :meth:`SecondaryTier.take_released_loads`
-returns the job (its I/O ended; I/O threads post it to ``_released``, a ``queue.SimpleQueue``).
-A store job reads caller-provided buffers that must stay unchanged until the job is collected.
-
-Backpressure: a tier accepts at most ``max_pending_store_jobs`` outstanding store jobs and
-``max_pending_store_bytes`` of outstanding store payload (one job is always accepted when none
-is outstanding). :meth:`submit_store` sheds (returns None, counts) what does not fit, so a slow
-or dead tier never stalls the engine. Loads are never shed, and they go first: an idle I/O
-thread takes the oldest waiting load before any waiting store, so a promotion a request waits
-for never queues behind a backlog of cascades.
-
-A load of more than ``_MIN_LOAD_PART_KEYS`` keys is split into up to ``io_threads`` parts that
-run side by side (with ``max_keys_per_call``, parts of at most that many keys); a store runs its
-keys in consecutive calls of at most ``max_keys_per_call`` (one I/O thread, in order). A call
-that raises or answers short fails its keys and the rest of its part; keys moved by other calls
-stay moved.
+Transfers, deadlines and backpressure: see :class:`SecondaryTier`.
 """
 
 from __future__ import annotations
@@ -52,19 +33,22 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, cast
 
 from kvtier.backends.base import Backend, Buffer, RateLimitedLog
-from kvtier.config import TIER_SETTINGS, LookupConfig
 from kvtier.errors import ClosedError
 from kvtier.keys import BlockKey, RequestContext
-from kvtier.lookup.manager import AsyncLookupManager, LookupStats
+from kvtier.lookup.manager import AsyncLookupManager
+from kvtier.lru import BoundedLRU
 from kvtier.ops.metrics import ProbeMetrics
 from kvtier.settings import Kind, Setting
 from kvtier.tiering.io_pool import IoThreadPool
+from kvtier.tiering.tier_settings import LookupConfig, TierSettings
+from kvtier.tiering.tier_stats import TierCounters, TierStats
 
 _MAX_KEYS_PER_CALL = Setting("max_keys_per_call", Kind.INT, None,
                              "keys per backend get/put call (None: no limit)", minimum=1)
@@ -133,33 +117,6 @@ class TransferJob:
         return [key for key, ok in zip(self.keys, self.results, strict=True) if not ok]
 
 
-@dataclass(slots=True)
-class TierCounters:
-    """The tier's counters (scheduler thread); :mod:`kvtier.ops.metrics` publishes them."""
-
-    lookup_answers: int = 0  # lookups answered present or absent (not "ask again")
-    lookup_hits: int = 0
-    loads_submitted: int = 0
-    load_keys: int = 0
-    loaded_keys: int = 0
-    load_keys_failed: int = 0
-    stores_submitted: int = 0
-    store_keys: int = 0
-    stored_keys: int = 0
-    store_keys_failed: int = 0
-    stores_shed: int = 0
-    store_keys_shed: int = 0
-    store_keys_read_back: int = 0
-    quarantines_lifted: int = 0
-    read_bytes: int = 0
-    write_bytes: int = 0
-    read_seconds: float = 0.0
-    write_seconds: float = 0.0
-    job_errors: int = 0
-    loads_abandoned: int = 0  # loads failed by their deadline while the backend call still ran
-    invariant_violations: int = 0
-
-
 class BackendLookupManager(AsyncLookupManager):
     """The tier's lookup manager: one ``backend.probe`` call per probe batch.
 
@@ -196,14 +153,13 @@ class RecentLoadFailures:
     when it fails (the damaged object is still there) the key stays quarantined until it ends.
     """
 
-    __slots__ = ("_clock", "_hold_s", "_max_keys", "_until")
+    __slots__ = ("_clock", "_hold_s", "_until")
 
     def __init__(self, hold_s: float, clock: Callable[[], float] = time.monotonic,
                  max_keys: int = 65536) -> None:
         self._hold_s = hold_s
         self._clock = clock
-        self._max_keys = max_keys
-        self._until: OrderedDict[BlockKey, float] = OrderedDict()  # in expiry order
+        self._until: BoundedLRU[BlockKey, float] = BoundedLRU(max_keys)  # in expiry order
 
     def __len__(self) -> int:
         return len(self._until)
@@ -213,10 +169,7 @@ class RecentLoadFailures:
             return
         until = self._clock() + self._hold_s
         for key in keys:
-            self._until[key] = until
-            self._until.move_to_end(key)
-        while len(self._until) > self._max_keys:
-            self._until.popitem(last=False)
+            self._until.put(key, until)
 
     def without(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """``keys`` less those whose load failed within the hold time."""
@@ -224,10 +177,11 @@ class RecentLoadFailures:
             return list(keys)
         now = self._clock()
         while self._until:
-            oldest, until = next(iter(self._until.items()))
-            if until > now:
+            oldest = next(iter(self._until))
+            until = self._until.get(oldest)
+            if until is not None and until > now:
                 break
-            del self._until[oldest]
+            self._until.pop(oldest)
         return [key for key in keys if key not in self._until]
 
     def contains(self, key: BlockKey) -> bool:
@@ -235,7 +189,7 @@ class RecentLoadFailures:
 
     def discard(self, keys: Iterable[BlockKey]) -> None:
         for key in keys:
-            self._until.pop(key, None)
+            self._until.pop(key)
 
 
 @dataclass(slots=True)
@@ -248,37 +202,59 @@ class _Part:
 
 
 class SecondaryTier:
-    """A backend + its :class:`AsyncLookupManager` + transfer jobs on I/O threads."""
+    """A backend + its :class:`AsyncLookupManager` + transfer jobs on I/O threads.
+
+    A load job reads straight into caller-provided ``memoryview``s (primary slots that the caller
+    keeps out of reach of eviction while the job runs) and the backend verifies the frame there
+    (namespace, key, length, checksum): one pass over the bytes, no scratch copy. On failure the
+    buffers' contents are unspecified; the caller must not publish them. A load past its deadline is
+    failed at once for its keys and marked ``abandoned``: its stuck backend call may still write the
+    buffers, so the caller keeps them out of use until :meth:`SecondaryTier.take_released_loads`
+    returns the job (its I/O ended; I/O threads post it to ``_released``, a ``queue.SimpleQueue``).
+    A store job reads caller-provided buffers that must stay unchanged until the job is collected.
+
+    Backpressure: a tier accepts at most ``max_pending_store_jobs`` outstanding store jobs and
+    ``max_pending_store_bytes`` of outstanding store payload (one job is always accepted when none
+    is outstanding). :meth:`submit_store` sheds (returns None, counts) what does not fit, so a slow
+    or dead tier never stalls the engine. Loads are never shed, and they go first: an idle I/O
+    thread takes the oldest waiting load before any waiting store, so a promotion a request waits
+    for never queues behind a backlog of cascades.
+
+    A load of more than ``_MIN_LOAD_PART_KEYS`` keys is split into up to ``io_threads`` parts that
+    run side by side (with ``max_keys_per_call``, parts of at most that many keys); a store runs its
+    keys in consecutive calls of at most ``max_keys_per_call`` (one I/O thread, in order). A call
+    that raises or answers short fails its keys and the rest of its part; keys moved by other calls
+    stay moved.
+    """
 
     def __init__(
         self,
         name: str,
         backend: Backend,
+        settings: TierSettings | None = None,
         *,
         lookup: LookupConfig | Mapping[str, Any] | None = None,
-        io_threads: int = TIER_SETTINGS.default("io_threads"),
-        max_pending_store_bytes: int = TIER_SETTINGS.default("max_pending_store_bytes"),
-        max_pending_store_jobs: int = TIER_SETTINGS.default("max_pending_store_jobs"),
         metrics: ProbeMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         lookup_factory: LookupFactory | None = None,
         max_keys_per_call: int | None = None,
-        load_timeout_s: float = TIER_SETTINGS.default("load_timeout_s"),
+        **settings_values: Any,
     ) -> None:
-        """``lookup_factory(name, backend, options)`` replaces the default lookup manager (one
+        """``settings``: the tier's I/O settings (None: the defaults). ``settings_values``
+        (``io_threads=2``, ...) is the keyword spelling of the same record, for callers that
+        have no record (``open_manager`` today); it cannot be combined with ``settings``.
+        ``lookup_factory(name, backend, options)`` replaces the default lookup manager (one
         ``backend.probe`` call per probe batch); ``options`` are the configured lookup settings
         plus ``clock``. ``max_keys_per_call`` (None: no limit) splits each job's backend calls.
-        Bad settings raise :class:`~kvtier.settings.ConfigError` (a ValueError) naming them.
-        A load job not finished ``load_timeout_s`` after submission fails for its keys."""
+        Bad settings raise :class:`~kvtier.settings.ConfigError` (a ValueError) naming them."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"tier name must be a non-empty str, got {name!r}")
-        for setting, value in (("io_threads", io_threads),
-                               ("max_pending_store_bytes", max_pending_store_bytes),
-                               ("max_pending_store_jobs", max_pending_store_jobs)):
-            TIER_SETTINGS[setting].parse(value, f"tier {name!r}: {setting}")
+        if settings is not None and settings_values:
+            raise TypeError(f"tier {name!r}: pass settings or {sorted(settings_values)}, not both")
+        if settings is None:
+            settings = TierSettings.parse(settings_values, f"tier {name!r}")
         if max_keys_per_call is not None:
             _MAX_KEYS_PER_CALL.parse(max_keys_per_call, f"tier {name!r}: max_keys_per_call")
-        TIER_SETTINGS["load_timeout_s"].parse(load_timeout_s, f"tier {name!r}: load_timeout_s")
         if isinstance(lookup, LookupConfig):
             lookup_options: Mapping[str, Any] = lookup.as_kwargs()
         elif lookup is None:
@@ -293,12 +269,9 @@ class SecondaryTier:
             else lookup_factory(name, backend, {**lookup_options, "clock": clock})
         )
         self._load_failures = RecentLoadFailures(self._lookup.quarantine_s, clock)
-        self._max_store_bytes = max_pending_store_bytes
-        self._max_store_jobs = max_pending_store_jobs
+        self._settings = settings
         self._max_keys_per_call = max_keys_per_call
-        self._executor = IoThreadPool(io_threads, f"kvtier-io-{name}")
-        self._io_threads = io_threads
-        self._load_timeout_s = float(load_timeout_s)
+        self._executor = IoThreadPool(settings.io_threads, f"kvtier-io-{name}")
         self._load_deadlines: deque[TransferJob] = deque()  # loads in submission order
         self._settle_lock = threading.Lock()  # a job's results are settled exactly once
         self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
@@ -361,7 +334,7 @@ class SecondaryTier:
             raise ValueError(f"submit_load got {len(keys)} keys but {len(outs)} buffers")
         job = TransferJob(next(self._job_ids), JobKind.LOAD, tuple(keys), tuple(outs),
                           sum(out.nbytes for out in outs),
-                          deadline=time.monotonic() + self._load_timeout_s)
+                          deadline=time.monotonic() + self._settings.load_timeout_s)
         self._load_deadlines.append(job)
         self._loads_outstanding += 1
         self._counters.loads_submitted += 1
@@ -371,9 +344,10 @@ class SecondaryTier:
 
     def can_accept_store(self, nbytes: int) -> bool:
         """Whether a store job of ``nbytes`` would be accepted now (backpressure)."""
-        if self._store_jobs >= self._max_store_jobs:
+        if self._store_jobs >= self._settings.max_pending_store_jobs:
             return False
-        return self._store_jobs == 0 or self._store_bytes + nbytes <= self._max_store_bytes
+        limit = self._settings.max_pending_store_bytes
+        return self._store_jobs == 0 or self._store_bytes + nbytes <= limit
 
     def submit_store(self, keys: Sequence[BlockKey],
                      payloads: Sequence[Buffer]) -> TransferJob | None:
@@ -432,7 +406,7 @@ class SecondaryTier:
         count = len(job.keys)
         if job.kind is JobKind.STORE or count == 0:
             return [_Part(job, 0, count)]
-        size = max(_MIN_LOAD_PART_KEYS, -(-count // self._io_threads))
+        size = max(_MIN_LOAD_PART_KEYS, -(-count // self._settings.io_threads))
         if self._max_keys_per_call is not None:
             size = min(size, self._max_keys_per_call)
         return [_Part(job, start, min(count, start + size)) for start in range(0, count, size)]
@@ -478,10 +452,11 @@ class SecondaryTier:
         now = time.monotonic()
         while pending and (pending[0].settled or pending[0].deadline <= now):
             job = pending.popleft()
-            if self._settle(job, (False,) * len(job.keys),
-                            f"load timed out after {self._load_timeout_s:g} s", abandon=True):
+            limit = self._settings.load_timeout_s
+            if self._settle(job, (False,) * len(job.keys), f"load timed out after {limit:g} s",
+                            abandon=True):
                 self._io_log.warning("tier %s: load job of %d keys timed out after %g s",
-                                     self._name, len(job.keys), self._load_timeout_s)
+                                     self._name, len(job.keys), limit)
 
     def _settle(self, job: TransferJob, results: tuple[bool, ...], error: str | None, *,
                 abandon: bool = False) -> bool:
@@ -654,30 +629,19 @@ class SecondaryTier:
     def outstanding_jobs(self) -> int:
         return len(self._outstanding)
 
-    @property
-    def outstanding_store_bytes(self) -> int:
-        return self._store_bytes
-
-    @property
-    def lookup_stats(self) -> LookupStats:
-        return self._lookup.stats
-
-    def stats(self) -> dict[str, Any]:
-        """Lookup counters, transfer counters, and the backend's counters (``backend_*``)."""
-        result: dict[str, Any] = {}
-        result.update(self._lookup.stats.as_dict())
-        result["tracked_keys"] = self._lookup.tracked_keys
-        result.update(asdict(self._counters))
-        result["outstanding_jobs"] = len(self._outstanding)
-        result["outstanding_store_bytes"] = self._store_bytes
-        result["abandoned_loads"] = self._abandoned  # still running, buffers not yet released
+    def stats(self) -> TierStats:
+        """A typed snapshot: lookup counters, transfer counters, the backend's counters."""
+        backend_stats: Mapping[str, Any] | None
         try:
-            backend_stats = self._backend.stats()
+            backend_stats = MappingProxyType(dict(self._backend.stats()))
         except Exception as exc:
-            backend_stats = {}
+            backend_stats = None
             _log.debug("tier %s: backend stats unavailable: %r", self._name, exc)
-        result.update({f"backend_{name}": value for name, value in backend_stats.items()})
-        return result
+        return TierStats(
+            lookup=self._lookup.stats, counters=replace(self._counters),
+            tracked_keys=self._lookup.tracked_keys, outstanding_jobs=len(self._outstanding),
+            outstanding_store_bytes=self._store_bytes, abandoned_loads=self._abandoned,
+            backend=backend_stats)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def _require_running(self, operation: str) -> None:

@@ -74,9 +74,10 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from kvtier.backends import REMOTE_SCHEMES, open_backend, redact_url
-from kvtier.config import LOOKUP_SETTINGS, VLLM_TIER_SETTINGS, LookupConfig, env_layer
 from kvtier.errors import ClosedError, KvtierError
+from kvtier.integrations.vllm._settings import VLLM_TIER_SETTINGS
 from kvtier.keys import Namespace, RequestContext
+from kvtier.lookup.manager import LOOKUP_SETTINGS
 from kvtier.ops.metrics import (
     VLLM_PREFIX,
     DeltaTracker,
@@ -85,9 +86,10 @@ from kvtier.ops.metrics import (
     tier_samples,
     vllm_metric_definitions,
 )
-from kvtier.settings import ConfigError
+from kvtier.settings import ConfigError, env_layer
 from kvtier.tiering.tier import IO_YIELD_S, JobKind, SecondaryTier
 from kvtier.tiering.tier import TransferJob as TierJob
+from kvtier.tiering.tier_settings import LookupConfig, TierSettings
 
 _DRAIN_WAIT_S = 86400.0  # drain_jobs waits for abandoned loads' calls too (never aborts a copy)
 
@@ -250,7 +252,8 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         **backend_options: Any,
     ) -> None:
         """Every option left out (None) takes its ``KVTIER_*`` variable, else the default of
-        :data:`~kvtier.config.VLLM_TIER_SETTINGS`; bad values raise ``ConfigError``."""
+        :data:`~kvtier.integrations.vllm._settings.VLLM_TIER_SETTINGS`; bad values raise
+        ``ConfigError``."""
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         given = {"url": url, "io_threads": io_threads, "max_blocks_per_call": max_blocks_per_call,
                  "load_timeout_s": load_timeout_s,
@@ -281,11 +284,12 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             # effects on lookups: mark_miss on failed loads, note_stored on stores (unless the
             # key's load just failed: see RecentLoadFailures).
             self._probe_durations = ProbeDurations()
+            settings = TierSettings(
+                io_threads=options["io_threads"], load_timeout_s=options["load_timeout_s"],
+                max_pending_store_bytes=sys.maxsize, max_pending_store_jobs=sys.maxsize)
             self._tier = SecondaryTier(
-                self._url, backend, lookup=lookup_settings, io_threads=options["io_threads"],
-                max_pending_store_bytes=sys.maxsize, max_pending_store_jobs=sys.maxsize,
+                self._url, backend, settings, lookup=lookup_settings,
                 max_keys_per_call=options["max_blocks_per_call"], metrics=self._probe_durations,
-                load_timeout_s=options["load_timeout_s"],
             )
         except Exception:
             backend.close()
@@ -334,7 +338,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         """The tier's counters (:meth:`SecondaryTier.stats`: lookups, transfers, ``backend_*``),
         the one source :meth:`get_stats` publishes from; plus ``store_keys_skipped`` (stores of
         blocks the backend already held, see :class:`HeldKeys`)."""
-        snapshot = self._tier.stats()
+        snapshot = self._tier.stats().flat()
         snapshot["store_keys_skipped"] = self._store_keys_skipped
         return snapshot
 

@@ -1,0 +1,32 @@
+"""The settings of the vLLM :class:`~kvtier.integrations.vllm.KvtierTier`.
+
+This module owns no mutable state: the table is frozen, safe to share between threads. The
+table reuses the declarations it shares with a secondary tier (``url``, ``io_threads``,
+``load_timeout_s``) and with the namespace (``model``, ``revision``, ``tenant``), so each of
+those settings exists once; :mod:`kvtier.config` lists this table for the docs and env checks.
+"""
+
+from __future__ import annotations
+
+from kvtier.namespace_settings import NAMESPACE_SETTINGS
+from kvtier.settings import Kind, Setting, SettingsTable
+from kvtier.tiering.tier_settings import TIER_SETTINGS
+
+__all__ = ["VLLM_TIER_SETTINGS"]
+
+VLLM_TIER_SETTINGS = SettingsTable("vLLM KvtierTier", [
+    TIER_SETTINGS["url"],
+    TIER_SETTINGS["io_threads"],
+    TIER_SETTINGS["load_timeout_s"],
+    Setting("max_blocks_per_call", Kind.INT, 32, "keys per backend get/put call", minimum=1,
+            env="KVTIER_MAX_BLOCKS_PER_CALL"),
+    Setting("locality", Kind.CHOICE, None, "what vLLM is told; default: REMOTE for network "
+            "backends, LOCAL for memory:// and file://", choices=("local", "remote"),
+            nullable=True, env="KVTIER_LOCALITY"),
+    Setting("enable_kv_events", Kind.BOOL, False,
+            "emit KV events for stored blocks (needs vLLM's --kv-events-config)",
+            env="KVTIER_ENABLE_KV_EVENTS"),
+    NAMESPACE_SETTINGS["model"],
+    NAMESPACE_SETTINGS["revision"],
+    NAMESPACE_SETTINGS["tenant"],
+])

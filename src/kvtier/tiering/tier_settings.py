@@ -1,0 +1,99 @@
+"""The settings of one secondary tier: :class:`TierSettings` (a typed record) and its tables.
+
+This module owns no mutable state: the record is frozen and the tables are frozen, safe to
+share between threads.
+
+:class:`TierSettings` is the one declaration of a tier's I/O settings (name, type, default,
+bounds, env name, help: see :func:`kvtier.settings.setting_field`); :data:`TIER_IO_SETTINGS` is
+derived from it, and :data:`TIER_SETTINGS` (the config's ``secondary_tiers[*]`` entries) adds the
+backend URL and the tier name. :class:`LookupConfig` holds the tier's lookup-manager
+settings (:data:`~kvtier.lookup.manager.LOOKUP_SETTINGS`). A
+:class:`~kvtier.tiering.tier.SecondaryTier` takes one record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from kvtier.lookup.manager import LOOKUP_SETTINGS
+from kvtier.settings import (
+    Kind,
+    Setting,
+    SettingsTable,
+    check_record,
+    mapping_of,
+    parse_record,
+    record_table,
+    setting_field,
+)
+from kvtier.tiering.io_pool import DEFAULT_LOAD_TIMEOUT_S
+
+__all__ = ["TIER_IO_SETTINGS", "TIER_SETTINGS", "LookupConfig", "TierSettings"]
+
+
+@dataclass(slots=True, frozen=True)
+class TierSettings:
+    """A secondary tier's I/O settings; every value is checked when the record is built."""
+
+    io_threads: int = setting_field(Kind.INT, 4, "threads moving this tier's bytes", minimum=1,
+                                    env="KVTIER_IO_THREADS")
+    max_pending_store_bytes: int = setting_field(
+        Kind.SIZE, 256 * 1024**2,
+        "backpressure: store payload in flight beyond this is shed (counted)", minimum=0,
+        env="KVTIER_MAX_PENDING_STORE_BYTES")
+    max_pending_store_jobs: int = setting_field(
+        Kind.INT, 1024, "backpressure: store jobs in flight beyond this are shed (counted)",
+        minimum=1, env="KVTIER_MAX_PENDING_STORE_JOBS")
+    load_timeout_s: float = setting_field(
+        Kind.FLOAT, DEFAULT_LOAD_TIMEOUT_S,
+        "a load job not finished this long after it was submitted fails for its keys (they "
+        "are marked missing and the request recomputes them); its slots stay out of use "
+        "until the stuck backend call returns, so it never writes a slot that holds another "
+        "block (under vLLM, which reuses chunks at once, the job is reported then)",
+        minimum=0, strict_min=True, unit="seconds", env="KVTIER_LOAD_TIMEOUT_S")
+
+    def __post_init__(self) -> None:
+        check_record(self, TIER_IO_SETTINGS, "tier")
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any], path: str = "") -> TierSettings:
+        """The record of ``values`` (objects or strings); unknown names are rejected."""
+        return parse_record(cls, TIER_IO_SETTINGS, values, path)
+
+
+TIER_IO_SETTINGS = record_table("secondary tier I/O", TierSettings)
+
+TIER_SETTINGS = SettingsTable("secondary tier", [
+    Setting("url", Kind.STR, None, "backend URL: memory://, file:///abs/dir, redis://host:port/db,"
+            " redis+cluster://host:port, s3://bucket/prefix", required=True),
+    Setting("name", Kind.STR, None,
+            "tier name (metrics, stats); default: the scheme, made unique", nullable=True),
+    *TIER_IO_SETTINGS,
+])
+
+
+@dataclass(frozen=True, slots=True)
+class LookupConfig:
+    """Per-tier settings of the tier's AsyncLookupManager (:data:`LOOKUP_SETTINGS`); a setting
+    that is not set takes the lookup manager's default."""
+
+    values: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in LOOKUP_SETTINGS:
+            return self.values.get(name)
+        raise AttributeError(name)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The settings that are set, as keyword arguments for AsyncLookupManager."""
+        return {name: value for name, value in self.values.items() if value is not None}
+
+    @classmethod
+    def from_dict(cls, values: object, path: str) -> LookupConfig:
+        if values is None:
+            return cls()
+        parsed = LOOKUP_SETTINGS.parse(mapping_of(values, path), path, fill_defaults=False)
+        return cls(MappingProxyType(parsed))
