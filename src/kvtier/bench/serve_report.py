@@ -18,17 +18,13 @@ from kvtier.bench.serve_config import (
     PassResult,
     ServeBenchError,
 )
+from kvtier.replay.stats import Interpolation, percentile
 
 # -- summary -------------------------------------------------------------------------------
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+def _linear(values: Sequence[float], percent: float) -> float:
+    return percentile(values, percent, interpolation=Interpolation.LINEAR, empty=math.nan)
 
 
 def metrics_delta(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
@@ -47,8 +43,8 @@ def summarize(name: str, passed: PassResult, startup_s: float,
               if key.startswith("vllm:kvtier_") and not key.endswith("_created") and value}
     return ConfigResult(
         name=name, ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else math.nan,
-        ttft_p50_s=_percentile(ttfts, 50), ttft_p99_s=_percentile(ttfts, 99),
-        itl_p50_s=_percentile(itls, 50), throughput_req_s=float(raw["request_throughput"]),
+        ttft_p50_s=_linear(ttfts, 50), ttft_p99_s=_linear(ttfts, 99),
+        itl_p50_s=_linear(itls, 50), throughput_req_s=float(raw["request_throughput"]),
         requests=int(raw["completed"]), failed=int(raw.get("failed", 0)),
         cached_prompt_tokens=int(delta.get("vllm:prompt_tokens_cached_total", 0)),
         prompt_tokens=int(delta.get("vllm:prompt_tokens_total", 0)),

@@ -44,7 +44,7 @@ def register(commands: Any) -> None:
     add_stack_options(bench)
     bench.set_defaults(run=run)
     serve = bench.add_subparsers(dest="bench_command", metavar="serve", parser_class=Parser,
-                                 help="serve: TTFT of a real vllm serve")
+                                 help="optional sub-command")
     _register_serve(serve)
 
 
