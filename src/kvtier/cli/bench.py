@@ -43,7 +43,7 @@ def register(commands: Any) -> None:
                        help="interleaved rounds per strategy; medians are printed (default 3)")
     add_stack_options(bench)
     bench.set_defaults(run=run)
-    serve = bench.add_subparsers(dest="bench_command", metavar="serve", parser_class=Parser,
+    serve = bench.add_subparsers(dest="bench_command", metavar="[serve]", parser_class=Parser,
                                  help="optional sub-command")
     _register_serve(serve)
 
