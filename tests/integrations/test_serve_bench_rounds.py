@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.integrations.vllm import serve_bench as sb
+from kvtier.bench import serve as sb
 
 
 def _result(name: str, p50: float, *, texts: tuple[str, ...] = ("a",), cached: int = 10,

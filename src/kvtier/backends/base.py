@@ -47,6 +47,7 @@ from kvtier.codec import Buffer, as_byte_view, check_key
 from kvtier.errors import ClosedError, KvtierError
 from kvtier.keys import BlockKey, Namespace
 from kvtier.settings import ConfigError, Kind, Secret, Setting
+from kvtier.text import first_line
 
 __all__ = [
     "COMMON_SETTINGS",
@@ -540,7 +541,7 @@ class Backend:
         self._stats.add("errors")
         detail = what.hex() if isinstance(what, bytes) else str(what)
         self._error_log.warning("%s: %s of %s failed: %s: %s", self.url, operation, detail,
-                                type(exc).__name__, _first_line(exc))
+                                type(exc).__name__, first_line(exc))
         return Outcome.FAILED
 
     def _check_exists(self, keys: Sequence[BlockKey]) -> list[Outcome]:
@@ -614,8 +615,3 @@ class Backend:
         """Gauges computed at ``stats()`` time (blocks held, bytes used, ...)."""
         return {}
 
-
-def _first_line(exc: BaseException) -> str:
-    """The first line of an error: some clients put a multi-line debug dump in their messages."""
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else ""

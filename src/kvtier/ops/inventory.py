@@ -29,6 +29,7 @@ from typing import Any
 
 from kvtier.errors import KvtierError
 from kvtier.keys import NAMESPACE_DIGEST_BYTES, Namespace
+from kvtier.text import first_line
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -182,7 +183,7 @@ def usage(url: str, **options: Any) -> list[NamespaceUsage]:
         raise UsageError(str(exc)) from None
     except Exception as exc:
         raise MediumError(
-            f"could not list {redact_url(url)}: {type(exc).__name__}: {_first_line(exc)}"
+            f"could not list {redact_url(url)}: {type(exc).__name__}: {first_line(exc)}"
         ) from exc
     return sorted(found, key=lambda item: (-item.bytes, item.digest))
 
@@ -270,11 +271,7 @@ def delete(url: str, namespaces: Sequence[NamespaceUsage], **options: Any) -> Pu
         )
     except Exception as exc:
         raise MediumError(
-            f"could not purge {redact_url(url)}: {type(exc).__name__}: {_first_line(exc)}"
+            f"could not purge {redact_url(url)}: {type(exc).__name__}: {first_line(exc)}"
         ) from exc
     return result
 
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else ""

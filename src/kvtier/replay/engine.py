@@ -65,6 +65,7 @@ from kvtier.replay.options import (
 )
 from kvtier.replay.reference import ideal_hit_runs
 from kvtier.replay.results import ReplayResult, TierKind, TierResult, TimelinePoint
+from kvtier.replay.stats import percentile
 from kvtier.replay.strategies import Strategy, lookup_factory_for, manager_config_for
 from kvtier.replay.trace import Trace, TraceRequest
 
@@ -92,13 +93,6 @@ def _key_maker(namespace: Namespace) -> Callable[[int], BlockKey]:
         return hashlib.blake2b(salt + block_id.to_bytes(8, "little"), digest_size=16).digest()
 
     return make
-
-
-def _percentile(values: list[float], fraction: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def replay(
@@ -443,8 +437,8 @@ class _Loop:
             requests_waited=sum(c.requests_waited for c in counters),
             verified_blocks=sum(c.verified_blocks for c in counters),
             store_plans_refused=sum(c.store_plans_refused for c in counters),
-            step_time_p50_s=_percentile(step_times, 0.50),
-            step_time_p99_s=_percentile(step_times, 0.99),
+            step_time_p50_s=percentile(step_times, 50),
+            step_time_p99_s=percentile(step_times, 99),
             wall_s=wall_s,
             tier_urls=list(tier_urls),
             timeline=self.timeline,

@@ -3,11 +3,14 @@
 Each tier's entry there is its ``SecondaryTier.stats()`` snapshot (a ``TierStats``); a replay
 result field is named by the metric of :data:`kvtier.ops.metrics.VOCABULARY` it sums, so it
 reads exactly the stats field the metric reads. A field whose metric the tier does not report
-(a backend whose ``stats()`` failed) stays None.
+(a backend whose ``stats()`` failed) stays None. It also holds the one percentile helper
+(replay step times, ``kvtier bench serve`` TTFTs).
 """
 
 from __future__ import annotations
 
+import enum
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -58,3 +61,24 @@ def secondary_tier_results(
         tier.io_seconds = io_seconds or None
         results.append(tier)
     return results
+
+
+class Interpolation(enum.Enum):
+    """How :func:`percentile` picks a value between two samples."""
+
+    NEAREST_RANK = "nearest-rank"  # the sample at index int(percent / 100 * n)
+    LINEAR = "linear"  # between the samples around (n - 1) * percent / 100
+
+
+def percentile(values: Sequence[float], percent: float, *,
+               interpolation: Interpolation = Interpolation.NEAREST_RANK,
+               empty: float = 0.0) -> float:
+    """The ``percent`` (0..100) percentile of ``values``; ``empty`` when there are none."""
+    if not values:
+        return empty
+    ordered = sorted(values)
+    if interpolation is Interpolation.NEAREST_RANK:
+        return ordered[min(len(ordered) - 1, int(percent / 100 * len(ordered)))]
+    rank = (len(ordered) - 1) * percent / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)

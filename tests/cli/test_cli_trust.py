@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.cli._runguard import SCRATCH_PREFIX, Scrubber, remove_stale_scratch
+from kvtier.cli.scratch import SCRATCH_PREFIX, remove_stale_scratch
+from kvtier.cli.scrub import Scrubber
 from kvtier.config import ConfigError, KvtierConfig, load_config
 
 PASSWORD = "Pa55-w0rd-s3cr3t-9f1c"
@@ -186,7 +187,7 @@ def test_stale_scratch_of_dead_runs_is_removed_and_live_runs_kept(tmp_path: Path
     (stale / "file-tier").mkdir(parents=True)
     (stale / "file-tier" / "block").write_bytes(b"x" * 4096)
     (stale / "owner").write_text(f"{dead.stdout.strip()} 12345\n")
-    from kvtier.cli._runguard import ScratchDir
+    from kvtier.cli.scratch import ScratchDir
 
     with ScratchDir(tmp_path) as live:
         unrelated = tmp_path / "not-kvtier"

@@ -1,0 +1,124 @@
+"""``kvtier inspect``: a backend's stats in a namespace, and whether given keys are present.
+
+No state: runs on the command's main thread; the backend it opens is closed before it returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvtier.cli import common
+from kvtier.cli.common import EXIT_FAILED, EXIT_OK, UsageError, namespace_field, redact
+from kvtier.cli.usage import list_usage
+
+
+def register(commands: Any) -> None:
+    """Add the ``inspect`` sub-parser."""
+    inspect = commands.add_parser(
+        "inspect", help="show a backend's stats, or check whether keys are present",
+        description="Open a backend URL (memory://, file:///abs/path, redis://, rediss://, "
+                    "redis+cluster://, s3://) in a namespace, show its stats, and optionally "
+                    "check keys.",
+    )
+    inspect.add_argument("url", metavar="URL", help="the backend URL")
+    inspect.add_argument("--namespace", dest="namespace_fields", action="append",
+                         type=namespace_field, default=[], metavar="FIELD=VALUE",
+                         help="namespace field (repeatable), e.g. model=llama-3-8b; default "
+                              "model=kvtier-replay")
+    inspect.add_argument("--digest", default=None, metavar="HEX",
+                         help="the namespace by its digest or a unique prefix of it, as "
+                              "`kvtier usage URL` shows it (instead of --namespace)")
+    inspect.add_argument("--key", dest="keys", action="append", default=[], metavar="HEX",
+                         help="a block key in hex to check (repeatable)")
+    inspect.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from kvtier.backends import OpenMode, open_backend, redact_url
+    from kvtier.codec import check_key
+    from kvtier.keys import Namespace
+    from kvtier.replay.report import format_bytes
+
+    stored = _stored_namespace(args.url, args.digest) if args.digest else None
+    if stored is not None and args.namespace_fields:
+        raise UsageError("give the namespace by --digest or by --namespace, not both")
+    try:
+        namespace = (Namespace.from_mapping(stored.fields) if stored is not None and stored.fields
+                     else common.namespace_from_args(args.namespace_fields))
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--namespace: {exc}") from None
+    keys: list[bytes] = []
+    for text in args.keys:
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            raise UsageError(f"--key: expected hexadecimal bytes, got {text[:80]!r}") from None
+        try:
+            keys.append(check_key(key, "--key"))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    shown = redact_url(args.url)
+    try:
+        backend = open_backend(args.url, namespace, mode=OpenMode.INSPECT)
+    except ValueError as exc:
+        raise UsageError(f"URL {shown!r}: {exc}") from None
+    except Exception as exc:
+        print(args.scrub(f"kvtier inspect: could not open {shown!r}: {exc}"), file=sys.stderr)
+        return EXIT_FAILED
+    console = common.console()
+    failed = False
+    try:
+        try:
+            stats = backend.stats()
+        except Exception as exc:
+            stats = {}
+            failed = True
+            print(args.scrub(f"kvtier inspect: FAILED: stats of {shown}: {exc}"),
+                  file=sys.stderr)
+        console.print(f"{backend.url} (namespace {namespace.digest_hex})", soft_wrap=True)
+        table = Table()
+        table.add_column("counter")
+        table.add_column("value", justify="right")
+        for name, value in sorted(stats.items()):
+            table.add_row(name, f"{value:,}" if isinstance(value, int) else str(value))
+        console.print(table)
+        if stored is not None:
+            console.print(f"stored: {stored.blocks:,} blocks, {format_bytes(stored.bytes)}")
+        if keys:
+            try:
+                present: list[bool] | None = list(backend.probe(keys))
+            except Exception as exc:  # probe raises when the medium fails: unknown, not absent
+                present = None
+                failed = True
+                print(args.scrub(f"kvtier inspect: FAILED: could not check keys on {shown}: "
+                                 f"{exc}"), file=sys.stderr)
+            for index, key in enumerate(keys):
+                verdict = "unknown (check failed)" if present is None else (
+                    "present" if present[index] else "absent")
+                console.print(f"key {key.hex()}: {verdict}")
+    finally:
+        backend.close()
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _stored_namespace(url: str, digest: str) -> Any:
+    """The namespace stored at ``url`` under ``digest`` (a unique prefix will do)."""
+    from kvtier.ops.inventory import UsageError as InventoryError
+    from kvtier.ops.inventory import resolve_digest
+
+    try:
+        stored = resolve_digest(list_usage(url), digest)
+    except InventoryError as exc:
+        raise UsageError(str(exc)) from None
+    if stored.fields is None:
+        raise UsageError(
+            f"namespace {stored.digest} has no valid manifest at {redact(url)} (written by an "
+            f"older kvtier?); name its fields with --namespace FIELD=VALUE instead"
+        )
+    return stored
+
+

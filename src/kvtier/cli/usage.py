@@ -1,0 +1,110 @@
+"""``kvtier usage``: what a tier stores, per namespace, read from the medium itself.
+
+Also the table ``kvtier purge`` shows. No state: runs on the command's main thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.cli import common
+from kvtier.cli.common import EXIT_FAILED, EXIT_OK, UsageError, redact
+
+_log = logging.getLogger("kvtier.cli")
+
+
+def register(commands: Any) -> None:
+    """Add the ``usage`` sub-parser."""
+    usage = commands.add_parser(
+        "usage", help="what a tier stores, per namespace (digest, model, blocks, bytes, age)",
+        description="List every kvtier namespace stored at URL, read from the medium itself "
+                    "(SCAN on Redis and every Cluster primary, LIST on S3, the directory tree "
+                    "of a file tier): digest, model, blocks, bytes, oldest and newest block.",
+    )
+    usage.add_argument("url", metavar="URL", help="the backend URL (file://, redis://, "
+                       "rediss://, redis+cluster://, s3://, memory://)")
+    usage.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    usage.set_defaults(run=run)
+
+
+def list_usage(url: str) -> list[Any]:
+    from kvtier.ops.inventory import MediumError, usage
+    from kvtier.ops.inventory import UsageError as InventoryError
+
+    try:
+        return usage(url)
+    except InventoryError as exc:
+        raise UsageError(str(exc)) from None
+    except MediumError as exc:
+        raise MediumFailed(str(exc)) from None
+
+
+class MediumFailed(Exception):
+    """The medium could not be listed or purged (exit 1)."""
+
+
+def _age(now: float, when: float | None) -> str:
+    if when is None:
+        return "-"
+    seconds = max(0.0, now - when)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def usage_table(url: str, found: Sequence[Any], title: str) -> Any:
+    import time
+
+    from rich.table import Table
+
+    from kvtier.replay.report import format_bytes
+
+    now = time.time()
+    table = Table(title=title, title_justify="left", caption_justify="left")
+    table.add_column("digest", no_wrap=True)
+    table.add_column("namespace", overflow="fold")
+    for header in ("blocks", "bytes", "oldest", "newest"):
+        table.add_column(header, justify="right", no_wrap=True)
+    for item in found:
+        table.add_row(item.digest[:12], _namespace_label(item), f"{item.blocks:,}",
+                      format_bytes(item.bytes), _age(now, item.oldest), _age(now, item.newest))
+    total = sum(item.bytes for item in found)
+    table.caption = (f"{len(found):,} namespace(s), {sum(i.blocks for i in found):,} blocks, "
+                     f"{format_bytes(total)}")
+    if url.startswith("redis"):
+        table.caption += "; redis keeps no write time: oldest/newest are last access times"
+    return table
+
+
+def _namespace_label(item: Any) -> str:
+    """The model, then the fields that differ from their defaults (never the long layout)."""
+    if item.fields is None:
+        return "? (no manifest)"
+    defaults = {"revision": "", "dtype": "", "block_size": 0, "world_size": 1, "rank": 0,
+                "tenant": ""}
+    extra = [f"{name}={item.fields[name]}" for name, default in defaults.items()
+             if item.fields.get(name, default) != default]
+    return " ".join([str(item.fields["model"]), *extra])
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    try:
+        found = list_usage(args.url)
+    except MediumFailed as exc:
+        print(f"kvtier usage: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    _log.info("listed %d namespace(s) at %s", len(found), redact(args.url))
+    if args.json:
+        print(json.dumps([item.to_json() for item in found], indent=2))
+        return EXIT_OK
+    common.console().print(usage_table(args.url, found, f"kvtier usage: {redact(args.url)}"))
+    return EXIT_OK
+
+
