@@ -19,8 +19,9 @@ import statistics
 import time
 from collections.abc import Callable
 
+from kvtier.factory import open_manager
 from kvtier.keys import Namespace, RequestContext, chain_keys
-from kvtier.tiering.manager import TieringManager, open_manager
+from kvtier.tiering.manager import TieringManager
 
 BLOCK = 4096
 

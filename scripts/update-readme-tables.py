@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import kvtier.integrations.vllm._settings  # noqa: F401  (registers the vLLM tier's table)
 from kvtier.config import settings_markdown
 from kvtier.ops.metrics import metrics_markdown
 

@@ -16,7 +16,6 @@ from kvtier.config import (
     LOOKUP_SETTINGS,
     OTHER_ENV_VARIABLES,
     TIER_SETTINGS,
-    VLLM_TIER_SETTINGS,
     ConfigError,
     KvtierConfig,
     MetricsRegistry,
@@ -28,6 +27,7 @@ from kvtier.config import (
     parse_size,
     settings_markdown,
 )
+from kvtier.integrations.vllm._settings import VLLM_TIER_SETTINGS  # registers its table
 from kvtier.policies import PolicyName
 from kvtier.primary import PrimaryBacking
 from kvtier.settings import Kind, Setting, SettingsTable

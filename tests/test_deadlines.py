@@ -18,9 +18,10 @@ import pytest
 
 from kvtier.backends import open_backend
 from kvtier.config import ConfigError, load_config
+from kvtier.factory import open_manager
 from kvtier.keys import Namespace, RequestContext, chain_keys
 from kvtier.tiering.io_pool import DEFAULT_LOAD_TIMEOUT_S, SHUTDOWN_EXTRA_PER_TIER_S, IoThreadPool
-from kvtier.tiering.manager import LookupResult, open_manager
+from kvtier.tiering.manager import LookupResult
 from kvtier.tiering.tier import SecondaryTier
 from kvtier.tiering.tier_settings import TierSettings
 
@@ -132,7 +133,7 @@ def test_io_threads_are_daemons_and_shutdown_is_bounded() -> None:
 _FIFO_SCENARIO = textwrap.dedent("""
     import json, os, sys, time
     from kvtier.keys import Namespace, RequestContext, chain_keys
-    from kvtier.tiering.manager import open_manager
+    from kvtier.factory import open_manager
 
     root, block = sys.argv[1], 4096
     config = {"block_bytes": block, "primary_bytes": block * 8, "namespace": {"model": "fifo"},

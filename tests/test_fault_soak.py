@@ -28,8 +28,9 @@ from uuid import uuid4
 import pytest
 
 from kvtier.backends import Backend, open_backend
+from kvtier.factory import open_manager
 from kvtier.keys import BlockKey, Namespace, RequestContext, chain_keys
-from kvtier.tiering.manager import StoreMode, TieringManager, open_manager
+from kvtier.tiering.manager import StoreMode, TieringManager
 
 SEED = int(os.environ.get("KVTIER_SOAK_SEED", "20261201"))  # rerun a failure by its seed
 BLOCK = 4096

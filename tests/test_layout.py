@@ -21,16 +21,19 @@ MAX_LINES = 700
 # Low to high. A module belongs to the first prefix that matches it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("basics", ("kvtier.errors", "kvtier.lru", "kvtier.text", "kvtier.keys", "kvtier.codec",
-                "kvtier.settings", "kvtier.ops.metrics", "kvtier.ops.logs", "kvtier.ops")),
+                "kvtier.settings", "kvtier.namespace_settings", "kvtier.ops.metrics",
+                "kvtier.ops.logs", "kvtier.ops")),
     ("storage", ("kvtier.backends", "kvtier.primary", "kvtier.policies")),
     ("inventory", ("kvtier.inventory",)),
     ("lookup", ("kvtier.lookup",)),
     ("tiering", ("kvtier.tiering",)),
+    ("config", ("kvtier.config", "kvtier.factory")),
     ("engines", ("kvtier.integrations", "kvtier.replay")),
-    ("config", ("kvtier.config",)),
     ("commands", ("kvtier.cli", "kvtier.bench")),
 )
 # ops/inventory.py works on the storage layer (usage, purge, manifests of every backend kind).
+# config (the loader and open_manager) sits on top of the core layers; the engines and commands
+# build their stacks from it, and nothing in the core imports it.
 _OVERRIDES = {"kvtier.ops.inventory": "inventory"}
 _RANK = {name: rank for rank, (name, _prefixes) in enumerate(LAYERS)}
 

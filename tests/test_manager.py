@@ -13,6 +13,7 @@ import pytest
 from kvtier.backends import Buffer
 from kvtier.backends.base import Backend
 from kvtier.config import ConfigError
+from kvtier.factory import open_manager
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.policies import ARCPolicy
 from kvtier.tiering.manager import (
@@ -26,7 +27,6 @@ from kvtier.tiering.manager import (
     StoreMode,
     StoreShed,
     TieringManager,
-    open_manager,
 )
 
 BLOCK = 256

@@ -11,8 +11,9 @@ from uuid import uuid4
 import numpy as np
 import pytest
 
+from kvtier.factory import open_manager
 from kvtier.keys import Namespace, RequestContext, chain_keys
-from kvtier.tiering.manager import LookupResult, PromotionFailed, TieringManager, open_manager
+from kvtier.tiering.manager import LookupResult, PromotionFailed, TieringManager
 
 BLOCK = 16 * 1024
 KINDS = ["file", "redis", "redis_cluster", "s3"]

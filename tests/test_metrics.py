@@ -12,6 +12,7 @@ import prometheus_client
 import pytest
 
 from kvtier.config import ConfigError
+from kvtier.factory import open_manager
 from kvtier.keys import RequestContext
 from kvtier.ops.metrics import (
     STANDALONE_PREFIX,
@@ -25,7 +26,6 @@ from kvtier.ops.metrics import (
     manager_samples,
     metrics_markdown,
 )
-from kvtier.tiering.manager import open_manager
 
 CONFIG = {"block_bytes": 64, "primary_bytes": 256, "namespace": {"model": "m"},
           "secondary_tiers": ["memory://"]}

@@ -349,7 +349,7 @@ def test_an_arena_larger_than_available_memory_is_refused_up_front(backing: str)
 
 
 def test_open_manager_reports_a_taken_arena_as_a_config_error(tmp_path: Path) -> None:
-    from kvtier.tiering.manager import open_manager
+    from kvtier.factory import open_manager
 
     path = str(tmp_path / "arena.bin")
     config = {"block_bytes": 16, "primary_bytes": 64, "namespace": {"model": "m"},

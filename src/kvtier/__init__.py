@@ -13,9 +13,10 @@ from kvtier.keys import BlockKey, Namespace, RequestContext, chain_keys
 
 if TYPE_CHECKING:
     from kvtier.backends import Backend, open_backend
+    from kvtier.factory import open_manager
     from kvtier.lookup.manager import AsyncLookupManager, LookupPhase, LookupStats
     from kvtier.ops.inventory import NamespaceUsage, PurgeResult, purge, usage
-    from kvtier.tiering.manager import LookupResult, TieringManager, open_manager
+    from kvtier.tiering.manager import LookupResult, TieringManager
 
 __version__ = "0.1.0"
 
@@ -27,7 +28,7 @@ _LAZY: dict[str, str] = {
     "open_backend": "kvtier.backends",
     "TieringManager": "kvtier.tiering.manager",
     "LookupResult": "kvtier.tiering.manager",
-    "open_manager": "kvtier.tiering.manager",
+    "open_manager": "kvtier.factory",
     "NamespaceUsage": "kvtier.ops.inventory",
     "PurgeResult": "kvtier.ops.inventory",
     "purge": "kvtier.ops.inventory",

@@ -8,9 +8,10 @@ component that takes it: :data:`CONFIG_SETTINGS` (top level, here),
 :data:`~kvtier.namespace_settings.NAMESPACE_SETTINGS`, :data:`~kvtier.tiering.tier_settings.
 TIER_SETTINGS` (one secondary tier; its I/O settings are the typed record
 :class:`~kvtier.tiering.tier_settings.TierSettings`), :data:`~kvtier.lookup.manager.
-LOOKUP_SETTINGS` (a tier's lookup manager) and :data:`~kvtier.integrations.vllm._settings.
-VLLM_TIER_SETTINGS` (the vLLM ``KvtierTier``). This module is the top-floor loader: it imports
-those tables (and re-exports them), nothing below it imports this module. It validates dict /
+LOOKUP_SETTINGS` (a tier's lookup manager); the tables of outer components (the vLLM
+``KvtierTier``) register themselves (:func:`~kvtier.settings.register_table`). This module is
+the loader on top of the core layers: it imports their tables (and re-exports them), nothing in
+the core imports it, and it imports nothing above it. It validates dict /
 YAML / environment values into typed records, names the ``KVTIER_*`` variables, and generates
 the README's settings tables (:func:`settings_markdown`).
 
@@ -66,10 +67,10 @@ import yaml
 
 import kvtier.backends as _backends
 from kvtier.backends import SCHEMES
-from kvtier.integrations.vllm._settings import VLLM_TIER_SETTINGS
 from kvtier.keys import Namespace
 from kvtier.lookup.manager import LOOKUP_SETTINGS
 from kvtier.namespace_settings import NAMESPACE_SETTINGS
+from kvtier.ops.metrics import MetricsRegistry
 from kvtier.policies import PolicyName
 from kvtier.primary import PrimaryBacking
 from kvtier.settings import (
@@ -81,7 +82,9 @@ from kvtier.settings import (
     env_layer,
     mapping_of,
     parse_size,
+    registered_tables,
 )
+from kvtier.tiering.plans import WritePolicy
 from kvtier.tiering.tier_settings import TIER_SETTINGS, LookupConfig, TierSettings
 
 __all__ = [
@@ -90,7 +93,6 @@ __all__ = [
     "NAMESPACE_SETTINGS",
     "OTHER_ENV_VARIABLES",
     "TIER_SETTINGS",
-    "VLLM_TIER_SETTINGS",
     "ConfigError",
     "KvtierConfig",
     "LookupConfig",
@@ -109,19 +111,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("kvtier.config")
-
-
-class WritePolicy(enum.Enum):
-    """When stored blocks are cascaded to the secondary tiers; the value is the config spelling."""
-
-    WRITE_THROUGH = "write_through"  # at complete_store, to every tier
-    WRITE_BACK = "write_back"        # when the primary evicts the block, and at shutdown()
-
-
-class MetricsRegistry(enum.Enum):
-    PRIVATE = "private"    # a CollectorRegistry per manager (several managers never collide)
-    GLOBAL = "global"      # prometheus_client.REGISTRY (one manager per process)
-    DISABLED = "disabled"  # no metrics
 
 
 def _choices(kind: type[enum.Enum]) -> tuple[str, ...]:
@@ -177,7 +166,7 @@ def backend_table(scheme: str) -> SettingsTable | None:
 def all_tables() -> tuple[SettingsTable, ...]:
     """Every settings table of kvtier (the backends' too, where declared)."""
     tables = [CONFIG_SETTINGS, NAMESPACE_SETTINGS, TIER_SETTINGS, LOOKUP_SETTINGS,
-              VLLM_TIER_SETTINGS]
+              *registered_tables()]
     seen: set[int] = set()
     for scheme in SCHEMES:
         table = backend_table(scheme)

@@ -49,6 +49,8 @@ __all__ = [
     "parse_record",
     "parse_size",
     "record_table",
+    "register_table",
+    "registered_tables",
     "setting_field",
 ]
 
@@ -449,3 +451,18 @@ def mapping_of(value: object, path: str) -> Mapping[str, Any]:
         if not isinstance(key, str):
             raise ConfigError(f"{path}: keys must be strings, got {key!r}")
     return value
+
+
+_REGISTERED: dict[str, SettingsTable] = {}
+
+
+def register_table(table: SettingsTable) -> SettingsTable:
+    """Make an outer component's table known to the config loader's docs and ``KVTIER_*`` checks
+    (the vLLM tier's table registers itself when its module is imported), so that the loader
+    never imports the components above it. Idempotent per component name."""
+    _REGISTERED[table.component] = table
+    return table
+
+
+def registered_tables() -> tuple[SettingsTable, ...]:
+    return tuple(_REGISTERED.values())

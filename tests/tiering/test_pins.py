@@ -64,7 +64,7 @@ def test_hold_refused_for_absent_keys_and_beyond_the_cap() -> None:
     pins.hold_many("r", {k(0), k(1), k(2), k(3)}, None)
     assert pins.held == 3 and counters.holds_placed == 3 and counters.holds_refused == 2
     pins.release_hold("r")
-    assert pins.held == 0 and pool.total_pins == 0
+    assert pins.held == 0 and pool.occupancy().pins == 0
 
 
 def test_taken_hold_is_settled_keeping_what_was_found_again() -> None:
@@ -81,7 +81,7 @@ def test_taken_hold_is_settled_keeping_what_was_found_again() -> None:
     taken = pins.take_hold("r")
     assert taken is not None
     pins.unpin_held(taken.keys)
-    assert pins.held == 0 and pool.total_pins == 0
+    assert pins.held == 0 and pool.occupancy().pins == 0
     assert pins.take_hold("r") is None
 
 

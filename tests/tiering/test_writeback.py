@@ -33,7 +33,7 @@ def test_cascade_pins_only_within_the_budget_oldest_first() -> None:
     writeback.submit(0, tier)  # type: ignore[arg-type]
     assert tier.stores[0][0] == [k(0), k(1)] and not writeback.has_queued
     writeback.apply_store(0, "t", finished(1, JobKind.STORE, [k(0), k(1)], [True, False]))
-    assert pins.cascade_pins == 0 and pool.total_pins == 0
+    assert pins.cascade_pins == 0 and pool.occupancy().pins == 0
     assert counters.cascades_stored == 1 and counters.cascades_failed == 1
     writeback.cascade_unwritten()  # the budget freed: the last one goes
     assert pool.pin_count(k(2)) == 1 and not writeback.has_unwritten

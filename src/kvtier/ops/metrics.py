@@ -63,6 +63,14 @@ __all__ = [
     "vllm_metric_definitions",
 ]
 
+
+class MetricsRegistry(enum.Enum):
+    """Where a manager registers its metrics; the value is the config spelling."""
+
+    PRIVATE = "private"    # a CollectorRegistry per manager (several managers never collide)
+    GLOBAL = "global"      # prometheus_client.REGISTRY (one manager per process)
+    DISABLED = "disabled"  # no metrics
+
 STANDALONE_PREFIX = "kvtier_"
 VLLM_PREFIX = "vllm:kvtier_"  # vLLM exports (and LLM.get_metrics reads) vllm:* only
 PRIMARY_LABEL = "0:primary"

@@ -138,7 +138,7 @@ def _replay(
     tier_urls: tuple[str, ...],
     progress: ProgressCallback | None,
 ) -> ReplayResult:
-    from kvtier.tiering.manager import open_manager
+    from kvtier.factory import open_manager
 
     tag = options.namespace_tag or uuid.uuid4().hex[:12]
     namespace_fields: dict[str, Any] = {

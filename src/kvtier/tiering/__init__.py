@@ -1,8 +1,9 @@
 """The tiering layer: ``TieringManager`` (the step loop and public API) over the primary pool
 and one ``SecondaryTier`` per configured backend (a backend, its lookup manager, its jobs).
 
-The manager's names are imported lazily, so that ``kvtier.config`` can import
-``kvtier.tiering.io_pool`` without importing the manager (which imports the config).
+The manager's names are imported lazily: importing one small module of the layer (the tier's
+settings table, the I/O pool) does not import the whole manager. ``open_manager``, which builds
+the stack from a config, lives one floor up in :mod:`kvtier.factory`.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvtier.tiering.manager import LookupResult, TieringManager, open_manager
+    from kvtier.tiering.manager import LookupResult, TieringManager
 
-__all__ = ["LookupResult", "TieringManager", "open_manager"]
+__all__ = ["LookupResult", "TieringManager"]
 
 
 def __getattr__(name: str) -> Any:

@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from kvtier.config import WritePolicy
 from kvtier.errors import ClosedError
 from kvtier.keys import BlockKey, Namespace, RequestContext, validate_keys
 from kvtier.ops.metrics import KvtierMetrics, manager_samples
@@ -47,9 +46,15 @@ from kvtier.tiering.events import (
     PromotionFailed,
     StoreShed,
 )
-from kvtier.tiering.factory import open_manager
 from kvtier.tiering.pins import PinLedger
-from kvtier.tiering.plans import KeyNotResidentError, LoadPlan, LookupResult, StoreMode, StorePlan
+from kvtier.tiering.plans import (
+    KeyNotResidentError,
+    LoadPlan,
+    LookupResult,
+    StoreMode,
+    StorePlan,
+    WritePolicy,
+)
 from kvtier.tiering.promotions import MAX_PROMOTION_ROUNDS, PromotionTable
 from kvtier.tiering.tier import SecondaryTier
 from kvtier.tiering.transfers import Transfers
@@ -70,7 +75,6 @@ __all__ = [
     "StorePlan",
     "StoreShed",
     "TieringManager",
-    "open_manager",
 ]
 
 _METRICS_INTERVAL_S = 1.0      # scheduler-side counters are published at most this often

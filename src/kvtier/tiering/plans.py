@@ -49,3 +49,10 @@ class StorePlan:
 
 class KeyNotResidentError(KvtierError, ValueError):
     """``prepare_load`` was asked for a key that is not resident in the primary pool."""
+
+
+class WritePolicy(enum.Enum):
+    """When stored blocks are cascaded to the secondary tiers; the value is the config spelling."""
+
+    WRITE_THROUGH = "write_through"  # at complete_store, to every tier
+    WRITE_BACK = "write_back"        # when the primary evicts the block, and at shutdown()

@@ -36,7 +36,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
 from typing import Any, cast
 
 from kvtier.backends.base import Backend, Buffer, RateLimitedLog
@@ -633,7 +632,7 @@ class SecondaryTier:
         """A typed snapshot: lookup counters, transfer counters, the backend's counters."""
         backend_stats: Mapping[str, Any] | None
         try:
-            backend_stats = MappingProxyType(dict(self._backend.stats()))
+            backend_stats = dict(self._backend.stats())  # a copy: asdict() deep-copies it
         except Exception as exc:
             backend_stats = None
             _log.debug("tier %s: backend stats unavailable: %r", self._name, exc)

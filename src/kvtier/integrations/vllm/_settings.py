@@ -3,18 +3,19 @@
 This module owns no mutable state: the table is frozen, safe to share between threads. The
 table reuses the declarations it shares with a secondary tier (``url``, ``io_threads``,
 ``load_timeout_s``) and with the namespace (``model``, ``revision``, ``tenant``), so each of
-those settings exists once; :mod:`kvtier.config` lists this table for the docs and env checks.
+those settings exists once. :func:`kvtier.settings.register_table` makes it known to the
+config loader's docs and env checks without the loader importing this module.
 """
 
 from __future__ import annotations
 
 from kvtier.namespace_settings import NAMESPACE_SETTINGS
-from kvtier.settings import Kind, Setting, SettingsTable
+from kvtier.settings import Kind, Setting, SettingsTable, register_table
 from kvtier.tiering.tier_settings import TIER_SETTINGS
 
 __all__ = ["VLLM_TIER_SETTINGS"]
 
-VLLM_TIER_SETTINGS = SettingsTable("vLLM KvtierTier", [
+VLLM_TIER_SETTINGS = register_table(SettingsTable("vLLM KvtierTier", [
     TIER_SETTINGS["url"],
     TIER_SETTINGS["io_threads"],
     TIER_SETTINGS["load_timeout_s"],
@@ -29,4 +30,4 @@ VLLM_TIER_SETTINGS = SettingsTable("vLLM KvtierTier", [
     NAMESPACE_SETTINGS["model"],
     NAMESPACE_SETTINGS["revision"],
     NAMESPACE_SETTINGS["tenant"],
-])
+]))

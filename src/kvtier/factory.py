@@ -1,5 +1,7 @@
 """``open_manager``: build the whole tiering stack (pool, backends, tiers, metrics) from a config.
 
+It sits on the config floor: it loads a config, then builds the layers below from it.
+
 Owns no state: it builds a :class:`~kvtier.tiering.manager.TieringManager`, which owns it all.
 """
 
@@ -8,18 +10,16 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import prometheus_client
 
-from kvtier.config import KvtierConfig, MetricsRegistry, load_config
-from kvtier.ops.metrics import KvtierMetrics
+from kvtier.config import KvtierConfig, load_config
+from kvtier.ops.metrics import KvtierMetrics, MetricsRegistry
 from kvtier.primary import PrimaryPool
 from kvtier.settings import ConfigError
+from kvtier.tiering.manager import TieringManager
 from kvtier.tiering.tier import LookupFactory, SecondaryTier
-
-if TYPE_CHECKING:
-    from kvtier.tiering.manager import TieringManager
 
 __all__ = ["open_manager"]
 
@@ -39,8 +39,6 @@ def open_manager(
     :class:`~kvtier.tiering.tier.SecondaryTier`). Raises :class:`ConfigError` naming the
     bad key path, including for a backend URL or option the backend rejects.
     """
-    from kvtier.tiering.manager import TieringManager  # it re-exports this function
-
     cfg = load_config(config, **overrides)
     metrics: KvtierMetrics | None
     if cfg.metrics_registry is MetricsRegistry.DISABLED:
@@ -67,12 +65,8 @@ def open_manager(
                 raise ConfigError(f"secondary_tiers[{index}]: {exc}") from None
             try:
                 tiers.append(SecondaryTier(
-                    tier_cfg.name, backend, lookup=tier_cfg.lookup,
-                    io_threads=tier_cfg.io_threads,
-                    max_pending_store_bytes=tier_cfg.max_pending_store_bytes,
-                    max_pending_store_jobs=tier_cfg.max_pending_store_jobs,
+                    tier_cfg.name, backend, tier_cfg.settings, lookup=tier_cfg.lookup,
                     metrics=metrics, clock=clock, lookup_factory=lookup_factory,
-                    load_timeout_s=tier_cfg.load_timeout_s,
                 ))
             except (ValueError, TypeError) as exc:
                 backend.close()
