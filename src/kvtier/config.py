@@ -65,8 +65,7 @@ from typing import Any
 
 import yaml
 
-import kvtier.backends as _backends
-from kvtier.backends import SCHEMES
+from kvtier.backends import SCHEMES, kind_for, registered_kinds, registered_schemes
 from kvtier.keys import Namespace
 from kvtier.lookup.manager import LOOKUP_SETTINGS
 from kvtier.namespace_settings import NAMESPACE_SETTINGS
@@ -155,24 +154,21 @@ OTHER_ENV_VARIABLES: Mapping[str, str] = MappingProxyType({
 
 
 def backend_table(scheme: str) -> SettingsTable | None:
-    """The option table of a backend scheme, where :mod:`kvtier.backends` declares one.
-
-    None: the backend validates its own options (they are passed to ``open_backend`` as given).
-    """
-    factory = getattr(_backends, "backend_settings", None)
-    return None if factory is None else factory(scheme)
+    """The option table of a registered backend kind (built in or registered from outside);
+    None for an unknown scheme."""
+    try:
+        return kind_for(scheme).settings
+    except ValueError:
+        return None
 
 
 def all_tables() -> tuple[SettingsTable, ...]:
     """Every settings table of kvtier (the backends' too, where declared)."""
     tables = [CONFIG_SETTINGS, NAMESPACE_SETTINGS, TIER_SETTINGS, LOOKUP_SETTINGS,
               *registered_tables()]
-    seen: set[int] = set()
-    for scheme in SCHEMES:
-        table = backend_table(scheme)
-        if table is not None and id(table) not in seen:
-            seen.add(id(table))
-            tables.append(table)
+    for kind in registered_kinds():
+        if kind.settings not in tables and set(kind.schemes) <= set(SCHEMES):
+            tables.append(kind.settings)  # the built-in kinds (a registered one documents itself)
     return tuple(tables)
 
 
@@ -259,10 +255,10 @@ def _check_url(url: object, path: str) -> str:
             f"'s3://bucket/prefix', got {_shown_url(url)!r}"
         )
     scheme = url.split("://", 1)[0].lower()
-    if scheme not in SCHEMES:
+    if scheme not in registered_schemes():
         raise ConfigError(
             f"{path}: unknown scheme {scheme!r} in {_shown_url(url)!r}; expected one of "
-            f"{list(SCHEMES)}"
+            f"{list(registered_schemes())}"
         )
     return url
 

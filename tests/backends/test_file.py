@@ -107,7 +107,7 @@ def test_crash_mid_put_leaves_no_block_and_the_temp_file_is_removed_on_open(
     script = textwrap.dedent(
         f"""
         import os, signal
-        from kvtier.backends import file
+        from kvtier.backends.file import backend as file
         from kvtier.keys import Namespace
         backend = file.FileBackend({str(tmp_path)!r}, Namespace(model={namespace.model!r}))
         die = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
@@ -459,7 +459,7 @@ def test_publishing_falls_back_to_hard_links_without_rename_noreplace(
     """A filesystem that refuses RENAME_NOREPLACE (EINVAL) is simulated with a mock, since the
     test machine's filesystems all support it; the block must still be published once, and an
     existing block still never overwritten."""
-    from kvtier.backends import file
+    from kvtier.backends.file import backend as file
 
     def refusing(temp: str, final: str) -> None:
         raise OSError(errno.EINVAL, "injected: no RENAME_NOREPLACE", final)

@@ -777,6 +777,6 @@ def test_cluster_corrupt_object_and_zero_copy(
         assert backend.get_many(keys, outs) == [False, True]
         assert raw.exists(name) == 0
     assert backend.stats()["corrupt_objects"] == 1
-    client = backend._raw_client()
+    client = backend.raw_client()
     pools = [node.redis_connection.connection_pool for node in client.get_nodes()]
     assert pools and all(pool.connection_class is _FrameConnection for pool in pools)

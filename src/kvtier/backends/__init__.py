@@ -17,12 +17,9 @@ Options come from keyword arguments or from the URL's query string (not both for
 from __future__ import annotations
 
 import enum
-import importlib
 import logging
-import threading
 import urllib.parse
-from collections.abc import Callable, Mapping
-from types import ModuleType
+from collections.abc import Mapping
 from typing import Any
 
 from kvtier.backends.base import (
@@ -40,8 +37,21 @@ from kvtier.backends.base import (
     check_keys,
     check_put_args,
 )
+from kvtier.backends.manifest import manifest_document
+from kvtier.backends.registry import (
+    BUILTIN_SCHEMES,
+    BackendFactory,
+    BackendKind,
+    InventoryUnsupportedError,
+    kind_for,
+    register_kind,
+    register_scheme,
+    registered_kinds,
+    registered_schemes,
+)
 from kvtier.keys import Namespace
 from kvtier.settings import SettingsTable
+from kvtier.text import first_line
 
 __all__ = [
     "REMOTE_SCHEMES",
@@ -50,90 +60,37 @@ __all__ = [
     "Backend",
     "BackendClosedError",
     "BackendFactory",
+    "BackendKind",
     "BackendStats",
     "BackendUnavailableError",
     "Buffer",
     "Fetched",
+    "InventoryUnsupportedError",
     "OpenMode",
     "Outcome",
     "RateLimitedLog",
     "StoredFrame",
-    "backend_module",
     "backend_settings",
     "check_get_args",
     "check_keys",
     "check_put_args",
+    "kind_for",
+    "kind_of",
     "open_backend",
     "redact_url",
     "redacted_options",
+    "register_kind",
     "register_scheme",
+    "registered_kinds",
     "registered_schemes",
     "split_url_options",
 ]
 
-BackendFactory = Callable[[str, Namespace, dict[str, Any]], Backend]
-"""``factory(url, namespace, options)``: opens a backend; raises ``ValueError`` for bad input."""
-
-_BUILTIN_MODULES: dict[str, str] = {
-    "memory": "kvtier.backends.memory",
-    "file": "kvtier.backends.file",
-    "redis": "kvtier.backends.redis",
-    "rediss": "kvtier.backends.redis",
-    "redis+cluster": "kvtier.backends.redis",
-    "rediss+cluster": "kvtier.backends.redis",
-    "s3": "kvtier.backends.s3",
-}
-SCHEMES: tuple[str, ...] = tuple(_BUILTIN_MODULES)
+SCHEMES: tuple[str, ...] = BUILTIN_SCHEMES
 """The built-in backend URL schemes (see :func:`registered_schemes` for all of them)."""
+
 REMOTE_SCHEMES: frozenset[str] = frozenset(SCHEMES) - {"memory", "file"}
 """The built-in schemes whose backend is shared over the network (the others live on this host)."""
-
-
-class _Registration:
-    """A scheme registered from outside: its factory and its settings table."""
-
-    __slots__ = ("factory", "settings")
-
-    def __init__(self, factory: BackendFactory, settings: SettingsTable) -> None:
-        self.factory = factory
-        self.settings = settings
-
-
-# Written by register_scheme under _registry_lock (any thread, usually at import time); read
-# without the lock (a dict lookup of an immutable registration).
-_registry: dict[str, _Registration] = {}
-_registry_lock = threading.Lock()
-
-
-def register_scheme(scheme: str, factory: BackendFactory,
-                    settings: SettingsTable | None = None) -> None:
-    """Make ``open_backend`` open ``scheme://...`` URLs with ``factory``.
-
-    ``settings`` declares the scheme's options (an empty table if omitted); config loaders
-    validate against it through :func:`backend_settings`. A built-in scheme cannot be replaced,
-    and registering one scheme twice is an error unless it is the same factory.
-    """
-    if not isinstance(scheme, str) or not scheme or not all(
-        char.isalnum() or char in "+-." for char in scheme
-    ) or not scheme[0].isalpha():
-        raise ValueError(f"backend scheme {scheme!r}: expected letters, digits, '+', '-', '.' "
-                         "starting with a letter (without '://')")
-    if not callable(factory):
-        raise TypeError(f"factory must be callable, got {type(factory).__name__}")
-    name = scheme.lower()
-    if name in _BUILTIN_MODULES:
-        raise ValueError(f"backend scheme {name!r} is built in and cannot be replaced")
-    table = settings if settings is not None else SettingsTable(f"{name} backend", ())
-    with _registry_lock:
-        existing = _registry.get(name)
-        if existing is not None and existing.factory is not factory:
-            raise ValueError(f"backend scheme {name!r} is already registered")
-        _registry[name] = _Registration(factory, table)
-
-
-def registered_schemes() -> tuple[str, ...]:
-    """Every scheme :func:`open_backend` accepts now: the built-in ones and the registered ones."""
-    return (*SCHEMES, *sorted(_registry))
 
 
 def backend_settings(scheme: str) -> SettingsTable:
@@ -141,16 +98,7 @@ def backend_settings(scheme: str) -> SettingsTable:
 
     Importing a built-in scheme's table imports its backend module (and its client library).
     """
-    name = scheme.lower().removesuffix("://")
-    module_name = _BUILTIN_MODULES.get(name)
-    if module_name is not None:
-        table: SettingsTable = importlib.import_module(module_name).SETTINGS
-        return table
-    registration = _registry.get(name)
-    if registration is None:
-        raise ValueError(f"unknown backend URL scheme {name + '://'!r}; expected one of "
-                         f"{[s + '://' for s in registered_schemes()]}")
-    return registration.settings
+    return kind_for(scheme).settings
 
 
 def _scheme_of(url: str) -> str:
@@ -161,6 +109,18 @@ def _scheme_of(url: str) -> str:
             f"{[s + '://' for s in registered_schemes()]}"
         )
     return scheme.lower()
+
+
+def kind_of(url: str) -> BackendKind:
+    """The kind of ``url``'s scheme; ``ValueError`` (URL redacted) for an unknown one."""
+    scheme = _scheme_of(url)
+    try:
+        return kind_for(scheme)
+    except ValueError:
+        raise ValueError(
+            f"unknown backend URL scheme {scheme + '://'!r} in {redact_url(url)!r}; expected "
+            f"one of {[s + '://' for s in registered_schemes()]}"
+        ) from None
 
 
 class OpenMode(enum.Enum):
@@ -187,24 +147,13 @@ def open_backend(
         raise TypeError(f"url must be a str, got {type(url).__name__}")
     if not isinstance(namespace, Namespace):
         raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
-    scheme = _scheme_of(url)
-    module_name = _BUILTIN_MODULES.get(scheme)
-    if module_name is not None:
-        factory: BackendFactory = importlib.import_module(module_name).from_url
-    else:
-        registration = _registry.get(scheme)
-        if registration is None:
-            raise ValueError(
-                f"unknown backend URL scheme {scheme + '://'!r} in {redact_url(url)!r}; expected "
-                f"one of {[s + '://' for s in registered_schemes()]}"
-            )
-        factory = registration.factory
-    backend = factory(url, namespace, dict(options))
+    kind = kind_of(url)
+    backend = kind.open(url, namespace, dict(options))
     if not isinstance(backend, Backend):
-        raise TypeError(f"the factory of {scheme}:// returned {type(backend).__name__}, "
+        raise TypeError(f"the {_scheme_of(url)}:// kind returned {type(backend).__name__}, "
                         "not a kvtier Backend")
-    if mode is OpenMode.READ_WRITE and module_name is not None:
-        _write_manifest(importlib.import_module(module_name), backend)
+    if mode is OpenMode.READ_WRITE:
+        _write_manifest(backend)
     return backend
 
 
@@ -260,37 +209,15 @@ def redacted_options(options: Mapping[str, Any]) -> dict[str, Any]:
             for name, value in options.items()}
 
 
-# ------------------------------------------------------------------ usage (kvtier.ops.inventory)
-
 _log = logging.getLogger(__name__)
 
 
-def backend_module(url: str) -> ModuleType:
-    """The module implementing ``url``'s scheme: ``from_url`` and, for ``kvtier.ops.inventory``,
-    ``list_namespaces`` / ``delete_namespaces`` (and ``write_manifest`` where the medium is
-    shared). Raises ``ValueError`` for a URL without a known scheme."""
-    scheme = _scheme_of(url)
-    module_name = _BUILTIN_MODULES.get(scheme)
-    if module_name is None:
-        known = "registered" if scheme in _registry else "unknown"
-        raise ValueError(
-            f"{known} backend URL scheme {scheme + '://'!r} in {redact_url(url)!r}: usage and "
-            f"purge know the built-in schemes {[s + '://' for s in _BUILTIN_MODULES]}"
-        )
-    return importlib.import_module(module_name)
-
-
-def _write_manifest(module: ModuleType, backend: Backend) -> None:
+def _write_manifest(backend: Backend) -> None:
     """Store the namespace manifest next to the blocks. Best effort: a medium that is down at
     open is not an error for a backend, so a failed write is logged, never raised."""
-    write = getattr(module, "write_manifest", None)
-    if write is None:
-        return
-    from kvtier.ops.inventory import manifest_document
-
     try:
-        write(backend, manifest_document(backend.namespace))
+        backend.write_manifest(manifest_document(backend.namespace))
     except Exception as exc:
         _log.warning("%s: could not write the namespace manifest of %s: %s: %s",
                      backend.url, backend.namespace.digest_hex, type(exc).__name__,
-                     str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+                     first_line(exc))

@@ -515,6 +515,15 @@ class Backend:
         if key_list:
             self._m_delete(list(dict.fromkeys(key_list)))
 
+    def write_manifest(self, document: bytes) -> None:
+        """Store the namespace manifest next to the blocks, where the medium is shared (the
+        default: nowhere, for a private medium). Called once at open for writing; may raise."""
+        self._lifecycle.check_open()
+        self._m_write_manifest(document)
+
+    def _m_write_manifest(self, document: bytes) -> None:
+        """Hook: store ``document`` as this namespace's manifest (default: nothing to do)."""
+
     def close(self) -> None:
         """Release the medium's resources; later calls raise :class:`BackendClosedError`."""
         if self._lifecycle.close():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from kvtier.backends import redact_url, split_url_options
@@ -29,6 +30,8 @@ from kvtier.backends.base import (
     StoredFrame,
     load_auth_key,
 )
+from kvtier.backends.manifest import NamespaceUsage
+from kvtier.backends.registry import BackendKind
 from kvtier.keys import BlockKey, Namespace
 from kvtier.settings import Kind, Setting, SettingsTable
 
@@ -161,15 +164,23 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> MemoryB
                          auth_key=load_auth_key(parsed, "memory"))
 
 
-# ------------------------------------------------------------------ usage (kvtier.ops.inventory)
+class MemoryKind(BackendKind):
+    """``memory://``: in-process, private to its instance; a new one is empty, so its inventory
+    is always empty (the URL is still validated)."""
 
+    schemes = ("memory",)
+    remote = False
 
-def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:
-    """Nothing: a ``memory://`` store is private to its instance, so a new one is empty."""
-    from_url(url, Namespace(model="kvtier-usage"), options).close()  # validates the URL
-    return []
+    @property
+    def settings(self) -> SettingsTable:
+        return SETTINGS
 
+    def open(self, url: str, namespace: Namespace, options: dict[str, Any]) -> MemoryBackend:
+        return from_url(url, namespace, options)
 
-def delete_namespaces(url: str, options: dict[str, Any], digests: list[str]) -> int:
-    """Nothing to delete (see :func:`list_namespaces`)."""
-    return 0
+    def list_namespaces(self, url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
+        from_url(url, Namespace(model="kvtier-usage"), options).close()  # validates the URL
+        return []
+
+    def delete_namespaces(self, url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
+        return 0

@@ -44,15 +44,10 @@ forward, so the TTL bounds idle time, not age.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import logging
-import os
 import threading
-import time
-import urllib.parse
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
 import redis
@@ -60,9 +55,7 @@ import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvtier.backends import redact_url, split_url_options
 from kvtier.backends.base import (
-    COMMON_SETTINGS,
     CORRUPT_FETCH,
     FAILED_FETCH,
     MISSING_FETCH,
@@ -70,21 +63,30 @@ from kvtier.backends.base import (
     Fetched,
     Outcome,
     StoredFrame,
-    load_auth_key,
+)
+from kvtier.backends.redis_config import (
+    SETTINGS,
+    RedisConfig,
+    RedisTopology,
+    parse_redis_url,
 )
 from kvtier.keys import BlockKey, Namespace
-from kvtier.settings import Kind, Secret, Setting, SettingsTable
 
-__all__ = ["SETTINGS", "RedisBackend", "RedisConfig", "RedisTopology", "from_url"]
+__all__ = [
+    "SETTINGS",
+    "RedisBackend",
+    "RedisConfig",
+    "RedisTopology",
+    "from_url",
+    "parse_redis_url",
+]
+
+MANIFEST_SUFFIX: Final = b"namespace"
+"""``kvtier:<digest>:namespace`` holds the namespace manifest; a block's suffix is hex."""
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-_TLS_OPTIONS: Final = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
-_SCHEMES: Final = ("redis", "rediss", "redis+cluster", "rediss+cluster")
-_DEFAULT_PORT: Final = 6379
-_DEFAULT_SOCKET_TIMEOUT_S: Final = 5.0
-_DEFAULT_CONNECT_TIMEOUT_S: Final = 2.0
 _KEY_PREFIX: Final = b"kvtier:"
 _SEPARATE_CHUNK_BYTES: Final = 16 * 1024
 # Deletes a corrupt block only if it is still the object we read: a string whose SHA-1 is
@@ -122,196 +124,6 @@ _FAILED: Final = _BatchFailed()
 
 def _identity(key: BlockKey) -> BlockKey:
     return key
-
-
-class RedisTopology(enum.Enum):
-    STANDALONE = "standalone"
-    CLUSTER = "cluster"
-
-
-@dataclass(frozen=True, slots=True)
-class RedisConfig:
-    """Everything parsed from the URL and options; validated by :func:`parse_redis_url`."""
-
-    topology: RedisTopology
-    tls: bool
-    host: str
-    port: int
-    db: int
-    username: str | None
-    password: Secret | None
-    ssl_ca_certs: str | None
-    ssl_certfile: str | None
-    ssl_keyfile: str | None
-    ssl_check_hostname: bool
-    ttl_ms: int | None
-    socket_timeout_s: float
-    connect_timeout_s: float
-    max_connections: int | None
-    auth_key: bytes | None = field(default=None, repr=False)
-
-    @property
-    def url(self) -> str:
-        """The URL with credentials redacted (the password never appears)."""
-        scheme = ("rediss" if self.tls else "redis") + (
-            "+cluster" if self.topology is RedisTopology.CLUSTER else ""
-        )
-        user = ""
-        if self.username is not None or self.password is not None:
-            user = urllib.parse.quote(self.username or "", safe="")
-            user += ":***@" if self.password is not None else "@"
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        db = f"/{self.db}" if self.topology is RedisTopology.STANDALONE else ""
-        return f"{scheme}://{user}{host}:{self.port}{db}"
-
-
-# --------------------------------------------------------------------------- URL parsing
-
-
-SETTINGS = SettingsTable("redis backend", (
-    Setting("username", Kind.STR, None, nullable=True,
-            help="ACL user (or user@ in the URL)"),
-    Setting("password", Kind.SECRET, None, nullable=True,
-            help="password (or :password@ in the URL); never shown"),
-    Setting("ssl_ca_certs", Kind.STR, None, nullable=True,
-            help="CA bundle that signs the server certificate (rediss only)"),
-    Setting("ssl_certfile", Kind.STR, None, nullable=True,
-            help="client certificate, with ssl_keyfile (rediss only)"),
-    Setting("ssl_keyfile", Kind.STR, None, nullable=True,
-            help="client certificate key, with ssl_certfile (rediss only)"),
-    Setting("ssl_check_hostname", Kind.BOOL, True,
-            help="check the server certificate's host name (rediss only)"),
-    Setting("ttl_s", Kind.FLOAT, None, nullable=True, minimum=0.001, unit="s",
-            help="expiry of every block; a read pushes it forward (unset = no expiry)"),
-    Setting("socket_timeout_s", Kind.FLOAT, _DEFAULT_SOCKET_TIMEOUT_S, minimum=0,
-            strict_min=True, unit="s", help="per-command socket timeout"),
-    Setting("connect_timeout_s", Kind.FLOAT, _DEFAULT_CONNECT_TIMEOUT_S, minimum=0,
-            strict_min=True, unit="s", help="connect timeout"),
-    Setting("max_connections", Kind.INT, None, nullable=True, minimum=1,
-            help="bound on pooled connections; callers wait for a free one (standalone only)"),
-    *COMMON_SETTINGS,
-))
-
-
-def parse_redis_url(url: str, options: dict[str, Any]) -> RedisConfig:
-    """Parse and validate a redis URL plus options; ``ValueError`` names the bad part."""
-    shown = redact_url(url)
-    try:
-        parts, merged = split_url_options(url, options)
-    except ValueError as exc:
-        raise ValueError(f"redis backend URL {shown!r}: {exc}") from None
-    scheme = parts.scheme.lower()
-    if scheme not in _SCHEMES:
-        raise ValueError(
-            f"redis backend URL {shown!r}: scheme {scheme + '://'!r} is not one of "
-            f"{[s + '://' for s in _SCHEMES]}"
-        )
-    if parts.fragment:
-        raise ValueError(f"redis backend URL {shown!r}: unexpected fragment '#...'")
-    parsed = SETTINGS.parse(merged, "redis")
-    topology = RedisTopology.CLUSTER if scheme.endswith("+cluster") else RedisTopology.STANDALONE
-    tls = scheme.startswith("rediss")
-    host, port = _host_and_port(parts, scheme, shown)
-    username = _url_or_option("username", parts.username, parsed["username"], shown)
-    password_text = _url_or_option("password", parts.password, parsed["password"], shown)
-    _check_tls_options(merged, parsed, tls, topology, shown)
-    if parsed["max_connections"] is not None and topology is RedisTopology.CLUSTER:
-        # A cluster pipeline holds one connection per node at once; bounded per-node pools let
-        # two threads deadlock on each other's nodes until the pool timeout.
-        raise ValueError(
-            f"redis backend URL {shown!r}: option max_connections is only supported for "
-            "standalone servers, not redis+cluster://"
-        )
-    ttl_s = parsed["ttl_s"]
-    return RedisConfig(
-        topology=topology,
-        tls=tls,
-        host=host,
-        port=port,
-        db=_parse_db(parts.path, topology, shown),
-        username=username,
-        password=None if password_text is None else Secret(password_text),
-        ssl_ca_certs=parsed["ssl_ca_certs"],
-        ssl_certfile=parsed["ssl_certfile"],
-        ssl_keyfile=parsed["ssl_keyfile"],
-        ssl_check_hostname=parsed["ssl_check_hostname"],
-        ttl_ms=None if ttl_s is None else round(ttl_s * 1000),
-        socket_timeout_s=parsed["socket_timeout_s"],
-        connect_timeout_s=parsed["connect_timeout_s"],
-        max_connections=parsed["max_connections"],
-        auth_key=load_auth_key(parsed, "redis"),
-    )
-
-
-def _host_and_port(parts: urllib.parse.SplitResult, scheme: str, shown: str) -> tuple[str, int]:
-    host = parts.hostname
-    if not host:
-        raise ValueError(
-            f"redis backend URL {shown!r}: missing host; expected {scheme}://HOST:PORT"
-        )
-    try:
-        port = parts.port
-    except ValueError:
-        raw_port = parts.netloc.rpartition(":")[2]
-        raise ValueError(
-            f"redis backend URL {shown!r}: bad port {raw_port!r}; expected an integer 1..65535"
-        ) from None
-    if port is None:
-        port = _DEFAULT_PORT
-    if not 1 <= port <= 65535:
-        raise ValueError(f"redis backend URL {shown!r}: bad port {port}; expected 1..65535")
-    return host, port
-
-
-def _check_tls_options(merged: dict[str, Any], parsed: dict[str, Any], tls: bool,
-                       topology: RedisTopology, shown: str) -> None:
-    tls_given = [name for name in _TLS_OPTIONS if name in merged]
-    if tls_given and not tls:
-        raise ValueError(
-            f"redis backend URL {shown!r}: option(s) {tls_given} need TLS; use "
-            f"{'rediss+cluster' if topology is RedisTopology.CLUSTER else 'rediss'}://"
-        )
-    for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-        path = parsed[name]
-        if path is not None and not os.path.isfile(path):
-            raise ValueError(f"option {name}={path!r}: no such file")
-    if (parsed["ssl_certfile"] is None) != (parsed["ssl_keyfile"] is None):
-        raise ValueError(
-            "options ssl_certfile and ssl_keyfile go together (client certificate and its key)"
-        )
-
-
-def _parse_db(path: str, topology: RedisTopology, shown: str) -> int:
-    text = path.strip("/")
-    if topology is RedisTopology.CLUSTER:
-        if text not in ("", "0"):
-            raise ValueError(
-                f"redis backend URL {shown!r}: bad db {text!r}; Redis Cluster has only db 0 "
-                "(omit the path)"
-            )
-        return 0
-    if text == "":
-        return 0
-    if not text.isdigit() or not text.isascii():
-        raise ValueError(
-            f"redis backend URL {shown!r}: bad db {text!r}; expected a non-negative integer "
-            "path such as /0"
-        )
-    return int(text)
-
-
-def _url_or_option(name: str, from_url: str | None, option: str | Secret | None,
-                   shown: str) -> str | None:
-    if from_url is not None and from_url != "":
-        if option is not None:
-            raise ValueError(
-                f"redis backend URL {shown!r}: {name} is given both in the URL and as an option"
-            )
-        return urllib.parse.unquote(from_url)
-    return option.reveal() if isinstance(option, Secret) else option
-
-
-# --------------------------------------------------------------------------- zero-copy sending
 
 
 class _FramedValue:
@@ -702,17 +514,31 @@ class RedisBackend(Backend):
                 self._cluster_client.close()
 
     # Test hooks: raw access to the stored objects, used by the contract suite to inject faults.
-    def _raw_client(self) -> Any:
+    def _m_write_manifest(self, document: bytes) -> None:
+        """``SET kvtier:<digest>:namespace`` (with the tier's TTL, so it goes with the blocks)."""
+        name = _KEY_PREFIX + self.namespace.digest_hex.encode() + b":" + MANIFEST_SUFFIX
+        self.raw_client().set(name, document, px=self.config.ttl_ms)
+
+    def primary_clients(self) -> list[Any]:
+        """One client per primary: the standalone server, or every Cluster primary."""
+        client = self.raw_client()
+        if isinstance(client, redis.cluster.RedisCluster):
+            return [client.get_redis_connection(node)
+                    for node in client.get_primaries()]  # type: ignore[no-untyped-call]
+        return [client]
+
+    def raw_client(self) -> Any:
+        """The redis-py client (standalone or Cluster) this backend talks through."""
         if self._standalone_client is not None:
             return self._standalone_client
         return self._connect_cluster()
 
     def _raw_read(self, key: BlockKey) -> bytes | None:
-        value = self._raw_client().get(self._name(key))
+        value = self.raw_client().get(self._name(key))
         return None if value is None else bytes(value)
 
     def _raw_write(self, key: BlockKey, frame: bytes) -> None:
-        self._raw_client().set(self._name(key), bytes(frame))
+        self.raw_client().set(self._name(key), bytes(frame))
 
 
 def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> RedisBackend:
@@ -725,114 +551,3 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> RedisBa
     if not isinstance(namespace, Namespace):
         raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
     return RedisBackend(namespace, parse_redis_url(url, options))
-
-
-# ------------------------------------------------------------------ usage (kvtier.ops.inventory)
-
-_MANIFEST_SUFFIX: Final = b"namespace"
-"""``kvtier:<digest>:namespace`` holds the namespace manifest; a block's suffix is hex."""
-_SCAN_COUNT: Final = 1000
-
-
-def write_manifest(backend: RedisBackend, document: bytes) -> None:
-    """``SET kvtier:<digest>:namespace`` (with the tier's TTL, so it goes with the blocks)."""
-    name = _KEY_PREFIX + backend.namespace.digest_hex.encode() + b":" + _MANIFEST_SUFFIX
-    backend._raw_client().set(name, document, px=backend.config.ttl_ms)
-
-
-def _primaries(url: str, options: dict[str, Any]) -> tuple[RedisBackend, list[redis.Redis]]:
-    """A connection to the standalone server, or to every Cluster primary (the caller closes
-    the returned backend). Bad credentials raise ``ValueError``."""
-    backend = RedisBackend(Namespace(model="kvtier-usage"), parse_redis_url(url, options))
-    try:
-        client = backend._raw_client()
-        if isinstance(client, redis.cluster.RedisCluster):
-            return backend, [
-                client.get_redis_connection(node)
-                for node in client.get_primaries()  # type: ignore[no-untyped-call]
-            ]
-        return backend, [client]
-    except BaseException:
-        backend.close()
-        raise
-
-
-def _split_name(name: bytes) -> tuple[str, bytes] | None:
-    """(digest, suffix) of a ``kvtier:<digest>:<suffix>`` name, else None."""
-    from kvtier.ops.inventory import is_digest
-
-    if not name.startswith(_KEY_PREFIX):
-        return None
-    digest, separator, suffix = name[len(_KEY_PREFIX):].partition(b":")
-    text = digest.decode("ascii", "replace")
-    return (text, suffix) if separator and is_digest(text) else None
-
-
-def _scan(node: redis.Redis, pattern: bytes) -> Iterator[list[bytes]]:
-    batch: list[bytes] = []
-    for name in node.scan_iter(match=pattern, count=_SCAN_COUNT):
-        batch.append(bytes(name))
-        if len(batch) >= _SCAN_COUNT:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:
-    """SCAN ``kvtier:*`` on every primary; STRLEN and OBJECT IDLETIME per block, pipelined."""
-    from kvtier.ops.inventory import NamespaceUsage, parse_manifest
-
-    found: dict[str, NamespaceUsage] = {}
-    manifests: dict[str, bytes | None] = {}
-    now = time.time()
-    backend, nodes = _primaries(url, options)
-    try:
-        for node in nodes:
-            for batch in _scan(node, _KEY_PREFIX + b"*"):
-                blocks: list[tuple[str, bytes]] = []
-                for name in batch:
-                    split = _split_name(name)
-                    if split is None:
-                        continue
-                    digest, suffix = split
-                    found.setdefault(digest, NamespaceUsage(digest=digest))
-                    if suffix == _MANIFEST_SUFFIX:
-                        value = node.get(name)
-                        manifests[digest] = value if isinstance(value, bytes) else None
-                    else:
-                        blocks.append((digest, name))
-                pipe = node.pipeline(transaction=False)
-                for _digest, name in blocks:
-                    pipe.object("idletime", name)  # before STRLEN, which would reset it
-                    pipe.strlen(name)
-                replies = pipe.execute(raise_on_error=False)
-                for index, (digest, _name) in enumerate(blocks):
-                    idle, size = replies[2 * index], replies[2 * index + 1]
-                    if not isinstance(size, int) or size == 0:
-                        continue  # gone meanwhile
-                    when = now - idle if isinstance(idle, int) else None
-                    found[digest].add_block(size, when)
-    finally:
-        backend.close()
-    for digest, item in found.items():
-        item.fields = parse_manifest(manifests.get(digest), digest)
-    return list(found.values())
-
-
-def delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
-    """SCAN ``kvtier:<digest>:*`` on every primary and UNLINK what it finds, one key per command
-    (a Cluster refuses multi-key commands across slots)."""
-    deleted = 0
-    backend, nodes = _primaries(url, options)
-    try:
-        for node in nodes:
-            for digest in digests:
-                for batch in _scan(node, _KEY_PREFIX + digest.encode() + b":*"):
-                    pipe = node.pipeline(transaction=False)
-                    for name in batch:
-                        pipe.unlink(name)
-                    deleted += sum(int(reply) for reply in pipe.execute())
-    finally:
-        backend.close()
-    return deleted

@@ -79,7 +79,11 @@ from kvtier.backends.base import (
 from kvtier.keys import BlockKey, Namespace
 from kvtier.settings import Kind, Setting, SettingsTable
 
-__all__ = ["SETTINGS", "PutMode", "S3Backend", "S3Settings", "from_url"]
+__all__ = ["SETTINGS", "PutMode", "S3Backend", "S3Settings", "from_url", "parse_s3_url"]
+
+MANIFEST_NAME = "namespace.json"
+"""``<prefix>/<digest>/namespace.json`` holds the namespace manifest; a block's name is hex."""
+_MANIFEST_WAIT_S = 2.0
 
 _log = logging.getLogger(__name__)
 
@@ -375,6 +379,26 @@ class S3Backend(Backend):
         self._run(_Batch([Outcome.FAILED] * len(names)),
                   lambda batch: self._delete_names(batch, names))
 
+    def _m_write_manifest(self, document: bytes) -> None:
+        """PUT ``<prefix>/<digest>/namespace.json`` on this backend's loop thread (S3 has no
+        TTL: the manifest stays until purged). The open waits at most :data:`_MANIFEST_WAIT_S`
+        for it, so a slow or hung server barely delays it; a PUT still running goes on, and a
+        failure is logged."""
+        name = self._object_prefix + MANIFEST_NAME
+
+        async def put() -> None:
+            await obstore.put_async(self._store, name, document)
+
+        def report(done: concurrent.futures.Future[None]) -> None:
+            error = None if done.cancelled() else done.exception()
+            if error is not None:
+                _log.warning("%s: could not write the namespace manifest %s: %s",
+                             self.url, name, _short_error(error))
+
+        pending = self._loop.submit(put())
+        pending.add_done_callback(report)
+        concurrent.futures.wait([pending], timeout=min(_MANIFEST_WAIT_S, self.settings.timeout_s))
+
     def _m_close(self) -> None:
         self._finalizer.detach()
         self._loop.stop(_CLOSE_JOIN_S)
@@ -604,7 +628,13 @@ def _make_store(settings: S3Settings) -> S3Store:
 
 
 def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> S3Backend:
-    """Build an :class:`S3Backend` from ``s3://bucket[/prefix][?option=value&...]``.
+    """Build an :class:`S3Backend` from ``s3://bucket[/prefix][?option=value&...]`` (see
+    :func:`parse_s3_url`)."""
+    return S3Backend(namespace, parse_s3_url(url, options))
+
+
+def parse_s3_url(url: str, options: dict[str, Any]) -> S3Settings:
+    """The validated settings of ``s3://bucket[/prefix][?option=value&...]``, touching nothing.
 
     Options (query string or keyword, not both): ``endpoint_url`` (``http(s)://host[:port]``,
     default AWS), ``region``, ``max_concurrency`` (requests in flight, default 32),
@@ -642,81 +672,4 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> S3Backe
         put_mode=PutMode(parsed["put_mode"]),
         auth_key=load_auth_key(parsed, "s3"),
     )
-    return S3Backend(namespace, settings)
-
-
-# ------------------------------------------------------------------ usage (kvtier.ops.inventory)
-
-MANIFEST_NAME = "namespace.json"
-"""``<prefix>/<digest>/namespace.json`` holds the namespace manifest; a block's name is hex."""
-_DELETE_CHUNK = 1000  # the most keys one S3 DeleteObjects request takes
-_MANIFEST_WAIT_S = 2.0
-
-
-def write_manifest(backend: S3Backend, document: bytes) -> None:
-    """PUT ``<prefix>/<digest>/namespace.json`` on the backend's own loop thread (S3 has no
-    TTL: the manifest stays until purged). The open waits at most :data:`_MANIFEST_WAIT_S` for
-    it, so a slow or hung server barely delays it; a PUT still running goes on, and a failure
-    is logged."""
-    name = backend._object_prefix + MANIFEST_NAME
-
-    async def put() -> None:
-        await obstore.put_async(backend._store, name, document)
-
-    def report(done: concurrent.futures.Future[None]) -> None:
-        error = None if done.cancelled() else done.exception()
-        if error is not None:
-            _log.warning("%s: could not write the namespace manifest %s: %s",
-                         backend.url, name, _short_error(error))
-
-    pending = backend._loop.submit(put())
-    pending.add_done_callback(report)
-    concurrent.futures.wait([pending], timeout=min(_MANIFEST_WAIT_S, backend.settings.timeout_s))
-
-
-def _usage_store(url: str, options: dict[str, Any]) -> tuple[S3Store, str]:
-    """A client for the bucket of ``url`` and the object prefix above the namespaces."""
-    backend = from_url(url, Namespace(model="kvtier-usage"), options)
-    backend.close()  # only its validated settings are used
-    settings = backend.settings
-    return _make_store(settings), f"{settings.prefix}/" if settings.prefix else ""
-
-
-def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:
-    """LIST the prefix; one entry per ``<digest>/`` with its blocks' sizes and LastModified."""
-    from kvtier.ops.inventory import NamespaceUsage, is_digest, parse_manifest
-
-    store, base = _usage_store(url, options)
-    found: dict[str, NamespaceUsage] = {}
-    manifests: list[str] = []
-    for chunk in obstore.list(store, prefix=base or None, chunk_size=1000):
-        for meta in chunk:
-            digest, _, name = meta["path"][len(base):].partition("/")
-            if not is_digest(digest) or not name or "/" in name:
-                continue
-            item = found.setdefault(digest, NamespaceUsage(digest=digest))
-            if name == MANIFEST_NAME:
-                manifests.append(digest)
-            else:
-                item.add_block(int(meta["size"]), meta["last_modified"].timestamp())
-    for digest in manifests:
-        try:
-            data = bytes(obstore.get(store, f"{base}{digest}/{MANIFEST_NAME}").bytes())
-        except (NotFoundError, FileNotFoundError):
-            data = None  # purged meanwhile
-        found[digest].fields = parse_manifest(data, digest)
-    return list(found.values())
-
-
-def delete_namespaces(url: str, options: dict[str, Any], digests: list[str]) -> int:
-    """LIST each ``<prefix>/<digest>/`` and delete what it holds, 1,000 keys per request."""
-    store, base = _usage_store(url, options)
-    deleted = 0
-    for digest in digests:
-        names = [meta["path"] for chunk in obstore.list(store, prefix=f"{base}{digest}/")
-                 for meta in chunk]
-        for start in range(0, len(names), _DELETE_CHUNK):
-            part = names[start : start + _DELETE_CHUNK]
-            obstore.delete(store, part)
-            deleted += len(part)
-    return deleted
+    return settings

@@ -62,12 +62,13 @@ def block_bytes(text: str) -> int:
 
 
 def tier_url(text: str) -> str:
-    from kvtier.backends import SCHEMES, redact_url
+    from kvtier.backends import redact_url, registered_schemes
 
-    scheme = text.split("://", 1)[0] if "://" in text else ""
-    if scheme not in SCHEMES:
+    schemes = registered_schemes()
+    scheme = text.split("://", 1)[0].lower() if "://" in text else ""
+    if scheme not in schemes:
         raise argparse.ArgumentTypeError(
-            f"expected a tier URL with a scheme in {', '.join(s + '://' for s in SCHEMES)}, "
+            f"expected a tier URL with a scheme in {', '.join(s + '://' for s in schemes)}, "
             f"got {redact_url(text)!r}"
         )
     return text

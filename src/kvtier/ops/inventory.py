@@ -12,23 +12,30 @@ for writing (:func:`kvtier.backends.open_backend`): ``<root>/<digest>/namespace.
 never be a block's name, so it is never counted or served as a block. A manifest whose fields do
 not hash to its digest is ignored (the namespace shows as unknown).
 
-The per-medium listing lives at the bottom of each backend module (``list_namespaces`` and
-``delete_namespaces``); this module selects, sums and presents. It owns no state: every call
-opens its own connection and closes it before returning.
+The per-medium listing is each backend kind's (:class:`kvtier.backends.BackendKind`:
+``list_namespaces`` and ``delete_namespaces``, found by the URL's scheme in the registry, so a
+kind registered from outside is listed and purged too); this module selects, sums and
+presents. It owns no state: every call opens its own connection and closes it before returning.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
+from kvtier.backends.manifest import (
+    DIGEST_HEX_CHARS,
+    MANIFEST_FORMAT,
+    NamespaceUsage,
+    manifest_document,
+    namespace_fields,
+    parse_manifest,
+)
+from kvtier.backends.registry import BackendKind
 from kvtier.errors import KvtierError
-from kvtier.keys import NAMESPACE_DIGEST_BYTES, Namespace
+from kvtier.keys import Namespace
 from kvtier.text import first_line
 
 __all__ = [
@@ -47,11 +54,8 @@ __all__ = [
     "usage",
 ]
 
-MANIFEST_FORMAT = 1
-DIGEST_HEX_CHARS = 2 * NAMESPACE_DIGEST_BYTES
 MIN_DIGEST_PREFIX = 6
 """The shortest digest prefix accepted where a digest is asked for."""
-_DIGEST_RE = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
 
 
 class UsageError(KvtierError, ValueError):
@@ -60,39 +64,6 @@ class UsageError(KvtierError, ValueError):
 
 class MediumError(KvtierError, RuntimeError):
     """The medium could not be listed or purged (unreachable server, I/O error)."""
-
-
-@dataclass(slots=True)
-class NamespaceUsage:
-    """One namespace found on a medium.
-
-    ``oldest`` / ``newest`` are Unix times of the least and most recently written block (file:
-    modification time; S3: ``LastModified``). Redis keeps no write time, so there they are the
-    least and most recent *access* times (``OBJECT IDLETIME``), or None where the server's
-    eviction policy does not track idle time.
-    """
-
-    digest: str
-    fields: dict[str, Any] | None = None
-    blocks: int = 0
-    bytes: int = 0
-    oldest: float | None = None
-    newest: float | None = None
-
-    @property
-    def model(self) -> str:
-        """The model name from the manifest, or ``"?"`` where no valid manifest was found."""
-        return str(self.fields["model"]) if self.fields else "?"
-
-    def add_block(self, size: int, when: float | None) -> None:
-        self.blocks += 1
-        self.bytes += size
-        if when is not None:
-            self.oldest = when if self.oldest is None else min(self.oldest, when)
-            self.newest = when if self.newest is None else max(self.newest, when)
-
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "model": self.model}
 
 
 @dataclass(slots=True)
@@ -114,53 +85,15 @@ class PurgeResult:
         return sum(item.bytes for item in self.namespaces)
 
 
-# --------------------------------------------------------------------------- the manifest
-
-
-def namespace_fields(namespace: Namespace) -> dict[str, Any]:
-    """The fields of ``namespace`` as a plain mapping (the inverse of ``from_mapping``)."""
-    return {f.name: getattr(namespace, f.name) for f in dataclasses.fields(namespace) if f.init}
-
-
-def manifest_document(namespace: Namespace) -> bytes:
-    """The manifest of ``namespace``: deterministic JSON, so rewriting it changes nothing."""
-    document = {
-        "kvtier_namespace_manifest": MANIFEST_FORMAT,
-        "digest": namespace.digest_hex,
-        "namespace": namespace_fields(namespace),
-    }
-    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
-
-
-def parse_manifest(data: bytes | None, digest: str) -> dict[str, Any] | None:
-    """The namespace fields of a manifest stored under ``digest``, or None if it is missing,
-    malformed, or its fields do not hash to ``digest`` (a manifest cannot lie about a name)."""
-    if not data:
-        return None
-    try:
-        document = json.loads(data)
-        fields = document["namespace"]
-        if Namespace.from_mapping(fields).digest_hex != digest:
-            return None
-    except (ValueError, TypeError, KeyError):
-        return None
-    return dict(fields)
-
-
-def is_digest(text: str) -> bool:
-    """Whether ``text`` is a namespace digest as it appears in object names."""
-    return _DIGEST_RE.fullmatch(text) is not None
-
-
 # --------------------------------------------------------------------------- the API
 
 
-def _medium(url: str) -> ModuleType:
-    """The backend module of ``url``'s scheme (it holds the per-medium listing)."""
-    from kvtier.backends import backend_module
+def _medium(url: str) -> BackendKind:
+    """The backend kind of ``url``'s scheme (it holds the per-medium listing)."""
+    from kvtier.backends import kind_of
 
     try:
-        return backend_module(url)
+        return kind_of(url)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

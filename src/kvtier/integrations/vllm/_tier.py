@@ -73,7 +73,7 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
-from kvtier.backends import REMOTE_SCHEMES, open_backend, redact_url
+from kvtier.backends import kind_for, open_backend, redact_url
 from kvtier.errors import ClosedError, KvtierError
 from kvtier.integrations.vllm._settings import VLLM_TIER_SETTINGS
 from kvtier.keys import Namespace, RequestContext
@@ -269,7 +269,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         overrides = {name: options[name] for name in _NAMESPACE_OVERRIDES}
         if options["locality"] is None:
             scheme = url.partition("://")[0].lower()
-            self.locality = Locality.REMOTE if scheme in REMOTE_SCHEMES else Locality.LOCAL
+            self.locality = Locality.REMOTE if kind_for(scheme).remote else Locality.LOCAL
         else:
             self.locality = Locality(options["locality"].upper())
 

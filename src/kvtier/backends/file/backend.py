@@ -1,67 +1,39 @@
-"""Local-disk backend: one framed file per block under a fan-out directory.
+"""The local-disk backend: one framed file per block (layout in :mod:`.layout`).
 
-Layout::
+Publishing. A block is written to ``.tmp-<pid>-<n>`` in its own directory (optionally fsync'd),
+then published without ever overwriting: ``renameat2(RENAME_NOREPLACE)`` where the C library and
+filesystem have it, else ``os.link`` + unlink, else (no hard links) a check then ``os.replace``,
+where a racing writer of the same key may replace the file with its identical frame. Readers
+never see a partial block; two racing writers of one key both answer True.
 
-    <root>/<namespace digest hex>/<k0k1>/<k2k3>/<key hex>.kvb
+Sharing. Several processes may share one directory: ``exists`` / ``get_many`` / ``put_many``
+consult the filesystem; the capacity index (:mod:`.capacity`) only drives ``max_bytes`` and LRU
+eviction over the blocks this process knows. On open the directory is scanned and temp files of
+dead processes are removed.
 
-where ``k0k1k2k3`` are the first four hex digits of the key. Keys longer than 124 bytes (whose
-hex would not fit one file name) are split into nested directories of 200 hex digits each; the
-layout stays a pure function of the key, and since every component is hex no key can name a
-path outside the root.
+Hygiene. The root and namespace directory must be owned by this user (or root) and not
+world-writable without the sticky bit, unless ``shared_dir`` (then use ``auth_key``); they are
+created only at open and never re-created if deleted. Block files are opened ``O_NONBLOCK |
+O_NOFOLLOW`` and only regular files are read: anything else at a block path is moved aside,
+removed and counted corrupt. A buffered read lands in the caller's buffer (``preadv`` of header
+and payload, one verification pass); ``o_direct`` reads go through a page-aligned per-thread
+buffer.
 
-Writes go to ``.tmp-<pid>-<n>`` in the block's own directory, optionally fsync'd, then are
-published with ``os.link(temp, final)``, which fails if the block already exists: an existing
-block is never overwritten, two racing writers of one key both answer True and exactly one
-file wins, and a reader never sees a partial block. Where a filesystem has no hard links the
-backend checks for the final name and then ``os.replace``s; a racing writer of the same key may
-then replace the file with its own (identical-content) frame, which readers still see whole.
-
-Several processes may share one directory (a vLLM scheduler and its workers, for example):
-``exists``/``get_many``/``put_many`` consult the filesystem, not a private index. The index
-below only drives the ``max_bytes`` capacity and LRU eviction, over the blocks this instance
-knows (found by the scan on open, written or read by it); with several writers on one directory
-the bound is per process.
-
-State and owners (any caller thread):
-
-- ``_index`` (key -> file size, least recently used first), ``_used_bytes``,
-  ``_reserved_bytes``: guarded by ``_lock``.
-- ``_direct_io`` (:class:`DirectIO`): written once under ``_lock`` when O_DIRECT turns out not
-  to be supported; read without the lock (a stale read only costs one more EINVAL fallback).
-- per-thread scratch buffers (``_scratch``): owned by the thread that created them.
-
-On open the directory is scanned: every ``.kvb`` file is indexed (LRU order by mtime) and
-temp files left by crashed processes (whose pid is gone) are removed.
-
-Hygiene. At open, the root and the namespace directory must be directories owned by this user
-(or root) and must not be world-writable without the sticky bit: anyone who can write there could
-plant or swap blocks. ``shared_dir=true`` accepts such a directory on purpose (then use
-``auth_key``). Block files are opened with ``O_NONBLOCK | O_NOFOLLOW`` and only regular files are
-read: a FIFO, symlink, directory, socket or device at a block path is never read (so it can never
-hang a load), ``exists`` says no for it, and it is moved aside and removed (counted as corrupt) so
-the key can be stored again. The root and namespace directory are created only at open: if they
-are deleted under a running backend, writes fail and are counted; they are never re-created.
-
-Reads. A buffered read goes straight into the caller's buffer: one ``preadv`` into a small header
-buffer and ``out``, then one verification pass over ``out`` (on failure ``out`` holds unspecified
-bytes and the answer is False). With ``o_direct`` the frame is read into a page-aligned per-thread
-buffer (O_DIRECT needs aligned buffers and offsets) and copied after verification.
+State and owners (any caller thread): ``_capacity`` (its own lock); ``_direct_io``, written once
+under ``_lock`` when O_DIRECT turns out unsupported, read without it (a stale read costs one more
+EINVAL fallback); ``_scratch``, per thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import enum
 import errno
-import itertools
 import logging
-import mmap
 import os
 import stat
 import threading
 import urllib.parse
-from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,11 +46,33 @@ from kvtier.backends.base import (
     FAILED_FETCH,
     MISSING_FETCH,
     Backend,
-    Buffer,
     Fetched,
     Outcome,
     StoredFrame,
     load_auth_key,
+)
+from kvtier.backends.file.capacity import CapacityIndex
+from kvtier.backends.file.layout import (
+    _ALIGN,
+    _DIR_MODE,
+    _FILE_MODE,
+    _MAX_NAME_HEX,
+    _MISSING_ERRNOS,
+    _NO_LINK_ERRNOS,
+    _NOT_REGULAR_ERRNOS,
+    _O_CLOEXEC,
+    _O_DIRECT,
+    _READ_FLAGS,
+    _SUFFIX,
+    _TEMP_COUNTER,
+    _TEMP_PREFIX,
+    MANIFEST_NAME,
+    _claimed_length,
+    _key_location,
+    _pid_alive,
+    _round_up,
+    _Scratch,
+    _write_all,
 )
 from kvtier.keys import BlockKey, Namespace
 from kvtier.settings import ConfigError, Kind, Setting, SettingsTable
@@ -97,27 +91,6 @@ SETTINGS = SettingsTable("file backend", (
                  "without the sticky bit (use with auth_key)"),
     *COMMON_SETTINGS,
 ))
-_SUFFIX = ".kvb"
-_TEMP_PREFIX = ".tmp-"
-_ALIGN = 4096
-_MAX_NAME_HEX = 248  # longest hex in one file name (NAME_MAX is 255 with the suffix)
-_CHUNK_HEX = 200
-_DIR_MODE = 0o700
-_FILE_MODE = 0o600
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_READ_FLAGS = os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | _O_NONBLOCK
-# open() of a non-regular file at a block path: a symlink (ELOOP with O_NOFOLLOW), a socket
-# (ENXIO), a FIFO without a writer never blocks thanks to O_NONBLOCK.
-_NOT_REGULAR_ERRNOS = {errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV, errno.EMLINK}
-_NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
-_MISSING_ERRNOS = {errno.ENOENT, errno.ENOTDIR}
-# Temp-file sequence numbers, shared by every instance in this process (next() is atomic).
-_TEMP_COUNTER = itertools.count()
-
-
 class DirectIO(enum.Enum):
     OFF = "off"  # not requested
     ACTIVE = "active"  # requested and working
@@ -160,54 +133,6 @@ def _rename_noreplace(temp: str, final: str) -> None:
         raise OSError(code, os.strerror(code), final)
 
 
-def _claimed_length(header: Buffer) -> int:
-    """The payload length a header claims (-1 if it is not even a frame header)."""
-    try:
-        return codec.payload_length(header)
-    except codec.FrameError:
-        return -1
-
-
-def _round_up(size: int) -> int:
-    return (size + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _key_location(key_hex: str) -> tuple[tuple[str, ...], str]:
-    """(directory components below the namespace directory, file name) of a key."""
-    fan = key_hex.ljust(4, "0")
-    if len(key_hex) <= _MAX_NAME_HEX:
-        return (fan[0:2], fan[2:4]), key_hex + _SUFFIX
-    chunks = [key_hex[i : i + _CHUNK_HEX] for i in range(0, len(key_hex), _CHUNK_HEX)]
-    return (fan[0:2], fan[2:4], *chunks[:-1]), chunks[-1] + _SUFFIX
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class _Scratch(threading.local):
-    """One page-aligned buffer per thread (aligned for O_DIRECT), grown on demand."""
-
-    def __init__(self) -> None:
-        self.buffer: mmap.mmap | None = None
-        self.view: memoryview | None = None
-
-    def get(self, size: int) -> memoryview:
-        view = self.view
-        if view is None or view.nbytes < size:
-            # The old buffer is dropped, not closed: a caller may still hold a view of it.
-            capacity = max(_ALIGN, 1 << (size - 1).bit_length())
-            self.buffer = mmap.mmap(-1, capacity)
-            self.view = view = memoryview(self.buffer)
-        return view
-
-
 class FileBackend(Backend):
     """A thread-safe block store on a local directory (see module docstring)."""
 
@@ -244,10 +169,8 @@ class FileBackend(Backend):
         self._link_mode = (
             _LinkMode.HARD_LINK if _renameat2 is None else _LinkMode.RENAME_NOREPLACE
         )
-        self._lock = threading.Lock()
-        self._index: OrderedDict[BlockKey, int] = OrderedDict()
-        self._used_bytes = 0
-        self._reserved_bytes = 0
+        self._lock = threading.Lock()  # guards _direct_io's one transition
+        self._capacity = CapacityIndex(self._max_bytes)
         # Process-wide: two instances on one directory must never pick the same temp name.
         self._temp_counter = _TEMP_COUNTER
         self._pid = os.getpid()
@@ -284,11 +207,22 @@ class FileBackend(Backend):
         return self._dir.joinpath(*parts, name)
 
     def _m_extra_stats(self) -> dict[str, int]:
-        with self._lock:
-            gauges = {"blocks": len(self._index), "used_bytes": self._used_bytes,
-                      "max_bytes": self._max_bytes}
+        gauges = self._capacity.gauges()
         gauges["o_direct_active"] = int(self._direct_io is DirectIO.ACTIVE)
         return gauges
+
+    def _m_write_manifest(self, document: bytes) -> None:
+        """Write ``<root>/<digest>/namespace.json`` unless it is there (atomic: temp + rename)."""
+        final = os.path.join(self._dir_str, MANIFEST_NAME)
+        if os.path.lexists(final):
+            return
+        temp = os.path.join(self._dir_str, f"{_TEMP_PREFIX}{self._pid}-{next(_TEMP_COUNTER)}")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, _FILE_MODE)
+        try:
+            _write_all(fd, [document])
+        finally:
+            os.close(fd)
+        os.replace(temp, final)  # identical content if another writer won: harmless
 
     # ------------------------------------------------------------------ directory hygiene
 
@@ -380,13 +314,15 @@ class FileBackend(Backend):
             pass  # absent (or unreadable: the write below reports the real error)
         else:
             if stat.S_ISREG(info.st_mode):
-                self._adopt(key, info.st_size)  # the size on disk, whoever wrote it
+                self._evict_files(self._capacity.adopt(key, info.st_size))  # its size on disk
                 return Outcome.PRESENT
             # Not a block: set it aside so the key can be stored.
             self._stats.add("corrupt_objects")
             self._drop_bad(key, final, None, "not a regular file")
         reserved = file_size
-        if not self._reserve(reserved):
+        fits, victims = self._capacity.reserve(reserved)
+        self._evict_files(victims)
+        if not fits:
             self._stats.add("put_rejected")
             return Outcome.FAILED
         temp = f"{directory}/{_TEMP_PREFIX}{self._pid}-{next(self._temp_counter)}"
@@ -398,11 +334,11 @@ class FileBackend(Backend):
                 written = self._write_temp(temp, header, view, direct)
             published = self._publish(temp, final, directory)
         except OSError as exc:
-            self._release(reserved, key=None)
+            self._capacity.release(reserved, key=None)
             if os.path.lexists(temp):
                 self._unlink_quietly(temp, key)
             return self._fail("put", key, exc)
-        self._release(reserved, key=key, stored=written)
+        self._capacity.release(reserved, key=key, stored=written)
         return Outcome.OK if published else Outcome.PRESENT
 
     def _write_temp(self, temp: str, header: bytes, view: memoryview, direct: bool) -> int:
@@ -528,8 +464,8 @@ class FileBackend(Backend):
         finally:
             if fd >= 0:
                 os.close(fd)
-        if self._max_bytes and fetched.outcome is Outcome.OK:
-            self._adopt(key, info.st_size)
+        if self._capacity.bounded and fetched.outcome is Outcome.OK:
+            self._evict_files(self._capacity.adopt(key, info.st_size))
         return fetched
 
     def _read_in_place(self, fd: int, info: os.stat_result, out: memoryview) -> Fetched:
@@ -614,64 +550,14 @@ class FileBackend(Backend):
             except OSError as error:
                 self._fail("remove bad block", key, error)
         self._error_log.warning("file backend: removed %s block %s", why, path)
-        with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used_bytes -= size
+        self._capacity.forget((key,))
 
     def _m_delete(self, keys: list[BlockKey]) -> None:
-        with self._lock:
-            for key in keys:
-                size = self._index.pop(key, None)
-                if size is not None:
-                    self._used_bytes -= size
+        self._capacity.forget(keys)
         for key in keys:
             self._unlink_quietly(self._path_str(key), key)
 
     # ------------------------------------------------------------------ capacity index
-
-    def _reserve(self, size: int) -> bool:
-        """Reserve ``size`` bytes of capacity, evicting least recently used blocks."""
-        if not self._max_bytes:
-            return True
-        if size > self._max_bytes:
-            return False
-        victims: list[BlockKey] = []
-        with self._lock:
-            while self._used_bytes + self._reserved_bytes + size > self._max_bytes:
-                if not self._index:  # the rest is reserved by writes in flight
-                    break
-                victim, victim_size = self._index.popitem(last=False)
-                self._used_bytes -= victim_size
-                victims.append(victim)
-            fits = self._used_bytes + self._reserved_bytes + size <= self._max_bytes
-            if fits:
-                self._reserved_bytes += size
-        self._evict_files(victims)
-        return fits
-
-    def _release(self, reserved: int, *, key: BlockKey | None, stored: int = 0) -> None:
-        """Return a reservation; with ``key``, record it as stored (``stored`` bytes, newest)."""
-        with self._lock:
-            if self._max_bytes:
-                self._reserved_bytes -= reserved
-            if key is not None:
-                self._record(key, stored)
-
-    def _record(self, key: BlockKey, size: int) -> None:
-        """Mark ``key`` most recently used, indexing it if new. Call with ``_lock`` held."""
-        if key in self._index:
-            self._index.move_to_end(key)
-        else:
-            self._index[key] = size
-            self._used_bytes += size
-
-    def _adopt(self, key: BlockKey, size: int) -> None:
-        """Index a block found on disk (another writer's, or ours) and enforce capacity."""
-        with self._lock:
-            self._record(key, size)
-        if self._max_bytes and self._used_bytes > self._max_bytes:
-            self._shrink_to_capacity()
 
     def _scan(self) -> None:
         """Rebuild the index from the directory; remove temp files of dead processes."""
@@ -697,23 +583,10 @@ class FileBackend(Backend):
                 if stat.S_ISREG(info.st_mode):
                     found.append((info.st_mtime_ns, key, info.st_size))
         found.sort(key=lambda entry: entry[0])
-        with self._lock:
-            for _mtime, key, size in found:
-                self._index[key] = size
-                self._used_bytes += size
+        victims = self._capacity.load((key, size) for _mtime, key, size in found)
         if removed:
             self._stats.add("stray_temp_files_removed", removed)
             _log.info("file backend: removed %d stray temp files under %s", removed, self._dir)
-        if self._max_bytes and self._used_bytes > self._max_bytes:
-            self._shrink_to_capacity()
-
-    def _shrink_to_capacity(self) -> None:
-        victims: list[BlockKey] = []
-        with self._lock:
-            while len(self._index) > 1 and self._used_bytes > self._max_bytes:
-                victim, size = self._index.popitem(last=False)
-                self._used_bytes -= size
-                victims.append(victim)
         self._evict_files(victims)
 
     def _evict_files(self, victims: list[BlockKey]) -> None:
@@ -774,20 +647,6 @@ class FileBackend(Backend):
                 self._fail("unlink", key if key is not None else path, exc)
 
 
-def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
-    """``writev`` until every byte is written (regular files rarely write short, but may)."""
-    remaining = [memoryview(buffer).cast("B") for buffer in buffers]
-    while remaining:
-        written = os.writev(fd, remaining)
-        if written == 0:
-            raise OSError(errno.EIO, "write returned 0 bytes")
-        while remaining and written >= remaining[0].nbytes:
-            written -= remaining[0].nbytes
-            remaining.pop(0)
-        if remaining and written:
-            remaining[0] = remaining[0][written:]
-
-
 def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBackend:
     """Build a :class:`FileBackend` from ``file:///abs/path``.
 
@@ -822,90 +681,3 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBac
         shared_dir=parsed["shared_dir"],
         auth_key=load_auth_key(parsed, "file"),
     )
-
-
-# ------------------------------------------------------------------ usage (kvtier.ops.inventory)
-
-MANIFEST_NAME = "namespace.json"
-"""The namespace manifest's file name in ``<root>/<digest>/``; never a block's name (those end
-in ``.kvb`` two directories further down)."""
-
-
-def write_manifest(backend: FileBackend, document: bytes) -> None:
-    """Write ``<root>/<digest>/namespace.json`` unless it is there (atomic: temp + rename)."""
-    directory = str(backend.root / backend.namespace.digest_hex)
-    final = os.path.join(directory, MANIFEST_NAME)
-    if os.path.lexists(final):
-        return
-    temp = os.path.join(directory, f"{_TEMP_PREFIX}{os.getpid()}-{next(_TEMP_COUNTER)}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, _FILE_MODE)
-    try:
-        _write_all(fd, [document])
-    finally:
-        os.close(fd)
-    os.replace(temp, final)  # identical content if another writer won: harmless
-
-
-def _usage_root(url: str, options: dict[str, Any]) -> Path:
-    """The root directory of a file tier URL (validated like :func:`from_url`)."""
-    parts, merged = split_url_options(url, options)
-    SETTINGS.parse(merged, "file")  # unknown or bad options fail as they do at open
-    path = urllib.parse.unquote(parts.path)
-    if parts.scheme != "file" or parts.netloc or not path.startswith("/"):
-        raise ValueError(f"file backend URL {url!r}: expected file:///absolute/path")
-    return Path(path)
-
-
-def _namespace_dirs(root: Path) -> list[Path]:
-    from kvtier.ops.inventory import is_digest
-
-    if not root.is_dir():
-        raise ValueError(f"file tier root {str(root)!r} is not a directory")
-    return sorted(entry for entry in root.iterdir()
-                  if is_digest(entry.name) and entry.is_dir() and not entry.is_symlink())
-
-
-def list_namespaces(url: str, options: dict[str, Any]) -> list[Any]:
-    """One :class:`kvtier.ops.inventory.NamespaceUsage` per namespace directory under the root."""
-    from kvtier.ops.inventory import NamespaceUsage, parse_manifest
-
-    found = []
-    for directory in _namespace_dirs(_usage_root(url, options)):
-        manifest = directory / MANIFEST_NAME
-        data = manifest.read_bytes() if manifest.is_file() and not manifest.is_symlink() else None
-        item = NamespaceUsage(digest=directory.name, fields=parse_manifest(data, directory.name))
-        for parent, _subdirs, files in os.walk(directory):
-            for name in files:
-                if not name.endswith(_SUFFIX):
-                    continue
-                try:
-                    info = os.lstat(os.path.join(parent, name))
-                except FileNotFoundError:
-                    continue  # removed while we walked
-                if stat.S_ISREG(info.st_mode):
-                    item.add_block(info.st_size, info.st_mtime)
-        found.append(item)
-    return found
-
-
-def delete_namespaces(url: str, options: dict[str, Any], digests: list[str]) -> int:
-    """Remove the blocks, temp files and manifest of each namespace, then its directories."""
-    root = _usage_root(url, options)
-    wanted = set(digests)
-    deleted = 0
-    for directory in _namespace_dirs(root):
-        if directory.name not in wanted:
-            continue
-        for parent, _subdirs, files in os.walk(directory, topdown=False):
-            for name in files:
-                if name.endswith(_SUFFIX) or name.startswith(_TEMP_PREFIX) or \
-                        name == MANIFEST_NAME:
-                    try:
-                        os.unlink(os.path.join(parent, name))
-                    except FileNotFoundError:
-                        continue
-                    deleted += 1
-            # Not empty: something that is not ours, or a block written meanwhile.
-            with contextlib.suppress(OSError):
-                os.rmdir(parent)
-    return deleted

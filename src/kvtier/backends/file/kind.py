@@ -1,0 +1,109 @@
+"""The file tier's kind: ``file://`` URLs, and its inventory (namespace directories under the
+root, read with ``lstat``: symlinks and non-regular files are never followed or counted).
+
+Stateless: every call walks the medium afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvtier.backends import split_url_options
+from kvtier.backends.file.backend import SETTINGS, FileBackend, from_url
+from kvtier.backends.file.layout import _SUFFIX, _TEMP_PREFIX, MANIFEST_NAME
+from kvtier.backends.manifest import NamespaceUsage, is_digest, parse_manifest
+from kvtier.backends.registry import BackendKind
+from kvtier.keys import Namespace
+from kvtier.settings import SettingsTable
+
+__all__ = ["FileKind"]
+
+
+class FileKind(BackendKind):
+    """``file:///absolute/path``: one framed file per block under the directory."""
+
+    schemes = ("file",)
+    remote = False
+
+    @property
+    def settings(self) -> SettingsTable:
+        return SETTINGS
+
+    def open(self, url: str, namespace: Namespace, options: dict[str, Any]) -> FileBackend:
+        return from_url(url, namespace, options)
+
+    def parse_url(self, url: str, options: Mapping[str, Any]) -> dict[str, Any]:
+        return _parse(url, options)[1]
+
+    def list_namespaces(self, url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
+        return _list_namespaces(url, options)
+
+    def delete_namespaces(self, url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
+        return _delete_namespaces(url, options, digests)
+
+
+def _parse(url: str, options: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """The root directory of a file tier URL and its options (validated like ``from_url``)."""
+    parts, merged = split_url_options(url, options)
+    parsed = SETTINGS.parse(merged, "file")  # unknown or bad options fail as they do at open
+    path = urllib.parse.unquote(parts.path)
+    if parts.scheme != "file" or parts.netloc or not path.startswith("/"):
+        raise ValueError(f"file backend URL {url!r}: expected file:///absolute/path")
+    return Path(path), parsed
+
+
+def _namespace_dirs(root: Path) -> list[Path]:
+    if not root.is_dir():
+        raise ValueError(f"file tier root {str(root)!r} is not a directory")
+    return sorted(entry for entry in root.iterdir()
+                  if is_digest(entry.name) and entry.is_dir() and not entry.is_symlink())
+
+
+def _list_namespaces(url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
+    """One :class:`kvtier.ops.inventory.NamespaceUsage` per namespace directory under the root."""
+    found = []
+    for directory in _namespace_dirs(_parse(url, options)[0]):
+        manifest = directory / MANIFEST_NAME
+        data = manifest.read_bytes() if manifest.is_file() and not manifest.is_symlink() else None
+        item = NamespaceUsage(digest=directory.name, fields=parse_manifest(data, directory.name))
+        for parent, _subdirs, files in os.walk(directory):
+            for name in files:
+                if not name.endswith(_SUFFIX):
+                    continue
+                try:
+                    info = os.lstat(os.path.join(parent, name))
+                except FileNotFoundError:
+                    continue  # removed while we walked
+                if stat.S_ISREG(info.st_mode):
+                    item.add_block(info.st_size, info.st_mtime)
+        found.append(item)
+    return found
+
+
+def _delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
+    """Remove the blocks, temp files and manifest of each namespace, then its directories."""
+    root = _parse(url, options)[0]
+    wanted = set(digests)
+    deleted = 0
+    for directory in _namespace_dirs(root):
+        if directory.name not in wanted:
+            continue
+        for parent, _subdirs, files in os.walk(directory, topdown=False):
+            for name in files:
+                if name.endswith(_SUFFIX) or name.startswith(_TEMP_PREFIX) or \
+                        name == MANIFEST_NAME:
+                    try:
+                        os.unlink(os.path.join(parent, name))
+                    except FileNotFoundError:
+                        continue
+                    deleted += 1
+            # Not empty: something that is not ours, or a block written meanwhile.
+            with contextlib.suppress(OSError):
+                os.rmdir(parent)
+    return deleted

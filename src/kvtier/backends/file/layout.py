@@ -1,0 +1,104 @@
+"""The file tier's on-disk layout and the system-call helpers its backend uses. Stateless,
+except ``_TEMP_COUNTER`` (temp-file numbers shared by every instance in this process; ``next``
+is atomic) and ``_Scratch`` (one aligned buffer per thread, owned by that thread).
+
+Layout: ``<root>/<namespace digest hex>/<k0k1>/<k2k3>/<key hex>.kvb``; keys whose hex would not
+fit one file name are split into nested directories of 200 hex digits. Every component is hex,
+so no key can name a path outside the root.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import mmap
+import os
+import threading
+
+from kvtier import codec
+from kvtier.backends.base import Buffer
+
+_SUFFIX = ".kvb"
+MANIFEST_NAME = "namespace.json"
+"""The namespace manifest's file name in ``<root>/<digest>/``; never a block's name (those end
+in ``.kvb`` two directories further down)."""
+_TEMP_PREFIX = ".tmp-"
+_ALIGN = 4096
+_MAX_NAME_HEX = 248  # longest hex in one file name (NAME_MAX is 255 with the suffix)
+_CHUNK_HEX = 200
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_READ_FLAGS = os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | _O_NONBLOCK
+# open() of a non-regular file at a block path: a symlink (ELOOP with O_NOFOLLOW), a socket
+# (ENXIO), a FIFO without a writer never blocks thanks to O_NONBLOCK.
+_NOT_REGULAR_ERRNOS = {errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV, errno.EMLINK}
+_NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
+_MISSING_ERRNOS = {errno.ENOENT, errno.ENOTDIR}
+# Temp-file sequence numbers, shared by every instance in this process (next() is atomic).
+_TEMP_COUNTER = itertools.count()
+
+
+def _claimed_length(header: Buffer) -> int:
+    """The payload length a header claims (-1 if it is not even a frame header)."""
+    try:
+        return codec.payload_length(header)
+    except codec.FrameError:
+        return -1
+
+
+def _round_up(size: int) -> int:
+    return (size + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _key_location(key_hex: str) -> tuple[tuple[str, ...], str]:
+    """(directory components below the namespace directory, file name) of a key."""
+    fan = key_hex.ljust(4, "0")
+    if len(key_hex) <= _MAX_NAME_HEX:
+        return (fan[0:2], fan[2:4]), key_hex + _SUFFIX
+    chunks = [key_hex[i : i + _CHUNK_HEX] for i in range(0, len(key_hex), _CHUNK_HEX)]
+    return (fan[0:2], fan[2:4], *chunks[:-1]), chunks[-1] + _SUFFIX
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Scratch(threading.local):
+    """One page-aligned buffer per thread (aligned for O_DIRECT), grown on demand."""
+
+    def __init__(self) -> None:
+        self.buffer: mmap.mmap | None = None
+        self.view: memoryview | None = None
+
+    def get(self, size: int) -> memoryview:
+        view = self.view
+        if view is None or view.nbytes < size:
+            # The old buffer is dropped, not closed: a caller may still hold a view of it.
+            capacity = max(_ALIGN, 1 << (size - 1).bit_length())
+            self.buffer = mmap.mmap(-1, capacity)
+            self.view = view = memoryview(self.buffer)
+        return view
+
+
+def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
+    """``writev`` until every byte is written (regular files rarely write short, but may)."""
+    remaining = [memoryview(buffer).cast("B") for buffer in buffers]
+    while remaining:
+        written = os.writev(fd, remaining)
+        if written == 0:
+            raise OSError(errno.EIO, "write returned 0 bytes")
+        while remaining and written >= remaining[0].nbytes:
+            written -= remaining[0].nbytes
+            remaining.pop(0)
+        if remaining and written:
+            remaining[0] = remaining[0][written:]

@@ -1,0 +1,100 @@
+"""The namespace manifest and the per-namespace usage record every backend kind reports.
+
+Stateless. The manifest is one small JSON object per namespace, written next to the blocks
+when a backend is opened for writing; its name can never be a block's name. A manifest whose
+fields do not hash to its digest is ignored (the namespace shows as unknown). Listing and
+deleting per medium is each :class:`~kvtier.backends.registry.BackendKind`'s job;
+:mod:`kvtier.ops.inventory` selects, sums and presents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.keys import NAMESPACE_DIGEST_BYTES, Namespace
+
+__all__ = [
+    "DIGEST_HEX_CHARS",
+    "MANIFEST_FORMAT",
+    "NamespaceUsage",
+    "is_digest",
+    "manifest_document",
+    "namespace_fields",
+    "parse_manifest",
+]
+
+MANIFEST_FORMAT = 1
+DIGEST_HEX_CHARS = 2 * NAMESPACE_DIGEST_BYTES
+_DIGEST_RE = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
+
+
+@dataclass(slots=True)
+class NamespaceUsage:
+    """One namespace found on a medium.
+
+    ``oldest`` / ``newest`` are Unix times of the least and most recently written block (file:
+    modification time; S3: ``LastModified``). Redis keeps no write time, so there they are the
+    least and most recent *access* times (``OBJECT IDLETIME``), or None where the server's
+    eviction policy does not track idle time.
+    """
+
+    digest: str
+    fields: dict[str, Any] | None = None
+    blocks: int = 0
+    bytes: int = 0
+    oldest: float | None = None
+    newest: float | None = None
+
+    @property
+    def model(self) -> str:
+        """The model name from the manifest, or ``"?"`` where no valid manifest was found."""
+        return str(self.fields["model"]) if self.fields else "?"
+
+    def add_block(self, size: int, when: float | None) -> None:
+        self.blocks += 1
+        self.bytes += size
+        if when is not None:
+            self.oldest = when if self.oldest is None else min(self.oldest, when)
+            self.newest = when if self.newest is None else max(self.newest, when)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "model": self.model}
+
+
+def namespace_fields(namespace: Namespace) -> dict[str, Any]:
+    """The fields of ``namespace`` as a plain mapping (the inverse of ``from_mapping``)."""
+    return {f.name: getattr(namespace, f.name) for f in dataclasses.fields(namespace) if f.init}
+
+
+def manifest_document(namespace: Namespace) -> bytes:
+    """The manifest of ``namespace``: deterministic JSON, so rewriting it changes nothing."""
+    document = {
+        "kvtier_namespace_manifest": MANIFEST_FORMAT,
+        "digest": namespace.digest_hex,
+        "namespace": namespace_fields(namespace),
+    }
+    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+
+def parse_manifest(data: bytes | None, digest: str) -> dict[str, Any] | None:
+    """The namespace fields of a manifest stored under ``digest``, or None if it is missing,
+    malformed, or its fields do not hash to ``digest`` (a manifest cannot lie about a name)."""
+    if not data:
+        return None
+    try:
+        document = json.loads(data)
+        fields = document["namespace"]
+        if Namespace.from_mapping(fields).digest_hex != digest:
+            return None
+    except (ValueError, TypeError, KeyError):
+        return None
+    return dict(fields)
+
+
+def is_digest(text: str) -> bool:
+    """Whether ``text`` is a namespace digest as it appears in object names."""
+    return _DIGEST_RE.fullmatch(text) is not None

@@ -1,0 +1,97 @@
+"""The S3-compatible kind: ``s3://bucket[/prefix]`` URLs, and its inventory (LIST the prefix,
+one ``<digest>/`` per namespace). Stateless: every call makes its own client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import obstore
+from obstore.exceptions import NotFoundError
+from obstore.store import S3Store
+
+from kvtier.backends.manifest import NamespaceUsage, is_digest, parse_manifest
+from kvtier.backends.registry import BackendKind
+from kvtier.backends.s3 import (
+    MANIFEST_NAME,
+    SETTINGS,
+    S3Backend,
+    _make_store,
+    from_url,
+    parse_s3_url,
+)
+from kvtier.keys import Namespace
+from kvtier.settings import SettingsTable
+
+__all__ = ["S3Kind"]
+
+_DELETE_CHUNK = 1000  # the most keys one S3 DeleteObjects request takes
+
+
+class S3Kind(BackendKind):
+    """Any S3-compatible object store, one object per block."""
+
+    schemes = ("s3",)
+    remote = True
+
+    @property
+    def settings(self) -> SettingsTable:
+        return SETTINGS
+
+    def open(self, url: str, namespace: Namespace, options: dict[str, Any]) -> S3Backend:
+        return from_url(url, namespace, options)
+
+    def parse_url(self, url: str, options: Mapping[str, Any]) -> dict[str, Any]:
+        parse_s3_url(url, dict(options))
+        return dict(options)
+
+    def list_namespaces(self, url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
+        return _list_namespaces(url, options)
+
+    def delete_namespaces(self, url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
+        return _delete_namespaces(url, options, digests)
+
+
+def _usage_store(url: str, options: dict[str, Any]) -> tuple[S3Store, str]:
+    """A client for the bucket of ``url`` and the object prefix above the namespaces."""
+    settings = parse_s3_url(url, options)
+    return _make_store(settings), f"{settings.prefix}/" if settings.prefix else ""
+
+
+def _list_namespaces(url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
+    """LIST the prefix; one entry per ``<digest>/`` with its blocks' sizes and LastModified."""
+    store, base = _usage_store(url, options)
+    found: dict[str, NamespaceUsage] = {}
+    manifests: list[str] = []
+    for chunk in obstore.list(store, prefix=base or None, chunk_size=1000):
+        for meta in chunk:
+            digest, _, name = meta["path"][len(base):].partition("/")
+            if not is_digest(digest) or not name or "/" in name:
+                continue
+            item = found.setdefault(digest, NamespaceUsage(digest=digest))
+            if name == MANIFEST_NAME:
+                manifests.append(digest)
+            else:
+                item.add_block(int(meta["size"]), meta["last_modified"].timestamp())
+    for digest in manifests:
+        try:
+            data = bytes(obstore.get(store, f"{base}{digest}/{MANIFEST_NAME}").bytes())
+        except (NotFoundError, FileNotFoundError):
+            data = None  # purged meanwhile
+        found[digest].fields = parse_manifest(data, digest)
+    return list(found.values())
+
+
+def _delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
+    """LIST each ``<prefix>/<digest>/`` and delete what it holds, 1,000 keys per request."""
+    store, base = _usage_store(url, options)
+    deleted = 0
+    for digest in digests:
+        names = [meta["path"] for chunk in obstore.list(store, prefix=f"{base}{digest}/")
+                 for meta in chunk]
+        for start in range(0, len(names), _DELETE_CHUNK):
+            part = names[start : start + _DELETE_CHUNK]
+            obstore.delete(store, part)
+            deleted += len(part)
+    return deleted
