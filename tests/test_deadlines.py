@@ -21,7 +21,7 @@ from kvtier.config import ConfigError, load_config
 from kvtier.factory import open_manager
 from kvtier.keys import Namespace, RequestContext, chain_keys
 from kvtier.tiering.io_pool import DEFAULT_LOAD_TIMEOUT_S, SHUTDOWN_EXTRA_PER_TIER_S, IoThreadPool
-from kvtier.tiering.manager import LookupResult
+from kvtier.tiering.manager import KeyStatus
 from kvtier.tiering.tier import SecondaryTier
 from kvtier.tiering.tier_settings import TierSettings
 
@@ -87,7 +87,7 @@ def test_an_abandoned_load_keeps_its_primary_slot_out_of_use_until_its_call_ends
         assert backend.put_many([key], [b"\x07" * BLOCK]) == [True]
         tier.lookup_manager.note_stored([key])
         reader = RequestContext("r")
-        assert m.lookup(key, reader) is LookupResult.HIT_PENDING
+        assert m.lookup(key, reader) is KeyStatus.HIT_PENDING
         m.on_schedule_end()
         assert backend.entered.wait(30)
         assert not m.wait_idle(0.5)  # the deadline passes: failed, slot retired, call running
@@ -95,7 +95,7 @@ def test_an_abandoned_load_keeps_its_primary_slot_out_of_use_until_its_call_ends
         assert stats["manager"]["promotions_failed"] == 1
         assert stats["manager"]["retired_slots"] == 1
         assert m.pool.free_slots == 1 and m.pool.occupancy().retired == 1
-        assert m.lookup(key, reader) is LookupResult.MISS  # quarantined: recompute
+        assert m.lookup(key, reader) is KeyStatus.MISS  # quarantined: recompute
         backend.release.set()
         assert m.wait_idle(10)  # waits for the call to end: the slot is back
         assert m.pool.occupancy().retired == 0 and m.pool.free_slots == 2

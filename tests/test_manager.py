@@ -21,7 +21,7 @@ from kvtier.tiering.manager import (
     BlockRemoved,
     BlockStored,
     KeyNotResidentError,
-    LookupResult,
+    KeyStatus,
     ManagerClosedError,
     PromotionFailed,
     StoreMode,
@@ -30,8 +30,8 @@ from kvtier.tiering.manager import (
 )
 
 BLOCK = 256
-HIT, PENDING, RETRY, MISS = (LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY,
-                             LookupResult.MISS)
+HIT, PENDING, RETRY, MISS = (KeyStatus.HIT, KeyStatus.HIT_PENDING, KeyStatus.RETRY,
+                             KeyStatus.MISS)
 
 
 def k(i: int) -> bytes:
@@ -517,7 +517,7 @@ def test_a_backlogged_tier_never_pins_the_pool_full_and_loses_nothing(make: Fact
         stats = m.get_stats()["manager"]
         assert stats["pending_copies"] == 2 and stats["stores_rejected"] == 0
         reader = RequestContext("r")
-        assert m.lookup(k(5), reader) is LookupResult.HIT  # from its copy: no load, no miss
+        assert m.lookup(k(5), reader) is KeyStatus.HIT  # from its copy: no load, no miss
         assert read(m, [k(5)], reader) == [data(k(5))]
         assert m.get_stats()["manager"]["copies_readmitted"] == 1
         assert not [e for e in m.take_events() if isinstance(e, StoreShed)]
@@ -587,7 +587,7 @@ def test_context_manager_and_kvtier_exports() -> None:
     import kvtier
 
     assert kvtier.TieringManager is TieringManager
-    assert kvtier.LookupResult is LookupResult
+    assert kvtier.KeyStatus is KeyStatus
     with kvtier.open_manager({"block_bytes": 64, "primary_bytes": 128,
                               "namespace": {"model": "m"}}) as m:
         assert m.lookup(k(1), RequestContext("a")) is MISS

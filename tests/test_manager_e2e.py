@@ -13,7 +13,7 @@ import pytest
 
 from kvtier.factory import open_manager
 from kvtier.keys import Namespace, RequestContext, chain_keys
-from kvtier.tiering.manager import LookupResult, PromotionFailed, TieringManager
+from kvtier.tiering.manager import KeyStatus, PromotionFailed, TieringManager
 
 BLOCK = 16 * 1024
 KINDS = ["file", "redis", "redis_cluster", "s3"]
@@ -132,7 +132,7 @@ def test_store_evict_promote_returns_exact_bytes(
     step(m)
     store(m, keys[4:], payloads[4:], writer)  # evicts the first four from the primary
     step(m)
-    assert all(m.lookup(key, writer) is not LookupResult.HIT for key in keys[:4])
+    assert all(m.lookup(key, writer) is not KeyStatus.HIT for key in keys[:4])
     reader = RequestContext("reader")
     assert settle(m, keys[:4], reader) == 4
     assert load(m, keys[:4], reader) == payloads[:4]

@@ -7,6 +7,7 @@ lazily so that ``import kvtier`` stays cheap and never needs optional packages.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from kvtier.keys import BlockKey, Namespace, RequestContext, chain_keys
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from kvtier.factory import open_manager
     from kvtier.lookup.manager import AsyncLookupManager, LookupPhase, LookupStats
     from kvtier.ops.inventory import NamespaceUsage, PurgeResult, purge, usage
-    from kvtier.tiering.manager import LookupResult, TieringManager
+    from kvtier.tiering.manager import KeyStatus, TieringManager
 
 __version__ = "0.1.0"
 
@@ -27,7 +28,7 @@ _LAZY: dict[str, str] = {
     "Backend": "kvtier.backends",
     "open_backend": "kvtier.backends",
     "TieringManager": "kvtier.tiering.manager",
-    "LookupResult": "kvtier.tiering.manager",
+    "KeyStatus": "kvtier.tiering.manager",
     "open_manager": "kvtier.factory",
     "NamespaceUsage": "kvtier.ops.inventory",
     "PurgeResult": "kvtier.ops.inventory",
@@ -39,8 +40,8 @@ __all__ = [
     "AsyncLookupManager",
     "Backend",
     "BlockKey",
+    "KeyStatus",
     "LookupPhase",
-    "LookupResult",
     "LookupStats",
     "Namespace",
     "NamespaceUsage",
@@ -55,7 +56,18 @@ __all__ = [
 ]
 
 
+_DEPRECATED: dict[str, tuple[str, str]] = {
+    # old name: (new name, since)
+    "LookupResult": ("KeyStatus", "0.2"),
+}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        new_name, since = _DEPRECATED[name]
+        warnings.warn(f"kvtier.{name} is deprecated since kvtier {since} (it is not vLLM's "
+                      f"LookupResult); use kvtier.{new_name}", DeprecationWarning, stacklevel=2)
+        return __getattr__(new_name)
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module 'kvtier' has no attribute {name!r}")

@@ -44,13 +44,12 @@ from typing import TypeAlias
 import xxhash
 
 from kvtier.errors import KvtierError
-from kvtier.keys import NAMESPACE_DIGEST_BYTES
+from kvtier.keys import MAX_KEY_BYTES, NAMESPACE_DIGEST_BYTES, check_key
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 2
-MAX_KEY_BYTES = 255
 HEADER_BYTES = 320
 TAG_BYTES = 16
 
@@ -150,15 +149,6 @@ def _check_digest(namespace_digest: bytes) -> None:
         raise ValueError(
             f"namespace_digest must be {NAMESPACE_DIGEST_BYTES} bytes, got {namespace_digest!r}"
         )
-
-
-def check_key(key: object, argument: str = "key") -> bytes:
-    """Return ``key`` if it is a storable block key, else raise naming what was expected."""
-    if not isinstance(key, bytes):
-        raise TypeError(f"{argument} must be a BlockKey (bytes), got {type(key).__name__}")
-    if not 1 <= len(key) <= MAX_KEY_BYTES:
-        raise ValueError(f"{argument} must be 1..{MAX_KEY_BYTES} bytes long, got {len(key)} bytes")
-    return key
 
 
 class FrameCodec:

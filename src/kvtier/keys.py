@@ -219,13 +219,22 @@ class RequestContext:
         return hash(self.req_id)
 
 
+MAX_KEY_BYTES = 255
+"""The longest block key (its hex must fit one file name of the file tier)."""
+
+
+def check_key(key: object, argument: str = "key") -> bytes:
+    """Return ``key`` if it is a block key (1..255 bytes), else raise naming what was expected.
+
+    The one key rule: every API that takes keys (lookups, the manager, backends) checks it here.
+    """
+    if not isinstance(key, bytes):
+        raise TypeError(f"{argument} must be a BlockKey (bytes), got {type(key).__name__}")
+    if not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"{argument} must be 1..{MAX_KEY_BYTES} bytes long, got {len(key)} bytes")
+    return key
+
+
 def validate_keys(keys: Iterable[object], argument: str = "keys") -> list[BlockKey]:
-    """Return ``keys`` as a list, raising ``TypeError`` naming the first key that is not bytes."""
-    result: list[BlockKey] = []
-    for index, key in enumerate(keys):
-        if not isinstance(key, bytes):
-            raise TypeError(
-                f"{argument}[{index}] must be a BlockKey (bytes), got {type(key).__name__}"
-            )
-        result.append(key)
-    return result
+    """Return ``keys`` as a list, raising (see :func:`check_key`) naming the first bad key."""
+    return [check_key(key, f"{argument}[{index}]") for index, key in enumerate(keys)]

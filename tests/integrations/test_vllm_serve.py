@@ -48,14 +48,14 @@ def test_fresh_server_gets_prompt_tokens_from_kvtier_with_identical_outputs(
     tier_dir = tmp_path / "tier"
     once = (sb.Pass.MEASURED,)
 
-    baseline = sb.run_one(settings, sb.ServerSpec("prefix-cache-only", sb.TierKind.NONE,
+    baseline = sb.run_one(settings, sb.ServerSpec("prefix-cache-only", sb.ServeTier.NONE,
                                                   sb.TraceKind.REUSE, once),
                           model_dir, traces, None)
-    first = sb.run_one(settings, sb.ServerSpec("kvtier-file", sb.TierKind.KVTIER_FILE,
+    first = sb.run_one(settings, sb.ServerSpec("kvtier-file", sb.ServeTier.KVTIER_FILE,
                                                sb.TraceKind.REUSE, once, tier_dir),
                        model_dir, traces, None)
     restarted = sb.run_one(settings, sb.ServerSpec("kvtier-file-restart",
-                                                   sb.TierKind.KVTIER_FILE, sb.TraceKind.REUSE,
+                                                   sb.ServeTier.KVTIER_FILE, sb.TraceKind.REUSE,
                                                    once, tier_dir),
                            model_dir, traces, None)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvtier.primary import PrimaryPool
 from kvtier.tiering.events import Counters, EventLog
-from kvtier.tiering.tier import JobKind, TransferJob
+from kvtier.tiering.tier import JobKind, TierJob
 
 BLOCK = 16
 
@@ -36,8 +36,8 @@ def tables() -> tuple[Counters, EventLog]:
 
 
 def finished(job_id: int, kind: JobKind, keys: Sequence[bytes], results: Sequence[bool],
-             *, abandoned: bool = False) -> TransferJob:
-    return TransferJob(job_id, kind, tuple(keys), (), 0, results=tuple(results),
+             *, abandoned: bool = False) -> TierJob:
+    return TierJob(job_id, kind, tuple(keys), (), 0, results=tuple(results),
                        abandoned=abandoned)
 
 
@@ -52,18 +52,18 @@ class FakeTier:
     loads: list[tuple[list[bytes], list[memoryview]]] = field(default_factory=list)
     stores: list[tuple[list[bytes], list[Any]]] = field(default_factory=list)
     shed_counts: list[int] = field(default_factory=list)
-    released: list[TransferJob] = field(default_factory=list)
-    done: list[TransferJob] = field(default_factory=list)  # handed out by get_finished_jobs
+    released: list[TierJob] = field(default_factory=list)
+    done: list[TierJob] = field(default_factory=list)  # handed out by get_finished_jobs
     next_id: int = 0
 
-    def submit_load(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> TransferJob:
+    def submit_load(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> TierJob:
         self.loads.append((list(keys), list(outs)))
         return self._job(JobKind.LOAD, keys)
 
     def can_accept_store(self, nbytes: int) -> bool:
         return self.accept
 
-    def submit_store(self, keys: Sequence[bytes], payloads: Sequence[Any]) -> TransferJob | None:
+    def submit_store(self, keys: Sequence[bytes], payloads: Sequence[Any]) -> TierJob | None:
         if self.shed:
             return None
         self.stores.append((list(keys), list(payloads)))
@@ -73,14 +73,14 @@ class FakeTier:
         self.shed_counts.append(keys)
 
     def get_finished_jobs(self, wait: bool = False,
-                          timeout: float | None = None) -> list[TransferJob]:
+                          timeout: float | None = None) -> list[TierJob]:
         done, self.done = self.done, []
         return done
 
-    def take_released_loads(self, wait_s: float = 0.0) -> list[TransferJob]:
+    def take_released_loads(self, wait_s: float = 0.0) -> list[TierJob]:
         released, self.released = self.released, []
         return released
 
-    def _job(self, kind: JobKind, keys: Sequence[bytes]) -> TransferJob:
+    def _job(self, kind: JobKind, keys: Sequence[bytes]) -> TierJob:
         self.next_id += 1
-        return TransferJob(self.next_id, kind, tuple(keys), (), 0)
+        return TierJob(self.next_id, kind, tuple(keys), (), 0)

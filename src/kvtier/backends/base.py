@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvtier import codec
-from kvtier.codec import Buffer, as_byte_view, check_key
+from kvtier.codec import Buffer, as_byte_view
 from kvtier.errors import ClosedError, KvtierError
-from kvtier.keys import BlockKey, Namespace
+from kvtier.keys import BlockKey, Namespace, check_key
 from kvtier.settings import ConfigError, Kind, Secret, Setting
 from kvtier.text import first_line
 

@@ -64,7 +64,6 @@ except ImportError as _missing:  # pragma: no cover - depends on the install
         "the s3:// backend needs the 'obstore' package (pip install 'obstore>=0.12')"
     ) from _missing
 
-from kvtier import codec
 from kvtier.backends import redact_url, split_url_options
 from kvtier.backends.base import (
     COMMON_SETTINGS,
@@ -76,7 +75,7 @@ from kvtier.backends.base import (
     StoredFrame,
     load_auth_key,
 )
-from kvtier.keys import BlockKey, Namespace
+from kvtier.keys import BlockKey, Namespace, check_key
 from kvtier.settings import Kind, Setting, SettingsTable
 
 __all__ = ["SETTINGS", "PutMode", "S3Backend", "S3Settings", "from_url", "parse_s3_url"]
@@ -349,7 +348,7 @@ class S3Backend(Backend):
 
     def object_name(self, key: BlockKey) -> str:
         """The object key (inside the bucket) that holds ``key``'s block."""
-        return self._object_prefix + codec.check_key(key).hex()
+        return self._object_prefix + check_key(key).hex()
 
     # -- medium hooks (caller side) -----------------------------------------------------------
 

@@ -51,7 +51,7 @@ from kvtier.bench.serve_config import (
     Preset,
     ServeBenchError,
     ServerSpec,
-    TierKind,
+    ServeTier,
     TraceKind,
 )
 from kvtier.bench.serve_inputs import (
@@ -97,8 +97,8 @@ __all__ = [
     "Preset",
     "RunningServer",
     "ServeBenchError",
+    "ServeTier",
     "ServerSpec",
-    "TierKind",
     "TraceKind",
     "add_arguments",
     "build_random_llama",
@@ -144,19 +144,19 @@ def server_specs(settings: BenchSettings, root: Path | None = None) -> list[Serv
     file_dir = root / "kvtier-file-tier"
     both = (Pass.WARM, Pass.MEASURED)
     specs = {
-        "prefix-cache-only": ServerSpec("prefix-cache-only", TierKind.NONE, TraceKind.REUSE,
+        "prefix-cache-only": ServerSpec("prefix-cache-only", ServeTier.NONE, TraceKind.REUSE,
                                         both),
-        "vllm-fs": ServerSpec("vllm-fs", TierKind.VLLM_FS, TraceKind.REUSE, both,
+        "vllm-fs": ServerSpec("vllm-fs", ServeTier.VLLM_FS, TraceKind.REUSE, both,
                               root / "vllm-fs-tier"),
-        "kvtier-file": ServerSpec("kvtier-file", TierKind.KVTIER_FILE, TraceKind.REUSE, both,
+        "kvtier-file": ServerSpec("kvtier-file", ServeTier.KVTIER_FILE, TraceKind.REUSE, both,
                                   file_dir),
-        "kvtier-file-restart": ServerSpec("kvtier-file-restart", TierKind.KVTIER_FILE,
+        "kvtier-file-restart": ServerSpec("kvtier-file-restart", ServeTier.KVTIER_FILE,
                                           TraceKind.REUSE, (Pass.MEASURED,), file_dir),
-        "kvtier-redis": ServerSpec("kvtier-redis", TierKind.KVTIER_REDIS, TraceKind.REUSE,
+        "kvtier-redis": ServerSpec("kvtier-redis", ServeTier.KVTIER_REDIS, TraceKind.REUSE,
                                    both),
-        "no-reuse-baseline": ServerSpec("no-reuse-baseline", TierKind.NONE, TraceKind.NO_REUSE,
+        "no-reuse-baseline": ServerSpec("no-reuse-baseline", ServeTier.NONE, TraceKind.NO_REUSE,
                                         (Pass.MEASURED,)),
-        "no-reuse-kvtier": ServerSpec("no-reuse-kvtier", TierKind.KVTIER_FILE,
+        "no-reuse-kvtier": ServerSpec("no-reuse-kvtier", ServeTier.KVTIER_FILE,
                                       TraceKind.NO_REUSE, (Pass.MEASURED,),
                                       root / "no-reuse-file-tier"),
     }
@@ -275,7 +275,7 @@ def run_rounds(settings: BenchSettings, model_dir: Path,
                traces: Mapping[TraceKind, Path]) -> list[dict[str, ConfigResult]]:
     """Every configuration once per round, each round on fresh tiers, the order rotated."""
     specs = server_specs(settings)
-    needs_redis = any(spec.tier is TierKind.KVTIER_REDIS for spec in specs)
+    needs_redis = any(spec.tier is ServeTier.KVTIER_REDIS for spec in specs)
     per_round: list[dict[str, ConfigResult]] = []
     with _maybe_valkey(needs_redis, settings.workdir / "valkey") as redis_url:
         for index in range(settings.rounds):
@@ -284,7 +284,7 @@ def run_rounds(settings: BenchSettings, model_dir: Path,
             for spec in round_order(server_specs(settings, root), index):
                 print(f"== round {index + 1}/{settings.rounds} {spec.name}: starting vllm "
                       "serve", file=sys.stderr, flush=True)
-                if spec.tier is TierKind.KVTIER_REDIS and redis_url is not None:
+                if spec.tier is ServeTier.KVTIER_REDIS and redis_url is not None:
                     _flush_valkey(redis_url)  # every round starts on an empty tier
                 results[spec.name] = run_one(settings, spec, model_dir, traces, redis_url,
                                              root)

@@ -37,7 +37,7 @@ class TraceKind(enum.Enum):
     NO_REUSE = "no-reuse"
 
 
-class TierKind(enum.Enum):
+class ServeTier(enum.Enum):
     NONE = "none"
     VLLM_FS = "vllm-fs"
     KVTIER_FILE = "kvtier-file"
@@ -97,7 +97,7 @@ PRESETS: dict[str, Preset] = {
 @dataclass(slots=True)
 class ServerSpec:
     name: str
-    tier: TierKind
+    tier: ServeTier
     trace: TraceKind
     passes: tuple[Pass, ...]
     tier_dir: Path | None = None

@@ -29,7 +29,7 @@ from kvtier.bench.serve_config import (
     STOP_DEADLINE_S,
     BenchSettings,
     ServeBenchError,
-    TierKind,
+    ServeTier,
 )
 
 
@@ -116,17 +116,17 @@ def _env(settings: BenchSettings) -> dict[str, str]:
     return env
 
 
-def kv_transfer_config(settings: BenchSettings, tier: TierKind, tier_dir: Path | None,
+def kv_transfer_config(settings: BenchSettings, tier: ServeTier, tier_dir: Path | None,
                        redis_url: str | None) -> dict[str, Any] | None:
-    if tier is TierKind.NONE:
+    if tier is ServeTier.NONE:
         return None
-    if tier is TierKind.VLLM_FS:
+    if tier is ServeTier.VLLM_FS:
         secondary: dict[str, Any] = {"type": "fs", "root_dir": str(tier_dir)}
     else:
-        url = f"file://{tier_dir}" if tier is TierKind.KVTIER_FILE else redis_url
+        url = f"file://{tier_dir}" if tier is ServeTier.KVTIER_FILE else redis_url
         secondary = {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm",
                      "url": url}
-        if tier is TierKind.KVTIER_FILE and settings.o_direct:
+        if tier is ServeTier.KVTIER_FILE and settings.o_direct:
             secondary["o_direct"] = True
     return {
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",

@@ -39,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from kvtier.backends import OpenMode, open_backend, redact_url
-    from kvtier.codec import check_key
-    from kvtier.keys import Namespace
+    from kvtier.keys import Namespace, check_key
     from kvtier.replay.report import format_bytes
 
     stored = _stored_namespace(args.url, args.digest) if args.digest else None

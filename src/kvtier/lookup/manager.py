@@ -34,7 +34,7 @@ from typing import Final
 
 from kvtier.backends.base import RateLimitedLog
 from kvtier.errors import ClosedError, KvtierError
-from kvtier.keys import BlockKey, RequestContext, validate_keys
+from kvtier.keys import BlockKey, RequestContext, check_key, validate_keys
 from kvtier.lookup.breaker import BreakerState, CircuitBreaker
 from kvtier.lookup.expiry import ExpiryMap
 from kvtier.lookup.settings import LOOKUP_SETTINGS
@@ -271,8 +271,7 @@ class AsyncLookupManager(abc.ABC):
         if state is not None or self._check_new_keys:
             return self._attach(key, state, req_context, attached)
         # A key nobody holds, nothing refusing new keys: start its probe (inlined: hot).
-        if not isinstance(key, bytes):
-            raise TypeError(f"key must be a BlockKey (bytes), got {type(key).__name__}")
+        check_key(key)
         generation = next(self._generations)
         state = self._states[key] = KeyState(key, generation, _PHASE_PENDING)
         if not attached:
@@ -502,8 +501,7 @@ class AsyncLookupManager(abc.ABC):
         if not attached:
             self._request_keys[req_context.req_id] = attached
         if state is None:
-            if not isinstance(key, bytes):
-                raise TypeError(f"key must be a BlockKey (bytes), got {type(key).__name__}")
+            check_key(key)
             generation = next(self._generations)
             source = self._refuse_new(key)
             if source is None:

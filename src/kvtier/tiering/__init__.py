@@ -12,9 +12,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvtier.tiering.manager import LookupResult, TieringManager
+    from kvtier.tiering.manager import KeyStatus, TieringManager
 
-__all__ = ["LookupResult", "TieringManager"]
+__all__ = ["KeyStatus", "TieringManager"]
 
 
 def __getattr__(name: str) -> Any:

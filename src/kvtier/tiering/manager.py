@@ -32,7 +32,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvtier.errors import ClosedError
-from kvtier.keys import BlockKey, Namespace, RequestContext, validate_keys
+from kvtier.keys import BlockKey, Namespace, RequestContext, check_key, validate_keys
 from kvtier.ops.metrics import KvtierMetrics, manager_samples
 from kvtier.primary import PrimaryPool
 from kvtier.tiering.events import (
@@ -49,8 +49,8 @@ from kvtier.tiering.events import (
 from kvtier.tiering.pins import PinLedger
 from kvtier.tiering.plans import (
     KeyNotResidentError,
+    KeyStatus,
     LoadPlan,
-    LookupResult,
     StoreMode,
     StorePlan,
     WritePolicy,
@@ -66,8 +66,8 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "KeyNotResidentError",
+    "KeyStatus",
     "LoadPlan",
-    "LookupResult",
     "ManagerClosedError",
     "ManagerEvent",
     "PromotionFailed",
@@ -177,12 +177,10 @@ class TieringManager:
         return self._pool.view(slot)
 
     # ---- lookups ----------------------------------------------------------------------------
-    def lookup(self, key: BlockKey, ctx: RequestContext) -> LookupResult:
-        """Where ``key`` stands now (see :class:`LookupResult`). Never blocks."""
+    def lookup(self, key: BlockKey, ctx: RequestContext) -> KeyStatus:
+        """Where ``key`` stands now (see :class:`KeyStatus`). Never blocks."""
         self._require_running("lookup")
-        if not isinstance(key, bytes):
-            raise TypeError(f"key must be a BlockKey (bytes), got {type(key).__name__}")
-        return self._lookup(key, ctx, ())
+        return self._lookup(check_key(key), ctx, ())
 
     def lookup_prefix(self, keys: Sequence[BlockKey], ctx: RequestContext) -> int | None:
         """How many leading ``keys`` are loadable now; None while a needed answer is pending.
@@ -218,9 +216,7 @@ class TieringManager:
         promotions = self._promotions
         for index in range(resident, len(keys)):
             key = keys[index]
-            if not isinstance(key, bytes):
-                raise TypeError(
-                    f"keys[{index}] must be a BlockKey (bytes), got {type(key).__name__}")
+            check_key(key, f"keys[{index}]")
             if (round_over and key not in promotions and not self._pool.is_resident(key)
                     and self._writeback.copy_of(key) is None):
                 counters.lookups += 1
@@ -228,11 +224,11 @@ class TieringManager:
                 counters.promotions_lost += 1
                 break
             result = self._lookup(key, ctx, hits)
-            if result is LookupResult.HIT:
+            if result is KeyStatus.HIT:
                 hits.add(key)  # promotions later in this prefix must not evict it
                 if not pending:
                     count += 1
-            elif result is LookupResult.MISS:
+            elif result is KeyStatus.MISS:
                 break
             else:
                 pending = True
@@ -246,43 +242,43 @@ class TieringManager:
         return None
 
     def _lookup(self, key: BlockKey, ctx: RequestContext,
-                protect: set[BlockKey] | tuple[()]) -> LookupResult:
+                protect: set[BlockKey] | tuple[()]) -> KeyStatus:
         counters = self._counters
         counters.lookups += 1
         pool = self._pool
         if pool.is_resident(key):
             counters.hits += 1
-            return LookupResult.HIT
+            return KeyStatus.HIT
         promotion = self._promotions.get(key)
         if promotion is not None:
             counters.promotions_joined += 1
             counters.hit_pending += 1
             self._promotions.join(promotion, key, ctx.req_id)
-            return LookupResult.HIT_PENDING
+            return KeyStatus.HIT_PENDING
         if pool.slot_of(key) is not None:  # the engine is storing it right now
             counters.misses += 1
-            return LookupResult.MISS
+            return KeyStatus.MISS
         payload = self._writeback.copy_of(key)
         if payload is not None:  # evicted, its write pending: re-admitted from its copy
             slot = self._reserve_for(key, protect)
             if slot is None:
-                return LookupResult.MISS
+                return KeyStatus.MISS
             self._writeback.readmit(key, slot, payload)
-            return LookupResult.HIT
+            return KeyStatus.HIT
         for index, tier in enumerate(self._tiers):
             verdict = tier.lookup(key, ctx)
             if verdict is None:
                 counters.retries += 1
-                return LookupResult.RETRY
+                return KeyStatus.RETRY
             if verdict:
                 slot = self._reserve_for(key, protect)
                 if slot is None:
-                    return LookupResult.MISS
+                    return KeyStatus.MISS
                 self._promotions.start(key, index, slot, ctx.req_id)
                 counters.hit_pending += 1
-                return LookupResult.HIT_PENDING
+                return KeyStatus.HIT_PENDING
         counters.misses += 1
-        return LookupResult.MISS
+        return KeyStatus.MISS
 
     def _reserve_for(self, key: BlockKey, protect: set[BlockKey] | tuple[()]) -> int | None:
         """A slot for bringing ``key`` into the pool (evicting a victim), or None (counted as

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from kvtier.errors import KvtierError
 from kvtier.keys import BlockKey
 
-__all__ = ["KeyNotResidentError", "LoadPlan", "LookupResult", "StoreMode", "StorePlan"]
+__all__ = ["KeyNotResidentError", "KeyStatus", "LoadPlan", "StoreMode", "StorePlan"]
 
 
-class LookupResult(enum.Enum):
+class KeyStatus(enum.Enum):
     HIT = "hit"                  # resident in the primary pool: loadable now
     HIT_PENDING = "hit_pending"  # a promotion from a secondary tier is in flight
     RETRY = "retry"              # a secondary tier has not answered yet: ask next step

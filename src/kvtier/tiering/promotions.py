@@ -27,7 +27,7 @@ from kvtier.tiering.events import (
     PromotionFailed,
 )
 from kvtier.tiering.pins import PinLedger
-from kvtier.tiering.tier import SecondaryTier, TransferJob
+from kvtier.tiering.tier import SecondaryTier, TierJob
 
 __all__ = ["MAX_PROMOTION_ROUNDS", "TRANSFER_CHUNK_KEYS", "Promotion", "PromotionTable"]
 
@@ -118,7 +118,7 @@ class PromotionTable:
             tier.submit_load(chunk, [self._pool.view(self._promotions[key].slot)
                                      for key in chunk])
 
-    def apply_load(self, tier_index: int, tier_name: str, job: TransferJob) -> None:
+    def apply_load(self, tier_index: int, tier_name: str, job: TierJob) -> None:
         """A load job of tier ``tier_index`` finished: commit (and hold) or free each slot."""
         loaded: list[BlockKey] = []
         failed: list[BlockKey] = []

@@ -9,7 +9,7 @@ Thread ownership:
   (``_state``) and everything in the lookup manager. It submits jobs, and collects finished
   ones with :meth:`get_finished_jobs`.
 - **I/O threads** (``io_threads`` per tier, a ``ThreadPoolExecutor``) run one part of a
-  :class:`TransferJob` at a time (a store is one part; a load is split into parts so that its
+  :class:`TierJob` at a time (a store is one part; a load is split into parts so that its
   reads run in parallel), taken from the ready queues (``_ready_loads`` before
   ``_ready_stores``: ``collections.deque``, appended by the scheduler, popped by I/O threads,
   each part popped exactly once). They call the backend and record the part's answers in the
@@ -79,7 +79,7 @@ class _TierState(enum.Enum):
 
 
 @dataclass(slots=True, eq=False)
-class TransferJob:
+class TierJob:
     """One batch transfer between a tier's backend and caller buffers.
 
     ``results`` has one entry per key (True = that key moved) once the job is finished;
@@ -195,7 +195,7 @@ class RecentLoadFailures:
 class _Part:
     """Keys ``start:end`` of a job: what one I/O thread runs."""
 
-    job: TransferJob
+    job: TierJob
     start: int
     end: int
 
@@ -271,13 +271,13 @@ class SecondaryTier:
         self._settings = settings
         self._max_keys_per_call = max_keys_per_call
         self._executor = IoThreadPool(settings.io_threads, f"kvtier-io-{name}")
-        self._load_deadlines: deque[TransferJob] = deque()  # loads in submission order
+        self._load_deadlines: deque[TierJob] = deque()  # loads in submission order
         self._settle_lock = threading.Lock()  # a job's results are settled exactly once
-        self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
-        self._released: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()  # abandoned, I/O over
+        self._finished: queue.SimpleQueue[TierJob] = queue.SimpleQueue()
+        self._released: queue.SimpleQueue[TierJob] = queue.SimpleQueue()  # abandoned, I/O over
         self._abandoned = 0  # abandoned loads not yet released (scheduler thread)
         self._loads_outstanding = 0  # load jobs submitted and not yet collected
-        self._outstanding: dict[int, TransferJob] = {}
+        self._outstanding: dict[int, TierJob] = {}
         self._ready_loads: deque[_Part] = deque()
         self._ready_stores: deque[_Part] = deque()
         self._job_ids = itertools.count()
@@ -326,12 +326,12 @@ class SecondaryTier:
         self._lookup.note_removed(keys)
 
     # ---- transfers (scheduler thread) ---------------------------------------------------------
-    def submit_load(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> TransferJob:
+    def submit_load(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> TierJob:
         """Start loading ``keys`` into ``outs`` on an I/O thread; never blocks, never sheds."""
         self._require_running("submit_load")
         if len(keys) != len(outs):
             raise ValueError(f"submit_load got {len(keys)} keys but {len(outs)} buffers")
-        job = TransferJob(next(self._job_ids), JobKind.LOAD, tuple(keys), tuple(outs),
+        job = TierJob(next(self._job_ids), JobKind.LOAD, tuple(keys), tuple(outs),
                           sum(out.nbytes for out in outs),
                           deadline=time.monotonic() + self._settings.load_timeout_s)
         self._load_deadlines.append(job)
@@ -349,7 +349,7 @@ class SecondaryTier:
         return self._store_jobs == 0 or self._store_bytes + nbytes <= limit
 
     def submit_store(self, keys: Sequence[BlockKey],
-                     payloads: Sequence[Buffer]) -> TransferJob | None:
+                     payloads: Sequence[Buffer]) -> TierJob | None:
         """Start storing on an I/O thread; None (shed, counted) when the tier is backlogged."""
         self._require_running("submit_store")
         if len(keys) != len(payloads):
@@ -359,7 +359,7 @@ class SecondaryTier:
             self._counters.stores_shed += 1
             self._counters.store_keys_shed += len(keys)
             return None
-        job = TransferJob(next(self._job_ids), JobKind.STORE, tuple(keys), tuple(payloads),
+        job = TierJob(next(self._job_ids), JobKind.STORE, tuple(keys), tuple(payloads),
                           nbytes)
         if len(self._load_failures):
             failures = self._load_failures
@@ -376,7 +376,7 @@ class SecondaryTier:
         self._counters.stores_shed += 1
         self._counters.store_keys_shed += keys
 
-    def _start(self, job: TransferJob) -> None:
+    def _start(self, job: TierJob) -> None:
         self._outstanding[job.job_id] = job
         parts = self._parts(job)
         job.parts_left = len(parts)
@@ -398,7 +398,7 @@ class SecondaryTier:
                     self._settle(waiting, (False,) * len(waiting.keys),
                                  f"executor unavailable: {exc!r}")
 
-    def _parts(self, job: TransferJob) -> list[_Part]:
+    def _parts(self, job: TierJob) -> list[_Part]:
         """A store is one part (its calls in order); a load is split across the I/O threads,
         as an engine's own file tier reads with parallel threads: parts of at least
         ``_MIN_LOAD_PART_KEYS`` keys, at most ``max_keys_per_call``."""
@@ -411,14 +411,14 @@ class SecondaryTier:
         return [_Part(job, start, min(count, start + size)) for start in range(0, count, size)]
 
     def get_finished_jobs(self, *, wait: bool = False,
-                          timeout: float | None = None) -> list[TransferJob]:
+                          timeout: float | None = None) -> list[TierJob]:
         """Collect finished jobs and apply their effects on the lookup manager.
 
         A failed load key is ``mark_miss``-ed (quarantined); a stored key is ``note_stored``.
         ``wait=True`` blocks until no job is outstanding (or ``timeout`` s passed) — for
         shutdown and tests, never on the engine's hot path.
         """
-        finished: list[TransferJob] = []
+        finished: list[TierJob] = []
         deadline = None if timeout is None else time.monotonic() + timeout
         self._expire_loads()
         while True:
@@ -457,7 +457,7 @@ class SecondaryTier:
                 self._io_log.warning("tier %s: load job of %d keys timed out after %g s",
                                      self._name, len(job.keys), limit)
 
-    def _settle(self, job: TransferJob, results: tuple[bool, ...], error: str | None, *,
+    def _settle(self, job: TierJob, results: tuple[bool, ...], error: str | None, *,
                 abandon: bool = False) -> bool:
         """Make ``results`` final and post the job, unless it was already settled (then False).
         ``abandon``: the job's I/O is still running (a deadline, not the I/O thread, settles it).
@@ -475,11 +475,11 @@ class SecondaryTier:
         self._finished.put(job)
         return True
 
-    def take_released_loads(self, wait_s: float = 0.0) -> list[TransferJob]:
+    def take_released_loads(self, wait_s: float = 0.0) -> list[TierJob]:
         """Abandoned load jobs whose backend call has ended since the last call (scheduler
         thread): their buffers will not be written any more and may be reused. ``wait_s``:
         wait up to that long for every abandoned load to end (shutdown and tests)."""
-        released: list[TransferJob] = []
+        released: list[TierJob] = []
         deadline = time.monotonic() + wait_s
         while len(released) < self._abandoned:  # each released job was counted abandoned
             remaining = deadline - time.monotonic()
@@ -491,7 +491,7 @@ class SecondaryTier:
         self._abandoned -= len(released)
         return released
 
-    def yield_to_io(self, timeout: float, *, stores: bool = True) -> list[TransferJob]:
+    def yield_to_io(self, timeout: float, *, stores: bool = True) -> list[TierJob]:
         """With transfers (loads only, ``stores=False``) or else probes in flight, wait at most
         ``timeout`` for them, which hands the GIL to their threads (see :data:`IO_YIELD_S`);
         returns the jobs collected meanwhile (scheduler thread)."""
@@ -501,7 +501,7 @@ class SecondaryTier:
             self._lookup.wait_for_probes(timeout)
         return []
 
-    def _collect(self, job: TransferJob) -> None:
+    def _collect(self, job: TierJob) -> None:
         if self._outstanding.pop(job.job_id, None) is None:
             self._counters.invariant_violations += 1
             _log.warning("tier %s: finished job %d was not outstanding", self._name, job.job_id)
@@ -583,7 +583,7 @@ class SecondaryTier:
         job.seconds = job.busy_s
         self._settle(job, final, job.first_error)
 
-    def _call(self, job: TransferJob, start: int, end: int) -> tuple[list[bool], str | None]:
+    def _call(self, job: TierJob, start: int, end: int) -> tuple[list[bool], str | None]:
         """Keys ``start:end`` of ``job`` through the backend, in calls of at most
         ``max_keys_per_call``. Keys after a failed call fail; keys moved before stay moved."""
         results: list[bool] = []
@@ -608,7 +608,7 @@ class SecondaryTier:
             return results + [False] * (end - start - len(results)), repr(exc)
         return results, None
 
-    def _read_back(self, job: TransferJob) -> None:
+    def _read_back(self, job: TierJob) -> None:
         """Store job, I/O thread: read back the stored keys whose load failed recently; the
         ones that load (frame verified by the backend) are ``job.verified``."""
         positions = [p for p in job.suspects if job.results[p]]
@@ -648,7 +648,7 @@ class SecondaryTier:
             raise TierClosedError(f"tier {self._name!r} is shut down; {operation}() is not "
                                   "allowed any more")
 
-    def shutdown(self, timeout: float | None = None) -> list[TransferJob]:
+    def shutdown(self, timeout: float | None = None) -> list[TierJob]:
         """Wait for outstanding jobs (up to ``timeout`` s), stop every thread, close the backend.
 
         Returns the jobs collected while waiting. Idempotent.

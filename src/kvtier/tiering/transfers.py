@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from kvtier.tiering.promotions import PromotionTable
-from kvtier.tiering.tier import IO_YIELD_S, JobKind, SecondaryTier, TransferJob
+from kvtier.tiering.tier import IO_YIELD_S, JobKind, SecondaryTier, TierJob
 from kvtier.tiering.writeback import Backlog, WriteBack
 
 __all__ = ["Transfers"]
@@ -34,7 +34,7 @@ class Transfers:
         self._promotions = promotions
         self._writeback = writeback
 
-    def apply(self, tier_index: int, job: TransferJob) -> None:
+    def apply(self, tier_index: int, job: TierJob) -> None:
         name = self._tiers[tier_index].name
         if job.kind is JobKind.LOAD:
             self._promotions.apply_load(tier_index, name, job)

@@ -34,7 +34,7 @@ from kvtier.tiering.events import (
 )
 from kvtier.tiering.pins import PinLedger
 from kvtier.tiering.promotions import TRANSFER_CHUNK_KEYS
-from kvtier.tiering.tier import SecondaryTier, TransferJob
+from kvtier.tiering.tier import SecondaryTier, TierJob
 
 __all__ = ["MAX_WAITING_CASCADE_FRACTION", "Backlog", "QueuedStore", "WriteBack"]
 
@@ -171,7 +171,7 @@ class WriteBack:
     # ---- transfers ---------------------------------------------------------------------------
     def submit(self, tier_index: int, tier: SecondaryTier, *,
                backlog: Backlog = Backlog.WAIT_NEXT_STEP, deadline: float | None = None,
-               apply: Callable[[int, TransferJob], None] | None = None) -> None:
+               apply: Callable[[int, TierJob], None] | None = None) -> None:
         """Submit the stores queued for ``tier`` in chunks. What a backlogged tier cannot
         take waits for the next step (the oldest excess shed), or with
         ``Backlog.WAIT_FOR_ROOM`` (shutdown) this call waits for room until ``deadline``,
@@ -202,7 +202,7 @@ class WriteBack:
 
     def _wait_for_room(self, tier_index: int, tier: SecondaryTier, nbytes: int,
                        deadline: float | None,
-                       apply: Callable[[int, TransferJob], None] | None) -> None:
+                       apply: Callable[[int, TierJob], None] | None) -> None:
         while not tier.can_accept_store(nbytes):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -226,7 +226,7 @@ class WriteBack:
         self._queued[tier_index] = waiting
         self._counters.cascades_waited += len(waiting)
 
-    def apply_store(self, tier_index: int, tier_name: str, job: TransferJob) -> None:
+    def apply_store(self, tier_index: int, tier_name: str, job: TierJob) -> None:
         """A store job of tier ``tier_index`` finished: release its pins or copies."""
         stored: list[BlockKey] = []
         pinned = self._pins.pop_store_job(tier_index, job.job_id)

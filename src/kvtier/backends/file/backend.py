@@ -74,7 +74,7 @@ from kvtier.backends.file.layout import (
     _Scratch,
     _write_all,
 )
-from kvtier.keys import BlockKey, Namespace
+from kvtier.keys import MAX_KEY_BYTES, BlockKey, Namespace, check_key
 from kvtier.settings import ConfigError, Kind, Setting, SettingsTable
 
 _log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class FileBackend(Backend):
 
     def path_for(self, key: BlockKey) -> Path:
         """The file that holds ``key``'s block (whether or not it exists)."""
-        parts, name = _key_location(codec.check_key(key).hex())
+        parts, name = _key_location(check_key(key).hex())
         return self._dir.joinpath(*parts, name)
 
     def _m_extra_stats(self) -> dict[str, int]:
@@ -612,7 +612,7 @@ class FileBackend(Backend):
             key = bytes.fromhex(key_hex)
         except ValueError:
             return None
-        if not 1 <= len(key) <= codec.MAX_KEY_BYTES or key.hex() != key_hex:
+        if not 1 <= len(key) <= MAX_KEY_BYTES or key.hex() != key_hex:
             return None
         if _key_location(key_hex) != (parts, name):
             return None

@@ -87,8 +87,7 @@ from kvtier.ops.metrics import (
     vllm_metric_definitions,
 )
 from kvtier.settings import ConfigError, env_layer
-from kvtier.tiering.tier import IO_YIELD_S, JobKind, SecondaryTier
-from kvtier.tiering.tier import TransferJob as TierJob
+from kvtier.tiering.tier import IO_YIELD_S, JobKind, SecondaryTier, TierJob
 from kvtier.tiering.tier_settings import LookupConfig, TierSettings
 
 _DRAIN_WAIT_S = 86400.0  # drain_jobs waits for abandoned loads' calls too (never aborts a copy)
