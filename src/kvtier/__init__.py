@@ -58,7 +58,7 @@ __all__ = [
 
 _DEPRECATED: dict[str, tuple[str, str]] = {
     # old name: (new name, since)
-    "LookupResult": ("KeyStatus", "0.2"),
+    "LookupResult": ("KeyStatus", "0.1.1"),
 }
 
 

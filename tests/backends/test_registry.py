@@ -26,7 +26,7 @@ from kvtier.backends import (
     registered_schemes,
 )
 from kvtier.backends.file import FileBackend
-from kvtier.backends.file.kind import FileKind
+from kvtier.backends.file.kind import KIND as FILE_KIND
 from kvtier.config import ConfigError, KvtierConfig, load_config
 from kvtier.keys import Namespace, chain_keys
 from kvtier.ops.inventory import UsageError
@@ -58,10 +58,10 @@ class VaultKind(BackendKind):
         return FileBackend(url.partition("://")[2], namespace, fsync=parsed["fsync"])
 
     def list_namespaces(self, url: str, options: dict[str, Any]) -> list[Any]:
-        return FileKind().list_namespaces(self._file_url(url), dict(self.parse_url(url, options)))
+        return FILE_KIND.list_namespaces(self._file_url(url), dict(self.parse_url(url, options)))
 
     def delete_namespaces(self, url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
-        return FileKind().delete_namespaces(self._file_url(url), {}, digests)
+        return FILE_KIND.delete_namespaces(self._file_url(url), {}, digests)
 
 
 def _vault() -> VaultKind:

@@ -31,7 +31,7 @@ from kvtier.backends.base import (
     load_auth_key,
 )
 from kvtier.backends.manifest import NamespaceUsage
-from kvtier.backends.registry import BackendKind
+from kvtier.backends.registry import FunctionKind
 from kvtier.keys import BlockKey, Namespace
 from kvtier.settings import Kind, Setting, SettingsTable
 
@@ -164,23 +164,16 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> MemoryB
                          auth_key=load_auth_key(parsed, "memory"))
 
 
-class MemoryKind(BackendKind):
-    """``memory://``: in-process, private to its instance; a new one is empty, so its inventory
-    is always empty (the URL is still validated)."""
+def _list_namespaces(url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
+    """Nothing: a ``memory://`` store is private to its instance, so a new one is empty."""
+    from_url(url, Namespace(model="kvtier-usage"), options).close()  # validates the URL
+    return []
 
-    schemes = ("memory",)
-    remote = False
 
-    @property
-    def settings(self) -> SettingsTable:
-        return SETTINGS
+def _delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
+    return 0
 
-    def open(self, url: str, namespace: Namespace, options: dict[str, Any]) -> MemoryBackend:
-        return from_url(url, namespace, options)
 
-    def list_namespaces(self, url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
-        from_url(url, Namespace(model="kvtier-usage"), options).close()  # validates the URL
-        return []
-
-    def delete_namespaces(self, url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
-        return 0
+KIND = FunctionKind(("memory",), SETTINGS, from_url, remote=False, lister=_list_namespaces,
+                    deleter=_delete_namespaces)
+"""``memory://``: in-process, private to its instance (its inventory is always empty)."""

@@ -5,7 +5,7 @@ inventory (SCAN ``kvtier:*`` on every primary). Stateless: every call opens its 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 import redis
@@ -20,36 +20,10 @@ from kvtier.backends.redis import (
     from_url,
     parse_redis_url,
 )
-from kvtier.backends.registry import BackendKind
+from kvtier.backends.registry import FunctionKind
 from kvtier.keys import Namespace
-from kvtier.settings import SettingsTable
 
-__all__ = ["RedisKind"]
-
-
-class RedisKind(BackendKind):
-    """Redis or Valkey, standalone or Cluster, one key per block."""
-
-    schemes = ("redis", "rediss", "redis+cluster", "rediss+cluster")
-    remote = True
-
-    @property
-    def settings(self) -> SettingsTable:
-        return SETTINGS
-
-    def open(self, url: str, namespace: Namespace, options: dict[str, Any]) -> RedisBackend:
-        return from_url(url, namespace, options)
-
-    def parse_url(self, url: str, options: Mapping[str, Any]) -> dict[str, Any]:
-        parse_redis_url(url, dict(options))
-        return dict(options)
-
-    def list_namespaces(self, url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
-        return _list_namespaces(url, options)
-
-    def delete_namespaces(self, url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
-        return _delete_namespaces(url, options, digests)
-
+__all__ = ["KIND"]
 
 _SCAN_COUNT: Final = 1000
 
@@ -140,3 +114,9 @@ def _delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]
     finally:
         backend.close()
     return deleted
+
+
+KIND = FunctionKind(("redis", "rediss", "redis+cluster", "rediss+cluster"), SETTINGS, from_url,
+                    remote=True, lister=_list_namespaces, deleter=_delete_namespaces,
+                    url_check=parse_redis_url)
+"""Redis or Valkey, standalone or Cluster, one key per block."""

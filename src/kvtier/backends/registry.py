@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BackendFactory",
     "BackendKind",
+    "FunctionKind",
     "InventoryUnsupportedError",
     "kind_for",
     "register_kind",
@@ -84,6 +85,51 @@ class BackendKind(abc.ABC):
         return ", ".join(scheme + "://" for scheme in self.schemes)
 
 
+Lister = Callable[[str, dict[str, Any]], "list[NamespaceUsage]"]
+Deleter = Callable[[str, dict[str, Any], Sequence[str]], int]
+UrlCheck = Callable[[str, dict[str, Any]], object]
+
+
+class FunctionKind(BackendKind):
+    """A kind declared from functions: how each built-in medium declares its kind in one
+    statement. ``url_check(url, options)`` validates without touching the medium (it raises
+    ``ValueError``); without it the settings table does."""
+
+    def __init__(self, schemes: tuple[str, ...], settings: SettingsTable, opener: BackendFactory,
+                 *, remote: bool, lister: Lister | None = None, deleter: Deleter | None = None,
+                 url_check: UrlCheck | None = None) -> None:
+        self.schemes = schemes
+        self.remote = remote
+        self._settings = settings
+        self._opener = opener
+        self._lister = lister
+        self._deleter = deleter
+        self._url_check = url_check
+
+    @property
+    def settings(self) -> SettingsTable:
+        return self._settings
+
+    def open(self, url: str, namespace: Namespace, options: dict[str, Any]) -> Backend:
+        return self._opener(url, namespace, options)
+
+    def parse_url(self, url: str, options: Mapping[str, Any]) -> dict[str, Any]:
+        if self._url_check is None:
+            return super().parse_url(url, options)
+        self._url_check(url, dict(options))
+        return dict(options)
+
+    def list_namespaces(self, url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
+        if self._lister is None:
+            return super().list_namespaces(url, options)
+        return self._lister(url, options)
+
+    def delete_namespaces(self, url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
+        if self._deleter is None:
+            return super().delete_namespaces(url, options, digests)
+        return self._deleter(url, options, digests)
+
+
 class _FactoryKind(BackendKind):
     """A kind made by :func:`register_scheme` from a bare factory (no inventory)."""
 
@@ -104,13 +150,13 @@ class _FactoryKind(BackendKind):
 
 
 _BUILTIN: dict[str, str] = {
-    "memory": "kvtier.backends.memory:MemoryKind",
-    "file": "kvtier.backends.file.kind:FileKind",
-    "redis": "kvtier.backends.redis_kind:RedisKind",
-    "rediss": "kvtier.backends.redis_kind:RedisKind",
-    "redis+cluster": "kvtier.backends.redis_kind:RedisKind",
-    "rediss+cluster": "kvtier.backends.redis_kind:RedisKind",
-    "s3": "kvtier.backends.s3_kind:S3Kind",
+    "memory": "kvtier.backends.memory:KIND",
+    "file": "kvtier.backends.file.kind:KIND",
+    "redis": "kvtier.backends.redis_kind:KIND",
+    "rediss": "kvtier.backends.redis_kind:KIND",
+    "redis+cluster": "kvtier.backends.redis_kind:KIND",
+    "rediss+cluster": "kvtier.backends.redis_kind:KIND",
+    "s3": "kvtier.backends.s3_kind:KIND",
 }
 BUILTIN_SCHEMES: tuple[str, ...] = tuple(_BUILTIN)
 _kinds: dict[str, BackendKind | str] = dict(_BUILTIN)
@@ -191,7 +237,9 @@ def kind_for(scheme: str) -> BackendKind:
         return entry
     loaded = _loaded.get(entry)
     if loaded is None:
-        module_name, _, class_name = entry.partition(":")
-        loaded = getattr(importlib.import_module(module_name), class_name)()
+        module_name, _, attribute = entry.partition(":")
+        loaded = getattr(importlib.import_module(module_name), attribute)
+        if not isinstance(loaded, BackendKind):
+            raise TypeError(f"{entry} is not a BackendKind")
         _loaded[entry] = loaded
     return loaded

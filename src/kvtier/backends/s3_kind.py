@@ -4,7 +4,7 @@ one ``<digest>/`` per namespace). Stateless: every call makes its own client.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import obstore
@@ -12,45 +12,18 @@ from obstore.exceptions import NotFoundError
 from obstore.store import S3Store
 
 from kvtier.backends.manifest import NamespaceUsage, is_digest, parse_manifest
-from kvtier.backends.registry import BackendKind
+from kvtier.backends.registry import FunctionKind
 from kvtier.backends.s3 import (
     MANIFEST_NAME,
     SETTINGS,
-    S3Backend,
     _make_store,
     from_url,
     parse_s3_url,
 )
-from kvtier.keys import Namespace
-from kvtier.settings import SettingsTable
 
-__all__ = ["S3Kind"]
+__all__ = ["KIND"]
 
 _DELETE_CHUNK = 1000  # the most keys one S3 DeleteObjects request takes
-
-
-class S3Kind(BackendKind):
-    """Any S3-compatible object store, one object per block."""
-
-    schemes = ("s3",)
-    remote = True
-
-    @property
-    def settings(self) -> SettingsTable:
-        return SETTINGS
-
-    def open(self, url: str, namespace: Namespace, options: dict[str, Any]) -> S3Backend:
-        return from_url(url, namespace, options)
-
-    def parse_url(self, url: str, options: Mapping[str, Any]) -> dict[str, Any]:
-        parse_s3_url(url, dict(options))
-        return dict(options)
-
-    def list_namespaces(self, url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
-        return _list_namespaces(url, options)
-
-    def delete_namespaces(self, url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
-        return _delete_namespaces(url, options, digests)
 
 
 def _usage_store(url: str, options: dict[str, Any]) -> tuple[S3Store, str]:
@@ -95,3 +68,8 @@ def _delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]
             obstore.delete(store, part)
             deleted += len(part)
     return deleted
+
+
+KIND = FunctionKind(("s3",), SETTINGS, from_url, remote=True, lister=_list_namespaces,
+                    deleter=_delete_namespaces, url_check=parse_s3_url)
+"""Any S3-compatible object store, one object per block."""

@@ -15,37 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.backends import split_url_options
-from kvtier.backends.file.backend import SETTINGS, FileBackend, from_url
+from kvtier.backends.file.backend import SETTINGS, from_url
 from kvtier.backends.file.layout import _SUFFIX, _TEMP_PREFIX, MANIFEST_NAME
 from kvtier.backends.manifest import NamespaceUsage, is_digest, parse_manifest
-from kvtier.backends.registry import BackendKind
-from kvtier.keys import Namespace
-from kvtier.settings import SettingsTable
+from kvtier.backends.registry import FunctionKind
 
-__all__ = ["FileKind"]
+__all__ = ["KIND"]
 
 
-class FileKind(BackendKind):
-    """``file:///absolute/path``: one framed file per block under the directory."""
 
-    schemes = ("file",)
-    remote = False
-
-    @property
-    def settings(self) -> SettingsTable:
-        return SETTINGS
-
-    def open(self, url: str, namespace: Namespace, options: dict[str, Any]) -> FileBackend:
-        return from_url(url, namespace, options)
-
-    def parse_url(self, url: str, options: Mapping[str, Any]) -> dict[str, Any]:
-        return _parse(url, options)[1]
-
-    def list_namespaces(self, url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
-        return _list_namespaces(url, options)
-
-    def delete_namespaces(self, url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
-        return _delete_namespaces(url, options, digests)
 
 
 def _parse(url: str, options: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
@@ -107,3 +85,8 @@ def _delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]
             with contextlib.suppress(OSError):
                 os.rmdir(parent)
     return deleted
+
+
+KIND = FunctionKind(("file",), SETTINGS, from_url, remote=False, lister=_list_namespaces,
+                    deleter=_delete_namespaces, url_check=_parse)
+"""``file:///absolute/path``: one framed file per block under the directory."""
