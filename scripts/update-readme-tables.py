@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/update-readme-tables.py
 
-tests/test_config.py and tests/test_metrics.py fail when the README and the declarations differ.
+tests/test_config.py and tests/ops/test_metrics.py fail when the README and the declarations differ.
 """
 
 from __future__ import annotations

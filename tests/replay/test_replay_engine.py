@@ -366,7 +366,7 @@ def test_a_request_bigger_than_the_cpu_pool_streams_its_stores_and_is_answered(
     assert len(list(root.rglob("*.kvb"))) == 100  # every computed block reached the tier
     assert 1 <= result.block_hits <= 8
     # The request-steps spent waiting on lookups are few (a probe round, a promotion round);
-    # the exact step counts are asserted in tests/test_manager.py, where steps wait for I/O.
+    # the exact step counts are asserted in tests/tiering/test_manager.py, where steps wait for I/O.
     assert result.steps_waited <= 20
     _assert_no_state_left(result)
 
