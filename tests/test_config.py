@@ -279,7 +279,7 @@ def test_load_config_sources(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _generated_block(name: str) -> tuple[str, str]:
     """(README block, its path) for the generated block ``name``."""
-    readme = Path(__file__).resolve().parent.parent / "README.md"
+    readme = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
     text = readme.read_text(encoding="utf-8")
     begin, end = f"<!-- {name}:begin (generated) -->\n", f"<!-- {name}:end -->"
     assert begin in text and end in text, f"README.md lacks the {name} block"

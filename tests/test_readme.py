@@ -1,4 +1,4 @@
-"""Every code block of the README runs as written.
+"""Every code block of the README and of each docs/*.md page runs as written.
 
 - ``python`` blocks run as scripts (the vLLM ones in the vLLM lane, with the model and paths
   swapped for local ones: see ``_VLLM_SWAPS``).
@@ -28,7 +28,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-_TEXT = README.read_text(encoding="utf-8")
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+"""The README first (its first command is the fresh-clone install), then the docs pages."""
 
 NOT_RUN_HERE: dict[str, str] = {
     "bash scripts/test.sh": "the whole suite, this test included; CI runs it (.ci/run)",
@@ -40,6 +41,8 @@ NOT_RUN_HERE: dict[str, str] = {
     "(~13 min on 2 cores); its pure parts are tested in tests/test_engine_load_bench.py",
     "kvtier replay sessions/": "needs your own directory of per-session JSON traces (the "
                                "replay tests build such directories: tests/replay)",
+    ".venv/bin/pip install -e '.[docs]'": "the docs site: tests/test_docs.py runs mkdocs build "
+    "--strict (.ci/run installs the docs extra)",
     "vllm serve": "needs the model from the Hugging Face Hub; the vLLM lane runs the same "
                   "configuration on a local model (tests/integrations)",
 }
@@ -49,8 +52,11 @@ SLOW = ("kvtier replay builtin:conversation", "kvtier replay --compare",
         "kvtier replay --instances", ".venv/bin/ruff")
 
 
-def _blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", _TEXT, re.DOTALL)
+def _blocks(language: str) -> list[tuple[str, str]]:
+    """(page, block) for every ``language`` block of every page, in page order."""
+    return [(page.relative_to(ROOT).as_posix(), block) for page in PAGES
+            for block in re.findall(rf"```{language}\n(.*?)```",
+                                    page.read_text(encoding="utf-8"), re.DOTALL)]
 
 
 def _commands(block: str) -> list[str]:
@@ -77,16 +83,26 @@ def _why_not_run(command: str) -> str | None:
                 None)
 
 
-PYTHON = [block for block in _blocks("python") if "vllm" not in block]
-VLLM_PYTHON = [block for block in _blocks("python") if "vllm" in block]
-SHELL = [_commands(block) for block in _blocks("bash")]
+PYTHON = [block for _page, block in _blocks("python") if "vllm" not in block]
+VLLM_PYTHON = [block for _page, block in _blocks("python") if "vllm" in block]
+SHELL = [_commands(block) for _page, block in _blocks("bash")]
+_PYTHON_IDS = [f"{page}-{n}" for n, (page, block) in enumerate(_blocks("python"))
+               if "vllm" not in block]
+_SHELL_PAGES = [page for page, _block in _blocks("bash")]
 
 
-def test_the_readme_has_runnable_examples() -> None:
+def test_the_readme_and_docs_have_runnable_examples() -> None:
     assert len(PYTHON) >= 4 and len(SHELL) >= 5
+    assert {p.name for p in PAGES} >= {"README.md", "index.md", "concepts.md", "vllm.md"}
 
 
-@pytest.mark.parametrize("index", range(len(PYTHON)))
+def test_every_docs_page_is_in_the_site_navigation() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    missing = [p.name for p in PAGES[1:] if f": {p.name}" not in nav]
+    assert missing == []
+
+
+@pytest.mark.parametrize("index", range(len(PYTHON)), ids=_PYTHON_IDS)
 def test_readme_python_example_runs(index: int, tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-c", PYTHON[index]], cwd=tmp_path, capture_output=True, text=True,
@@ -142,7 +158,11 @@ def _run_block(index: int, tmp_path: Path, request: pytest.FixtureRequest) -> No
         _run(_swap(command, server, tmp_path), cwd, _env())
 
 
-@pytest.mark.parametrize("index", _kvtier_blocks(slow=False))
+def _ids(indices: list[int]) -> list[str]:
+    return [f"{_SHELL_PAGES[i]}-{i}" for i in indices]
+
+
+@pytest.mark.parametrize("index", _kvtier_blocks(slow=False), ids=_ids(_kvtier_blocks(False)))
 def test_readme_shell_block_runs(index: int, tmp_path: Path,
                                  request: pytest.FixtureRequest) -> None:
     _run_block(index, tmp_path, request)
@@ -150,7 +170,7 @@ def test_readme_shell_block_runs(index: int, tmp_path: Path,
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-@pytest.mark.parametrize("index", _kvtier_blocks(slow=True))
+@pytest.mark.parametrize("index", _kvtier_blocks(slow=True), ids=_ids(_kvtier_blocks(True)))
 def test_readme_long_shell_block_runs(index: int, tmp_path: Path,
                                       request: pytest.FixtureRequest) -> None:
     _run_block(index, tmp_path, request)
