@@ -1,53 +1,21 @@
 """One typed kvtier configuration, from a dict, a YAML file or ``KVTIER_*`` environment variables.
 
-This module owns no mutable state: configs are frozen dataclasses and the settings tables are
-frozen, safe to share between threads.
+Owns no mutable state: configs are frozen dataclasses and the tables are frozen.
 
-Every setting is declared once, in one :class:`~kvtier.settings.SettingsTable` beside the
-component that takes it: :data:`CONFIG_SETTINGS` (top level, here),
-:data:`~kvtier.namespace_settings.NAMESPACE_SETTINGS`, :data:`~kvtier.tiering.tier_settings.
-TIER_SETTINGS` (one secondary tier; its I/O settings are the typed record
-:class:`~kvtier.tiering.tier_settings.TierSettings`), :data:`~kvtier.lookup.manager.
-LOOKUP_SETTINGS` (a tier's lookup manager); the tables of outer components (the vLLM
-``KvtierTier``) register themselves (:func:`~kvtier.settings.register_table`). This module is
-the loader on top of the core layers: it imports their tables (and re-exports them), nothing in
-the core imports it, and it imports nothing above it. It validates dict /
-YAML / environment values into typed records, names the ``KVTIER_*`` variables, and generates
-the README's settings tables (:func:`settings_markdown`).
+Every setting is declared once, in the :class:`~kvtier.settings.SettingsTable` beside the
+component that takes it: :data:`CONFIG_SETTINGS` (top level, here), the namespace's
+(:mod:`kvtier.namespace_settings`), a tier's (:mod:`kvtier.tiering.tier_settings`, whose I/O
+settings are the typed record ``TierSettings``) and its lookup manager's
+(:mod:`kvtier.lookup.settings`); outer components (the vLLM ``KvtierTier``) register their
+tables (:func:`~kvtier.settings.register_table`). This module is the loader on top of the core
+layers: it imports their tables, nothing in the core imports it, and it imports nothing above.
 
-Every validation error is a :class:`ConfigError` (a ``ValueError``) whose message names the key
-path (``secondary_tiers[1].lookup.quarantine_s``), the bad value and what was expected; unknown
-keys are rejected by name. Sizes are binary (``"64KiB"`` = ``"64K"`` = 65,536 bytes; ``"64KB"``
-is ambiguous and rejected).
-
-Keys (dict / YAML)::
-
-    block_bytes: 256KiB            # required
-    primary_bytes: 4GiB            # required; the pool has primary_bytes // block_bytes slots
-    eviction_policy: lru           # lru | arc
-    write_policy: write_through    # write_through | write_back
-    primary_backing: heap          # heap | shared_memory | mmap_file
-    primary_path: null             # shared-memory name, or absolute file path for mmap_file
-    metrics_registry: private      # private | global | disabled
-    max_events: 65536              # events kept until take_events(); older ones are dropped
-    namespace: {model: my-model, revision: "", dtype: "", kv_layout: "", block_size: 0,
-                world_size: 1, rank: 0, tenant: ""}          # model required
-    secondary_tiers:               # lookup order; [] is a CPU-only cache
-      - file:///var/cache/kvtier   # shorthand for {url: ...}
-      - url: redis://127.0.0.1:6379/0
-        name: redis                # default: derived from the scheme, made unique
-        io_threads: 4
-        max_pending_store_bytes: 256MiB    # backpressure: cascades beyond this are shed
-        max_pending_store_jobs: 1024
-        lookup: {quarantine_s: 30.0, ...}  # LOOKUP_SETTINGS; unset: the lookup defaults
-        ttl_s: 3600                # any other key is a backend option (see open_backend)
-
-Environment (:meth:`KvtierConfig.from_env`): ``KVTIER_CONFIG`` names a YAML file read first;
-then every setting's ``env`` name (see the tables) overrides it; ``KVTIER_SECONDARY_TIERS`` is a
-JSON list (of URLs or tier objects) or comma-separated URLs. Tier and lookup variables
-(``KVTIER_IO_THREADS``, ``KVTIER_LOOKUP_QUARANTINE_S``, ...) are defaults for every tier that
-does not set the key itself; the vLLM tier reads the same variables under its explicit options.
-An unknown ``KVTIER_*`` variable is logged (with the closest known name) and otherwise ignored.
+Every error is a :class:`ConfigError` naming the key path
+(``secondary_tiers[1].lookup.quarantine_s``), the bad value and what was expected; unknown keys
+are rejected by name; sizes are binary (``"64KiB"``; ``"64KB"`` is ambiguous and rejected).
+The keys, the environment rules (``KVTIER_CONFIG`` first, then each setting's ``env`` name;
+tier and lookup variables are defaults for every tier) and a full YAML example are in
+``docs/configuration.md``, whose tables :func:`settings_markdown` generates.
 """
 
 from __future__ import annotations

@@ -1,45 +1,25 @@
 """Redis / Valkey backend: standalone (``redis://``), TLS (``rediss://``) and Redis Cluster
-(``redis+cluster://``, ``rediss+cluster://``), on redis-py with hiredis.
+(``redis+cluster://``, ``rediss+cluster://``), on redis-py with hiredis. URL and options:
+:mod:`kvtier.backends.redis_config`; inventory: :mod:`kvtier.backends.redis_kind`.
 
-State and owners (the backend is used from any thread at once):
+State (used from any thread at once): the redis-py client and pools (redis-py's own locking;
+every batch builds its own pipeline); ``_cluster_client``, built lazily under ``_client_lock``
+(the seed may be down at open); counters, error log and lifecycle, each under its own lock.
 
-- the redis-py client and its connection pool(s): redis-py's own locking makes them thread-safe;
-  every batch call builds its own pipeline and never shares it.
-- ``RedisBackend._cluster_client``: built lazily (the seed node may be down at open time) by
-  whichever thread first needs it, under ``_client_lock``.
-- counters (:class:`BackendStats`), the rate-limited error log and the open/closed
-  :class:`Lifecycle`: each guarded by its own lock.
+Layout: one string per block, ``kvtier:<namespace digest hex>:<key hex>``, holding the frame.
+No hash tag on purpose: blocks spread over every Cluster slot instead of one node.
 
-Storage layout: one string per block, named ``kvtier:<namespace digest hex>:<key hex>``, holding
-the codec frame (header + payload). There is no hash tag in the name on purpose: a tag around the
-namespace would pin every block of a model into one Cluster slot (one node); without it blocks
-spread over all slots.
+Round trips: ``exists``, ``put_many`` (``SET NX [PX]``), ``get_many`` (``GET`` / ``GETEX PX``)
+and ``delete`` (``UNLINK``) each send one pipeline (per node on a Cluster, written to all nodes
+before any reply is read). Payloads go to the socket without a copy on plain TCP: header and
+payload are separate chunks of one RESP bulk string (:class:`_FramePacker`).
 
-Round trips: ``exists``, ``put_many`` (``SET NX [PX]``), ``get_many`` (``GET`` or ``GETEX PX``)
-and ``delete`` (``UNLINK``) each send one pipeline. On a Cluster redis-py writes the per-node
-pipelines to all nodes before reading any reply, so a batch still costs one network round trip
-of latency. ``get_many`` adds a second round trip only when it found corrupt objects to delete.
-
-Large values are sent without an extra copy on plain TCP: the frame header and the caller's
-payload go to the socket as separate chunks of one RESP bulk string (see :class:`_FramePacker`),
-so the payload is read straight from the caller's buffer. Over TLS the encryption copies anyway;
-stock redis-py connections are used and the frame is built with one copy.
-
-Failures: a lost connection, a dead server or a per-key error reply answers False for the
-affected keys, counts ``errors`` and logs (rate-limited); it never raises. Connections use short
-timeouts and one immediate retry on a connection error (so the first call after a server restart
-reconnects and succeeds); a broken connection is dropped by redis-py, never returned to the pool
-half-read. On a Cluster a batch whose pipeline failed is run again one pipeline per node, so a
-dead node (``cluster-require-full-coverage no``) costs only the keys it holds; ``probe`` still
-raises for a batch holding such a key (its answer is unknown), ``exists`` / ``put_many`` /
-``get_many`` answer the live nodes' keys normally.
-
-A wrong password or unknown ACL user is a configuration error and raises ``ValueError`` when the
-backend is opened (if the server is reachable then; otherwise later calls answer False and count
-errors).
-
-``ttl_s`` gives every stored block an expiry; reads of a live block (``GETEX``) push the expiry
-forward, so the TTL bounds idle time, not age.
+Failures: a lost connection, dead server or per-key error answers False for the keys, counts
+``errors`` and logs (rate-limited), never raises; one immediate retry reconnects after a server
+restart. On a Cluster a failed batch is rerun one pipeline per node, so a dead node costs only
+its keys. A wrong password or ACL user raises ``ValueError`` at open (when reachable).
+``ttl_s`` expires every block; a read (``GETEX``) pushes the expiry forward: the TTL bounds idle
+time, not age.
 """
 
 from __future__ import annotations

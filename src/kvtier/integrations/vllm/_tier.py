@@ -1,48 +1,30 @@
 """``KvtierTier``: a vLLM secondary tier (``vllm/v1/kv_offload/tiering``) on a kvtier backend.
 
-vLLM's ``TieringOffloadingManager`` owns the CPU primary tier (one shared memory region of
-fixed-size chunks) and drives every secondary tier from the scheduler thread: ``lookup`` each
-chunk key, ``on_schedule_end`` once per step, ``submit_store`` / ``submit_load`` with the
-primary chunk ids of a job, ``get_finished_jobs`` to collect results. This tier maps those
-calls onto a :class:`~kvtier.tiering.tier.SecondaryTier` — kvtier's backend + non-blocking lookup
-manager + I/O threads — that moves bytes between slices of the primary region and any kvtier
-backend (``memory://``, ``file://``, ``redis://``, ``redis+cluster://``, ``s3://``). One vLLM
-job is one SecondaryTier job (its backend calls at most ``max_blocks_per_call`` keys each); the
-SecondaryTier never sheds a store here (vLLM has its own back-pressure), and a store it did shed
-would be reported as a failed job, never lost. Every block loaded is verified (frame
-magic, namespace, key echo, length, checksum) by the backend before a byte of it reaches the
-primary region; a damaged or missing block fails only that key of the job and is marked
-missing, so vLLM keeps the good prefix and recomputes the rest.
+vLLM's ``TieringOffloadingManager`` owns the CPU primary region and drives each secondary tier
+from the scheduler thread (``lookup`` per chunk key, ``on_schedule_end`` per step,
+``submit_store`` / ``submit_load`` with primary chunk ids, ``get_finished_jobs``). This tier maps
+those calls onto a :class:`~kvtier.tiering.tier.SecondaryTier` (a backend, its non-blocking
+lookup manager, I/O threads). One vLLM job is one tier job; a store is never shed silently (it
+would be reported failed). Every loaded block is verified before a byte reaches the primary
+region; a bad or missing block fails only that key (marked missing), so vLLM keeps the good
+prefix and recomputes the rest.
 
-Threads and state ownership:
+Threads and state:
 
-- Scheduler thread (vLLM's scheduler; every public method): ``_jobs`` / ``_vllm_job_ids``
-  (submitted jobs not yet reported, by vLLM job id / by SecondaryTier job id), ``_collected``
-  (jobs finished but not yet reported: collected by ``drain_jobs``, shed, or skipped because
-  every key is in ``_held``), ``_abandoned`` (loads failed at their deadline, reported once
-  their I/O ended), ``_held`` (:class:`HeldKeys`), ``_skipped`` and
-  ``_store_keys_skipped``, ``_events``, ``_deltas`` (the metric values already reported to
-  vLLM), and — through the SecondaryTier's scheduler-side API — its job table, lookup state
-  (``mark_miss`` on failed loads, ``note_stored`` unless the key's load just failed) and
-  lifecycle.
-- The SecondaryTier's I/O threads run one job at a time each, reading or writing the primary
-  chunks the job's ``memoryview`` slices name (vLLM pins them until the job is reported), and
-  post the finished job back to the scheduler thread (see :mod:`kvtier.tiering.tier`).
-- The lookup manager's probe thread calls ``backend.probe`` (backends are thread-safe) and
-  records each call's duration in ``_probe_durations`` (thread-safe); it touches no primary
-  memory, so ``shutdown()`` waits for it only briefly (the SecondaryTier's bounded probe wait)
-  and then abandons a call stuck in the backend.
-- GIL hand-off: vLLM's engine loop steps the scheduler thread back to back while requests
-  wait for their KV (pure Python, ~0.5 ms a step on a CPU), and an I/O or probe thread returning
-  from a system call needs the GIL back: against a thread that never releases it, that takes
-  Python's switch interval (5 ms), once per system call (a file load makes several per block;
-  a 16-block load took ~100 ms instead of ~15). So while this tier has a load job or a probe
-  batch in flight, ``on_schedule_end`` (the end of the scheduler's work in a step) waits at most
-  ``_IO_YIELD_S`` for them, which releases the GIL; finished jobs are collected into
-  ``_collected`` and reported by the next ``get_finished_jobs``. No wait when nothing is in
-  flight.
-- Module state: ``_CLAIMED_POSITIONS`` (tier positions already labelled, per spec) is written
-  only while vLLM builds its tiers, on the thread that calls the spec's ``get_manager``.
+- Scheduler thread (every public method): ``_jobs`` / ``_vllm_job_ids`` (submitted, not yet
+  reported), ``_collected`` (finished, reported by the next ``get_finished_jobs``),
+  ``_abandoned`` (loads past their deadline, reported once their I/O ended), ``_held``,
+  ``_skipped``, ``_store_keys_skipped``, ``_events``, ``_deltas`` (metric values already
+  reported), and the SecondaryTier's scheduler-side state.
+- The tier's I/O threads read or write the primary chunks a job names (vLLM pins them until the
+  job is reported); the probe thread records call durations in ``_probe_durations``
+  (thread-safe) and touches no primary memory.
+- GIL hand-off: vLLM's loop steps the scheduler back to back while requests wait, and an I/O
+  thread returning from a system call waits up to Python's 5 ms switch interval for the GIL. So
+  while a load or probe is in flight, ``on_schedule_end`` waits at most ``IO_YIELD_S`` for it,
+  which releases the GIL (no wait when nothing is in flight).
+- ``_CLAIMED_POSITIONS`` (tier positions already labelled) is written only while vLLM builds its
+  tiers, on the thread that calls the spec's ``get_manager``.
 """
 
 from __future__ import annotations
