@@ -68,7 +68,7 @@ def test_bad_sizes_name_path_and_value(bad: object) -> None:
 
 
 @pytest.mark.parametrize(("changes", "pattern"), [
-    ({"block_bytes": 0}, r"block_bytes: expected a size >= 1 bytes, got 0"),
+    ({"block_bytes": 0}, r"block_bytes: expected a size >= 1 and <= 4294967296 bytes, got 0"),
     ({"primary_bytes": "1KiB"}, r"primary_bytes: expected at least block_bytes \(65536\)"),
     ({"eviction_policy": "lfu"}, r"eviction_policy: expected one of 'lru', 'arc', got 'lfu'"),
     ({"write_policy": "sometimes"}, r"write_policy: expected one of 'write_through'"),

@@ -50,6 +50,7 @@ from kvtier.settings import (
     mapping_of,
     parse_size,
     registered_tables,
+    shown_value,
 )
 from kvtier.tiering.plans import WritePolicy
 from kvtier.tiering.tier_settings import TIER_SETTINGS, LookupConfig, TierSettings
@@ -88,10 +89,10 @@ def _choices(kind: type[enum.Enum]) -> tuple[str, ...]:
 
 CONFIG_SETTINGS = SettingsTable("config", [
     Setting("block_bytes", Kind.SIZE, None, "bytes of one KV block (one primary slot)",
-            minimum=1, env="KVTIER_BLOCK_BYTES", required=True),
+            minimum=1, maximum=1 << 32, env="KVTIER_BLOCK_BYTES", required=True),
     Setting("primary_bytes", Kind.SIZE, None,
             "bytes of the CPU primary pool; it has primary_bytes // block_bytes slots",
-            minimum=1, env="KVTIER_PRIMARY_BYTES", required=True),
+            minimum=1, maximum=1 << 50, env="KVTIER_PRIMARY_BYTES", required=True),
     Setting("eviction_policy", Kind.CHOICE, PolicyName.LRU.value,
             "which resident block the primary pool evicts first",
             choices=_choices(PolicyName), env="KVTIER_EVICTION_POLICY"),
@@ -331,7 +332,7 @@ class KvtierConfig:
         if primary_bytes < block_bytes:
             raise ConfigError(
                 f"primary_bytes: expected at least block_bytes ({block_bytes}) so the pool has "
-                f"a slot, got {mapping['primary_bytes']!r}"
+                f"a slot, got {shown_value(mapping['primary_bytes'])}"
             )
         backing = PrimaryBacking(parsed["primary_backing"])
         path = parsed["primary_path"]

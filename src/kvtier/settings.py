@@ -37,6 +37,8 @@ from kvtier.errors import KvtierError
 
 __all__ = [
     "ENV_PREFIX",
+    "MAX_TIMEOUT_S",
+    "MAX_TTL_S",
     "ConfigError",
     "Kind",
     "Secret",
@@ -52,9 +54,14 @@ __all__ = [
     "register_table",
     "registered_tables",
     "setting_field",
+    "shown_value",
 ]
 
 _SETTING_KEY = "kvtier_setting"
+MAX_TIMEOUT_S = 3600.0
+"""The longest timeout a setting accepts: beyond it a value is a typo (and overflows clients)."""
+MAX_TTL_S = 10 * 366 * 86400.0
+"""The longest expiry (ten years): beyond it the milliseconds a server takes overflow."""
 R = TypeVar("R")
 
 
@@ -97,9 +104,20 @@ ENV_PREFIX = "KVTIER_"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
+# ASCII digits only: "٤٠٩٦" is not a size a person meant to type into a config.
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE | re.ASCII)
 _SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-_INT_RE = re.compile(r"^\s*[+-]?\d+\s*$")
+_INT_RE = re.compile(r"^\s*[+-]?\d{1,30}\s*$", re.ASCII)
+_SHOWN_CHARS = 60
+
+
+def shown_value(value: object) -> str:
+    """``repr(value)`` for an error message, bounded: a 5,000-digit integer or a megabyte of
+    text is named by its size, never printed (nor allowed to fail the message itself)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"an integer of about {value.bit_length() * 30103 // 100000 + 1} digits"
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} chars)"
 SIZE_HELP = "a byte count or a binary size such as '64KiB', '512MiB', '4GiB' (K = 1024)"
 
 
@@ -121,10 +139,10 @@ def parse_size(value: object, path: str, *, minimum: int = 0, maximum: int | Non
             if scaled.is_integer():
                 result = int(scaled)
     if result is None:
-        raise ConfigError(f"{path}: expected {SIZE_HELP}, got {value!r}")
+        raise ConfigError(f"{path}: expected {SIZE_HELP}, got {shown_value(value)}")
     if result < minimum or (maximum is not None and result > maximum):
         bounds = _range_text(minimum, maximum, False).removeprefix("a value ")
-        raise ConfigError(f"{path}: expected a size {bounds} bytes, got {value!r}")
+        raise ConfigError(f"{path}: expected a size {bounds} bytes, got {shown_value(value)}")
     return result
 
 
@@ -203,7 +221,7 @@ class Setting:
         """``value`` as it may appear in a message or a report: never a secret."""
         if self.kind is Kind.SECRET and value is not None:
             return "'***'"
-        return repr(value)
+        return shown_value(value)
 
     def default_text(self) -> str:
         if self.required:
@@ -238,15 +256,13 @@ def _parse_int(setting: Setting, value: object, where: str) -> int:
 
 def _parse_float(setting: Setting, value: object, where: str) -> float:
     result: float | None = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        result = float(value)
-    elif isinstance(value, str):
-        try:
+    try:
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             result = float(value)
-        except ValueError:
-            result = None
+    except (ValueError, OverflowError):  # "abc", or an integer too large for a float
+        result = None
     if result is None or not math.isfinite(result) or not _in_bounds(setting, result):
-        raise ConfigError(f"{where}: expected {setting.expected()}, got {value!r}")
+        raise ConfigError(f"{where}: expected {setting.expected()}, got {shown_value(value)}")
     return result
 
 

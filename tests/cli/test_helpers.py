@@ -85,3 +85,18 @@ def test_every_command_registers_and_sets_its_runner() -> None:
     assert parser.parse_args(["bench", "serve"]).command == "bench serve"
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "nope"])
+
+
+def test_a_password_with_slash_question_or_hash_is_redacted_and_scrubbed() -> None:
+    """Before: the URL parser found no '@' in the netloc, so the password was shown whole."""
+    from kvtier.backends import redact_url
+    from kvtier.cli.scrub import Scrubber
+
+    for url in ("redis://default:ab/SECRET@127.0.0.1:6379/0",
+                "redis://default:ab?SECRET@127.0.0.1:6379/0",
+                "rediss://default:ab#SECRET@127.0.0.1:6379/0"):
+        shown = redact_url(url)
+        assert "SECRET" not in shown and "ab" not in shown.split("@")[0], shown
+        assert shown.endswith("@127.0.0.1:6379/0")
+        scrub = Scrubber.for_run([url])
+        assert "SECRET" not in scrub(f"could not reach {url}: refused")

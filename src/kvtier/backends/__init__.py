@@ -183,21 +183,28 @@ def split_url_options(
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password (and sensitive query values) replaced by ``***``."""
+    """``url`` with any password (and sensitive query values) replaced by ``***``.
+
+    The password is found on the raw text, not on what a URL parser makes of it: a password
+    with an unescaped ``/``, ``?`` or ``#`` (``redis://u:ab/SECRET@host``) would otherwise hide
+    its ``@`` from the parser. Everything between the first ``:`` after the scheme and the last
+    ``@`` is hidden (a path that happens to hold both is over-redacted, never leaked).
+    """
+    scheme, separator, rest = url.partition("://")
+    if separator and "@" in rest:
+        userinfo, _, hostinfo = rest.rpartition("@")
+        user, has_password, _password = userinfo.partition(":")
+        if has_password:
+            rest = f"{user}:***@{hostinfo}"
     try:
-        parts = urllib.parse.urlsplit(url)
+        parts = urllib.parse.urlsplit(f"{scheme}{separator}{rest}")
     except ValueError:
         return "<unparseable URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, hostinfo = netloc.rpartition("@")
-        user, has_password, _password = userinfo.partition(":")
-        netloc = f"{user}:***@{hostinfo}" if has_password else f"{user}@{hostinfo}"
     query = parts.query
     if query:
         pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
         query = "&".join(f"{name}={'***' if _is_secret(name) else value}" for name, value in pairs)
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))
 
 
 def _is_secret(name: str) -> bool:

@@ -17,7 +17,7 @@ from kvtier.backends.base import (
     COMMON_SETTINGS,
     load_auth_key,
 )
-from kvtier.settings import Kind, Secret, Setting, SettingsTable
+from kvtier.settings import MAX_TIMEOUT_S, MAX_TTL_S, Kind, Secret, Setting, SettingsTable
 
 _TLS_OPTIONS: Final = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
 _SCHEMES: Final = ("redis", "rediss", "redis+cluster", "rediss+cluster")
@@ -83,12 +83,12 @@ SETTINGS = SettingsTable("redis backend", (
             help="client certificate key, with ssl_certfile (rediss only)"),
     Setting("ssl_check_hostname", Kind.BOOL, True,
             help="check the server certificate's host name (rediss only)"),
-    Setting("ttl_s", Kind.FLOAT, None, nullable=True, minimum=0.001, unit="s",
+    Setting("ttl_s", Kind.FLOAT, None, nullable=True, minimum=0.001, maximum=MAX_TTL_S, unit="s",
             help="expiry of every block; a read pushes it forward (unset = no expiry)"),
     Setting("socket_timeout_s", Kind.FLOAT, _DEFAULT_SOCKET_TIMEOUT_S, minimum=0,
-            strict_min=True, unit="s", help="per-command socket timeout"),
+            maximum=MAX_TIMEOUT_S, strict_min=True, unit="s", help="per-command socket timeout"),
     Setting("connect_timeout_s", Kind.FLOAT, _DEFAULT_CONNECT_TIMEOUT_S, minimum=0,
-            strict_min=True, unit="s", help="connect timeout"),
+            maximum=MAX_TIMEOUT_S, strict_min=True, unit="s", help="connect timeout"),
     Setting("max_connections", Kind.INT, None, nullable=True, minimum=1,
             help="bound on pooled connections; callers wait for a free one (standalone only)"),
     *COMMON_SETTINGS,

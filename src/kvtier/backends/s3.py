@@ -76,7 +76,7 @@ from kvtier.backends.base import (
     load_auth_key,
 )
 from kvtier.keys import BlockKey, Namespace, check_key
-from kvtier.settings import Kind, Setting, SettingsTable
+from kvtier.settings import MAX_TIMEOUT_S, Kind, Setting, SettingsTable
 
 __all__ = ["SETTINGS", "PutMode", "S3Backend", "S3Settings", "from_url", "parse_s3_url"]
 
@@ -118,7 +118,7 @@ SETTINGS = SettingsTable("s3 backend", (
     Setting("max_concurrency", Kind.INT, _DEFAULT_MAX_CONCURRENCY, minimum=1,
             maximum=_MAX_CONCURRENCY_LIMIT, help="requests in flight per backend"),
     Setting("timeout_s", Kind.FLOAT, _DEFAULT_TIMEOUT_S, minimum=0, strict_min=True, unit="s",
-            help="per request, retries included"),
+            maximum=MAX_TIMEOUT_S, help="per request, retries included"),
     Setting("put_mode", Kind.CHOICE, PutMode.IF_NONE_MATCH.value,
             choices=tuple(mode.value for mode in PutMode),
             help="if-none-match (conditional PUT, race-free) or head-then-put"),

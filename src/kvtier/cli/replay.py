@@ -360,25 +360,41 @@ def _with_ttl(url: str, ttl_s: float) -> str:
         return url
     if "ttl_s" in urllib.parse.parse_qs(parts.query, keep_blank_values=True):
         return url
-    query = f"{parts.query}&ttl_s={ttl_s:g}" if parts.query else f"ttl_s={ttl_s:g}"
+    value = float(ttl_s)
+    # Exact digits, never an exponent: "1.2096e+06" in a query would read back as "1.2096e 06".
+    text = str(int(value)) if value.is_integer() else repr(value)
+    pair = urllib.parse.urlencode({"ttl_s": text})
+    query = f"{parts.query}&{pair}" if parts.query else pair
     return urllib.parse.urlunsplit(parts._replace(query=query))
+
+
+def replay_revisions(tag: str) -> frozenset[str]:
+    """The namespace revisions a replay tagged ``tag`` writes (one per strategy): exactly these,
+    so cleaning up run ``foo`` never touches run ``foo-bar``."""
+    from kvtier.replay.strategies import Strategy
+
+    return frozenset(f"{tag}-{strategy.value}" for strategy in Strategy)
 
 
 def _replay_namespaces(url: str, tag: str) -> list[Any]:
     from kvtier.ops.inventory import usage
 
+    revisions = replay_revisions(tag)
     return [
         item for item in usage(url)
         if item.fields is not None and item.fields.get("model") == REPLAY_MODEL
-        and str(item.fields.get("revision", "")).startswith(f"{tag}-")
+        and str(item.fields.get("revision", "")) in revisions
     ]
 
 
 def after_replay(options: Any, console: Any, keep: bool) -> None:
     """Remove (or, with ``keep``, list) what the run stored in the given tiers."""
+    from rich.markup import escape
+
     from kvtier.ops.inventory import MediumError, delete
     from kvtier.ops.inventory import UsageError as InventoryError
     from kvtier.replay.report import format_bytes
+    from kvtier.text import printable
 
     for url in options.tier_urls:
         shown = redact(url)
@@ -391,7 +407,8 @@ def after_replay(options: Any, console: Any, keep: bool) -> None:
                 console.print(
                     f"kept {blocks:,} blocks ({size}) in {shown} ({expiry}); remove them with "
                     f"`kvtier purge URL --namespace revision=REV` (revisions "
-                    f"{', '.join(str(i.fields['revision']) for i in found)})", soft_wrap=True)
+                    f"{escape(', '.join(printable(i.fields['revision']) for i in found))})",
+                    soft_wrap=True)
                 continue
             delete(url, found)
         except (InventoryError, MediumError) as exc:

@@ -29,11 +29,14 @@ def _is_secret_name(name: str) -> bool:
 def secrets_in_url(url: str) -> list[str]:
     """The password and the credential-like query values in ``url``."""
     found: list[str] = []
+    _scheme, separator, rest = url.partition("://")
+    if separator and "@" in rest:  # on the raw text: the password may hold '/', '?' or '#'
+        userinfo = rest.rpartition("@")[0]
+        _user, has_password, password = userinfo.partition(":")
+        if has_password and password:
+            found += [password, urllib.parse.unquote(password)]
     try:
         parts = urllib.parse.urlsplit(url)
-        if parts.password:
-            found.append(urllib.parse.unquote(parts.password))
-            found.append(parts.password)
         for name, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=False):
             if _is_secret_name(name):
                 found.append(value)

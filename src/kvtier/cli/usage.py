@@ -61,17 +61,22 @@ def usage_table(url: str, found: Sequence[Any], title: str) -> Any:
     import time
 
     from rich.table import Table
+    from rich.text import Text
 
     from kvtier.replay.report import format_bytes
+    from kvtier.text import printable
 
     now = time.time()
-    table = Table(title=title, title_justify="left", caption_justify="left")
+    table = Table(title=Text(printable(title)), title_justify="left", caption_justify="left")
     table.add_column("digest", no_wrap=True)
     table.add_column("namespace", overflow="fold")
     for header in ("blocks", "bytes", "oldest", "newest"):
         table.add_column(header, justify="right", no_wrap=True)
     for item in found:
-        table.add_row(item.digest[:12], _namespace_label(item), f"{item.blocks:,}",
+        # Text, not a markup string: a model name such as '[/]' or '[link=...]' from a shared
+        # tier is shown as written, never parsed (nor crashes the table); control characters
+        # are shown escaped (printable).
+        table.add_row(item.digest[:12], Text(printable(_namespace_label(item))), f"{item.blocks:,}",
                       format_bytes(item.bytes), _age(now, item.oldest), _age(now, item.newest))
     total = sum(item.bytes for item in found)
     table.caption = (f"{len(found):,} namespace(s), {sum(i.blocks for i in found):,} blocks, "
