@@ -21,8 +21,8 @@ MAX_LINES = 700
 # Low to high. A module belongs to the first prefix that matches it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("basics", ("kvtier.errors", "kvtier.lru", "kvtier.text", "kvtier.keys", "kvtier.codec",
-                "kvtier.settings", "kvtier.namespace_settings", "kvtier.ops.metrics",
-                "kvtier.ops.logs", "kvtier.ops")),
+                "kvtier.settings", "kvtier.namespace_settings", "kvtier.files",
+                "kvtier.ops.metrics", "kvtier.ops.logs", "kvtier.ops")),
     ("storage", ("kvtier.backends", "kvtier.primary", "kvtier.policies")),
     ("inventory", ("kvtier.inventory",)),
     ("lookup", ("kvtier.lookup",)),

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from kvtier.backends import SCHEMES, kind_for, registered_kinds, registered_schemes
+from kvtier.files import read_regular_file
 from kvtier.keys import Namespace
 from kvtier.lookup.manager import LOOKUP_SETTINGS
 from kvtier.namespace_settings import NAMESPACE_SETTINGS
@@ -79,6 +80,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("kvtier.config")
+_MAX_CONFIG_BYTES = 1 << 20  # a kvtier config is a page of YAML; anything larger is a mistake
 
 
 def _choices(kind: type[enum.Enum]) -> tuple[str, ...]:
@@ -359,11 +361,11 @@ class KvtierConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> KvtierConfig:
+        data, _info = read_regular_file(path, "config file", max_bytes=_MAX_CONFIG_BYTES)
         try:
-            with open(path, encoding="utf-8") as handle:
-                values = _yaml_load(handle)
-        except OSError as exc:
-            raise ConfigError(f"config file {os.fspath(path)!r}: cannot read it: {exc}") from None
+            values = _yaml_load(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {os.fspath(path)!r}: not UTF-8 text") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {os.fspath(path)!r}: not valid YAML: {exc}") from None
         except RecursionError:

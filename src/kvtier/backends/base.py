@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 from kvtier import codec
 from kvtier.codec import Buffer, as_byte_view
 from kvtier.errors import ClosedError, KvtierError
+from kvtier.files import read_regular_file
 from kvtier.keys import BlockKey, Namespace, check_key
 from kvtier.settings import ConfigError, Kind, Secret, Setting
 from kvtier.text import first_line
@@ -373,25 +374,24 @@ def load_auth_key(options: Mapping[str, Any], where: str) -> bytes | None:
     return key
 
 
+_MAX_KEY_FILE_BYTES = 1 << 16
+
+
 def _read_key_file(path: str, where: str) -> bytes:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise ConfigError(f"{where}: auth_key_file {path!r}: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{where}: auth_key_file {path!r} is not a regular file")
-        if info.st_mode & 0o077:
-            raise ConfigError(
-                f"{where}: auth_key_file {path!r} has mode {stat.S_IMODE(info.st_mode):o}; "
-                "it must not be accessible by group or others (chmod 600)"
-            )
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            data = handle.read(1 << 16)
-    finally:
-        os.close(fd)
-    return data.rstrip(b"\r\n")
+    """The key in ``path``: a regular file (never a FIFO: it would block), not a symlink, owned
+    by us (or root), readable by nobody else, at most 64 KiB (longer is refused, never cut).
+    Exactly one trailing line ending is removed; the rest of the bytes are the key."""
+    data, info = read_regular_file(path, f"{where}: auth_key_file",
+                                   max_bytes=_MAX_KEY_FILE_BYTES, follow_symlinks=False)
+    if info.st_uid not in (os.geteuid(), 0):
+        raise ConfigError(f"{where}: auth_key_file {path!r} is owned by uid {info.st_uid}; "
+                          "expected a file owned by this user (or root)")
+    if info.st_mode & 0o077:
+        raise ConfigError(
+            f"{where}: auth_key_file {path!r} has mode {stat.S_IMODE(info.st_mode):o}; "
+            "it must not be accessible by group or others (chmod 600)"
+        )
+    return data.removesuffix(b"\n").removesuffix(b"\r")
 
 
 # --------------------------------------------------------------------------- the template

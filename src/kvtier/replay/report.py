@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -331,7 +332,14 @@ def report_json(report: ReplayReport) -> dict[str, Any]:
 def write_json(report: ReplayReport, path: Path) -> None:
     text = json.dumps(report_json(report), indent=2, default=str) + "\n"
     try:  # 0600: a report names hosts, buckets and settings; it is nobody else's business
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        # O_NONBLOCK: a FIFO with no reader fails at once (ENXIO) instead of hanging the run.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ReportError(f"could not write JSON report to {path}: not a regular file "
+                              "(a FIFO, socket or device); expected a file path")
+        os.set_blocking(fd, True)
+        os.ftruncate(fd, 0)
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             os.fchmod(handle.fileno(), 0o600)
             handle.write(text)
