@@ -28,7 +28,7 @@ def test_a_fifo_as_auth_key_file_is_refused_at_once(tmp_path: Path) -> None:
 def test_a_fifo_as_yaml_config_is_refused_at_once(tmp_path: Path) -> None:
     fifo = tmp_path / "kvtier.yaml"
     os.mkfifo(fifo, 0o600)
-    with pytest.raises(ConfigError, match="config file .* not a regular file"):
+    with pytest.raises(ConfigError, match=r"config file .* not a regular file"):
         KvtierConfig.from_yaml(fifo)
 
 
