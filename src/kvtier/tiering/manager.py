@@ -26,6 +26,7 @@ Everything unwritten is flushed at ``shutdown()``. Promoted blocks are never cas
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -33,6 +34,7 @@ from typing import Any
 
 from kvtier.errors import ClosedError
 from kvtier.keys import BlockKey, Namespace, RequestContext, check_key, validate_keys
+from kvtier.lookup.manager import OwnerThreadError
 from kvtier.ops.metrics import KvtierMetrics, manager_samples
 from kvtier.primary import PrimaryPool
 from kvtier.tiering.events import (
@@ -133,6 +135,7 @@ class TieringManager:
             metrics.bind_tiers(names)
         self._next_publish = 0.0
         self._state = _ManagerState.RUNNING
+        self._owner: int | None = None  # the scheduler thread, bound by its first call
 
     # ---- geometry ----------------------------------------------------------------------------
     @property
@@ -489,10 +492,21 @@ class TieringManager:
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _require_running(self, operation: str) -> None:
+        """Every scheduler-side call starts here: refuse a closed manager, bind the owner thread
+        on the first call and refuse any other thread, before any state changes."""
         if self._state is not _ManagerState.RUNNING:
             raise ManagerClosedError(
                 f"the tiering manager is shut down; {operation}() is not allowed any more"
             )
+        caller = threading.get_ident()
+        if caller != self._owner:
+            if self._owner is not None:
+                raise OwnerThreadError(
+                    f"tiering manager: {operation}() was called from thread "
+                    f"{threading.current_thread().name!r}, but every TieringManager method "
+                    "belongs to the scheduler thread that first called one (they are not "
+                    "thread-safe); nothing was changed")
+            self._owner = caller
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Flush write-back blocks, wait for transfers, stop every thread, close backends and
@@ -501,6 +515,11 @@ class TieringManager:
         daemon threads, which never hold up interpreter exit. ``None``: wait without bound."""
         if self._state is _ManagerState.CLOSED:
             return
+        if self._owner is not None and threading.get_ident() != self._owner:
+            raise OwnerThreadError(
+                f"tiering manager: shutdown() was called from thread "
+                f"{threading.current_thread().name!r}, not the scheduler thread that drives the "
+                "manager; nothing was changed (call it from the scheduler thread)")
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
