@@ -30,7 +30,7 @@ def _from_other_thread(call: Callable[[], Any]) -> BaseException | None:
     def run() -> None:
         try:
             call()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+        except BaseException as exc:
             caught.append(exc)
 
     thread = threading.Thread(target=run, name="intruder")
