@@ -76,6 +76,9 @@ class Namespace:
                 raise TypeError(
                     f"Namespace.{name} must be an int, got {type(value).__name__} {value!r}"
                 )
+        for name in ("block_size", "world_size", "rank"):
+            if getattr(self, name) >= _MAX_NAMESPACE_INT:
+                raise ValueError(f"Namespace.{name} must be < 2**63, got a larger integer")
         if self.block_size < 0:
             raise ValueError(f"Namespace.block_size must be >= 0, got {self.block_size}")
         if self.world_size < 1:
@@ -220,6 +223,7 @@ class RequestContext:
 
 
 MAX_KEY_BYTES = 255
+_MAX_NAMESPACE_INT = 1 << 63  # the digest packs each integer field as a signed 64-bit
 """The longest block key (its hex must fit one file name of the file tier)."""
 
 

@@ -319,3 +319,41 @@ def test_keep_keeps_the_blocks_and_redis_gives_them_a_ttl(
     finally:
         client.close()
     assert kvtier.purge(redis_server.url, digest=item.digest).objects_deleted == item.blocks + 1
+
+
+def test_foreign_and_poisoned_redis_keys_never_break_usage_or_purge(redis_server: Any) -> None:
+    """A neighbour with write access to the Redis tier plants, under kvtier's prefix: a string
+    that is not a block, a manifest that is a hash (WRONGTYPE), one nested 100k deep and one
+    whose block_size is 10**26. Before, each made usage/purge exit 1 (or counted and deleted the
+    foreign key); now the listing goes on, the poisoned namespaces show no fields, and purge
+    deletes only blocks and manifests."""
+    namespace = _namespace()
+    keys = _store(redis_server.url, namespace, 3)
+    client = redis_server.client()
+    digest = namespace.digest_hex
+    notes = f"kvtier:{digest}:user-notes".encode()
+    client.set(notes, b"my notes")
+    poisoned = {f"{i:02x}" * (len(digest) // 2): value for i, value in enumerate([
+        None,  # a hash, below
+        b"[" * 100_000,
+        json.dumps({"namespace": {"model": "m", "block_size": 10**26}}).encode(),
+    ], start=1)}
+    for other, value in poisoned.items():
+        name = f"kvtier:{other}:namespace"
+        if value is None:
+            client.hset(name, "model", "m")
+        else:
+            client.set(name, value)
+        client.set(f"kvtier:{other}:{'ab' * 16}", b"x" * 10)
+    try:
+        found = {item.digest: item for item in kvtier.usage(redis_server.url)}
+        assert found[digest].blocks == len(keys)  # the notes are not a block
+        for other in poisoned:
+            assert found[other].fields is None and found[other].blocks == 1
+        result = kvtier.purge(redis_server.url, digest=digest)
+        assert result.objects_deleted == len(keys) + 1
+        assert client.get(notes) == b"my notes"
+    finally:
+        client.delete(notes)
+        for other in poisoned:
+            client.delete(f"kvtier:{other}:namespace", f"kvtier:{other}:{'ab' * 16}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ __all__ = [
     "DIGEST_HEX_CHARS",
     "MANIFEST_FORMAT",
     "NamespaceUsage",
+    "is_block_name",
     "is_digest",
     "manifest_document",
     "namespace_fields",
@@ -29,6 +31,8 @@ __all__ = [
 
 MANIFEST_FORMAT = 1
 DIGEST_HEX_CHARS = 2 * NAMESPACE_DIGEST_BYTES
+MAX_MANIFEST_BYTES = 1 << 16
+"""A manifest is a few hundred bytes; a larger object under the manifest's name is not one."""
 _DIGEST_RE = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
 
 
@@ -83,16 +87,30 @@ def manifest_document(namespace: Namespace) -> bytes:
 def parse_manifest(data: bytes | None, digest: str) -> dict[str, Any] | None:
     """The namespace fields of a manifest stored under ``digest``, or None if it is missing,
     malformed, or its fields do not hash to ``digest`` (a manifest cannot lie about a name)."""
-    if not data:
+    if not data or len(data) > MAX_MANIFEST_BYTES:
         return None
     try:
         document = json.loads(data)
-        fields = document["namespace"]
+        fields = document["namespace"] if isinstance(document, dict) else None
+        if not isinstance(fields, dict) or not all(
+                isinstance(value, str | int) and not isinstance(value, bool)
+                for value in fields.values()):
+            return None
         if Namespace.from_mapping(fields).digest_hex != digest:
             return None
-    except (ValueError, TypeError, KeyError):
+    # Anyone who can write the medium writes manifests: a deep nest, a huge number or a wrong
+    # type makes this one namespace unknown, never fails the listing.
+    except (ValueError, TypeError, KeyError, RecursionError, OverflowError, AttributeError,
+            struct.error):
         return None
     return dict(fields)
+
+
+def is_block_name(suffix: bytes | str) -> bool:
+    """Whether a stored object's last name component is a block key's hex (1..255 bytes)."""
+    text = suffix.decode("ascii", "replace") if isinstance(suffix, bytes) else suffix
+    return (0 < len(text) <= 510 and len(text) % 2 == 0
+            and all(char in "0123456789abcdef" for char in text))
 
 
 def is_digest(text: str) -> bool:

@@ -11,7 +11,13 @@ from typing import Any, Final
 import redis
 import redis.cluster
 
-from kvtier.backends.manifest import NamespaceUsage, is_digest, parse_manifest
+from kvtier.backends.manifest import (
+    MAX_MANIFEST_BYTES,
+    NamespaceUsage,
+    is_block_name,
+    is_digest,
+    parse_manifest,
+)
 from kvtier.backends.redis import (
     _KEY_PREFIX,
     MANIFEST_SUFFIX,
@@ -48,6 +54,12 @@ def _split_name(name: bytes) -> tuple[str, bytes] | None:
     return (text, suffix) if separator and is_digest(text) else None
 
 
+def _is_ours(name: bytes) -> bool:
+    """A block or the manifest of a namespace; a foreign key under the prefix is left alone."""
+    split = _split_name(name)
+    return split is not None and (split[1] == MANIFEST_SUFFIX or is_block_name(split[1]))
+
+
 def _scan(node: redis.Redis, pattern: bytes) -> Iterator[list[bytes]]:
     batch: list[bytes] = []
     for name in node.scan_iter(match=pattern, count=_SCAN_COUNT):
@@ -76,10 +88,10 @@ def _list_namespaces(url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
                     digest, suffix = split
                     found.setdefault(digest, NamespaceUsage(digest=digest))
                     if suffix == MANIFEST_SUFFIX:
-                        value = node.get(name)
-                        manifests[digest] = value if isinstance(value, bytes) else None
-                    else:
+                        manifests[digest] = _get_manifest(node, name)
+                    elif is_block_name(suffix):
                         blocks.append((digest, name))
+                    # anything else under kvtier:<digest>: is not ours: neither counted nor purged
                 pipe = node.pipeline(transaction=False)
                 for _digest, name in blocks:
                     pipe.object("idletime", name)  # before STRLEN, which would reset it
@@ -98,6 +110,17 @@ def _list_namespaces(url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
     return list(found.values())
 
 
+def _get_manifest(node: redis.Redis, name: bytes) -> bytes | None:
+    """The manifest's bytes; None for another type (WRONGTYPE) or a value too large to be one."""
+    try:
+        if int(node.strlen(name)) > MAX_MANIFEST_BYTES:
+            return None
+        value = node.get(name)
+    except redis.ResponseError:
+        return None
+    return value if isinstance(value, bytes) else None
+
+
 def _delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]) -> int:
     """SCAN ``kvtier:<digest>:*`` on every primary and UNLINK what it finds, one key per command
     (a Cluster refuses multi-key commands across slots)."""
@@ -107,8 +130,11 @@ def _delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]
         for node in nodes:
             for digest in digests:
                 for batch in _scan(node, _KEY_PREFIX + digest.encode() + b":*"):
+                    ours = [name for name in batch if _is_ours(name)]
+                    if not ours:
+                        continue
                     pipe = node.pipeline(transaction=False)
-                    for name in batch:
+                    for name in ours:
                         pipe.unlink(name)
                     deleted += sum(int(reply) for reply in pipe.execute())
     finally:
