@@ -38,3 +38,16 @@ def test_ttl_is_written_without_an_exponent() -> None:
     fractional = _with_ttl("redis://127.0.0.1:6379/0?socket_timeout_s=2", 0.25)
     assert urllib.parse.parse_qs(urllib.parse.urlsplit(fractional).query)["ttl_s"] == ["0.25"]
     assert _with_ttl("file:///tmp/x", 60) == "file:///tmp/x"
+
+
+def test_absurd_replay_numbers_are_refused_by_name() -> None:
+    """Before: --step-ms 1e308 raised OverflowError, --speed 1e-300 slept forever."""
+    import subprocess
+    import sys
+
+    for flag, value in (("--step-ms", "1e308"), ("--speed", "1e-300"), ("--ttl-s", "1e308")):
+        done = subprocess.run([sys.executable, "-m", "kvtier.cli", "replay", flag, value],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert f"argument {flag}: expected a finite number" in done.stderr
+        assert "Traceback" not in done.stderr

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvtier.errors import KvtierError
-from kvtier.settings import ConfigError, Kind, Setting
+from kvtier.settings import MAX_TTL_S, ConfigError, Kind, Setting
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -29,10 +29,11 @@ class UsageError(KvtierError):
     """Bad input found after argument parsing; reported like an argparse error (exit 2)."""
 
 
-def _argument(kind: Kind, minimum: float | None = None, *,
-              strict_min: bool = False) -> Callable[[str], Any]:
+def _argument(kind: Kind, minimum: float | None = None, *, strict_min: bool = False,
+              maximum: float | None = None) -> Callable[[str], Any]:
     """An argparse ``type`` that reads a value by the settings rules (one rule per kind)."""
-    setting = Setting("value", kind, None, "", minimum=minimum, strict_min=strict_min)
+    setting = Setting("value", kind, None, "", minimum=minimum, strict_min=strict_min,
+                      maximum=maximum)
 
     def parse(text: str) -> Any:
         try:
@@ -49,6 +50,12 @@ def int_at_least(minimum: int) -> Callable[[str], Any]:
 
 positive_float = _argument(Kind.FLOAT, 0, strict_min=True)
 non_negative_float = _argument(Kind.FLOAT, 0)
+step_ms = _argument(Kind.FLOAT, 0, maximum=60_000)
+"""A modelled step of up to a minute: beyond it a value is a typo (and overflows the sleep)."""
+speed_factor = _argument(Kind.FLOAT, 1e-3, maximum=1e6)
+"""Replay speed: a thousandth of real time (a trace gap of a second takes 17 minutes) to a
+million times; 1e-300 would sleep forever."""
+ttl_seconds = _argument(Kind.FLOAT, 0.001, maximum=MAX_TTL_S)
 _size = _argument(Kind.SIZE)
 
 

@@ -23,9 +23,10 @@ from kvtier.cli.common import (
     UsageError,
     add_stack_options,
     int_at_least,
-    non_negative_float,
-    positive_float,
     redact,
+    speed_factor,
+    step_ms,
+    ttl_seconds,
 )
 
 DEFAULT_TRACE_REQUESTS = 3_000
@@ -55,7 +56,7 @@ def register(commands: Any) -> None:
                         help="engines sharing the secondary tiers (default 1)")
     replay.add_argument("--route", choices=("round-robin", "hash"), default="round-robin",
                         help="how requests are spread over instances (default round-robin)")
-    replay.add_argument("--speed", type=positive_float, default=None, metavar="X",
+    replay.add_argument("--speed", type=speed_factor, default=None, metavar="X",
                         help="replay arrivals at X times real time (default: as fast as "
                              "possible, in arrival order)")
     replay.add_argument("--max-running", type=int_at_least(1), default=32, metavar="N",
@@ -63,7 +64,7 @@ def register(commands: Any) -> None:
     replay.add_argument("--decode-tokens-per-step", type=int_at_least(1), default=64,
                         metavar="N", help="output tokens a request produces per step; it stays "
                         "in the batch 1 + ceil(output_length / N) steps (default 64)")
-    replay.add_argument("--step-ms", type=non_negative_float, default=10.0, metavar="MS",
+    replay.add_argument("--step-ms", type=step_ms, default=10.0, metavar="MS",
                         help="modelled forward-pass time per step: the scheduler idles for the "
                              "rest of each step while the tiers' I/O threads run (default 10; "
                              "0 = no pause)")
@@ -104,7 +105,7 @@ def register(commands: Any) -> None:
     replay.add_argument("--keep", action="store_true",
                         help="keep the blocks the run stored in --tier tiers (default: remove "
                              "them at the end, like the default temporary file tier)")
-    replay.add_argument("--ttl-s", type=positive_float, default=DEFAULT_REPLAY_TTL_S,
+    replay.add_argument("--ttl-s", type=ttl_seconds, default=DEFAULT_REPLAY_TTL_S,
                         metavar="S",
                         help="expiry of the blocks stored in redis tiers whose URL sets no "
                              f"ttl_s (default {DEFAULT_REPLAY_TTL_S:.0f}); S3 and file tiers "
