@@ -94,7 +94,7 @@ def test_bad_sizes_name_path_and_value(bad: object) -> None:
     ({"secondary_tiers": [{"url": "memory://", "lookup": {"quarantine": 1}}]},
      r"\['secondary_tiers\[0\].lookup.quarantine'\]"),
     ({"secondary_tiers": [{"url": "memory://", "io_threads": 0}]},
-     r"secondary_tiers\[0\].io_threads: expected an integer >= 1, got 0"),
+     r"secondary_tiers\[0\].io_threads: expected an integer >= 1 and <= 256, got 0"),
     ({"secondary_tiers": [{"url": "memory://", "max_bytes": "lots"}]},
      r"secondary_tiers\[0\].max_bytes: expected a byte count or a binary size"),
     ({"secondary_tiers": [{"url": "redis://127.0.0.1:1/0", "ttl_s": [1]}]},

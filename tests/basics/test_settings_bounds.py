@@ -45,3 +45,19 @@ def test_unicode_digits_are_not_a_size() -> None:
 def test_shown_value_bounds_long_text() -> None:
     assert shown_value("x" * 10_000).endswith("(10002 chars)")
     assert shown_value(12) == "12"
+
+
+@pytest.mark.parametrize("tier, message", [
+    ({"io_threads": 1_000_000}, r"io_threads: expected an integer >= 1 and <= 256"),
+    ({"load_timeout_s": 1e-300}, r"load_timeout_s: expected a finite number >= 0.001"),
+])
+def test_tier_settings_that_could_only_be_typos_are_refused(tier: dict[str, object],
+                                                            message: str) -> None:
+    """Before: a million I/O threads, and a deadline every load misses, were accepted."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(_config(secondary_tiers=[{"url": "memory://", **tier}]))
+
+
+def test_the_file_system_root_is_not_a_tier_root() -> None:
+    with pytest.raises(ValueError, match="file system's root"):
+        open_backend("file:///", Namespace(model="m"))

@@ -318,7 +318,7 @@ def test_shutdown_is_idempotent_and_ends_threads(tmp_path: Path) -> None:
         ({"url": None}, r"KvtierTier.url: missing; it is required"),
         ({"url": "ftp://x"}, "unknown backend URL scheme"),
         ({"url": "memory://", "io_threads": 0},
-         r"KvtierTier.io_threads: expected an integer >= 1, got 0"),
+         r"KvtierTier.io_threads: expected an integer >= 1 and <= 256, got 0"),
         ({"url": "memory://", "lookup": {"quarantine": 3}},
          r"unknown lookup setting\(s\) \['KvtierTier.lookup.quarantine'\]"),
         ({"url": "memory://", "no_such_option": 1}, "no_such_option"),

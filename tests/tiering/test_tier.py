@@ -306,7 +306,7 @@ def test_remove_deletes_and_updates_the_verdict(tier: SecondaryTier) -> None:
 
 def test_bad_arguments(namespace: Namespace) -> None:
     backend = open_backend("memory://", namespace)
-    with pytest.raises(ValueError, match="io_threads: expected an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="io_threads: expected an integer >= 1 and <= 256, got 0"):
         SecondaryTier("x", backend, io_threads=0)  # the keyword spelling: open_manager's
     with pytest.raises(ValueError, match="tier name"):
         SecondaryTier("", backend)

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvtier.lookup.manager import LOOKUP_SETTINGS
 from kvtier.settings import (
+    MAX_TIMEOUT_S,
     Kind,
     Setting,
     SettingsTable,
@@ -34,12 +35,18 @@ from kvtier.tiering.io_pool import DEFAULT_LOAD_TIMEOUT_S
 __all__ = ["TIER_IO_SETTINGS", "TIER_SETTINGS", "LookupConfig", "TierSettings"]
 
 
+MAX_IO_THREADS = 256
+"""More threads than this per tier only contend; a million would exhaust the process."""
+MIN_LOAD_TIMEOUT_S = 0.001
+"""Below a millisecond every load would time out: a typo, not a deadline."""
+
+
 @dataclass(slots=True, frozen=True)
 class TierSettings:
     """A secondary tier's I/O settings; every value is checked when the record is built."""
 
     io_threads: int = setting_field(Kind.INT, 4, "threads moving this tier's bytes", minimum=1,
-                                    env="KVTIER_IO_THREADS")
+                                    maximum=MAX_IO_THREADS, env="KVTIER_IO_THREADS")
     max_pending_store_bytes: int = setting_field(
         Kind.SIZE, 256 * 1024**2,
         "backpressure: store payload in flight beyond this is shed (counted)", minimum=0,
@@ -53,7 +60,8 @@ class TierSettings:
         "are marked missing and the request recomputes them); its slots stay out of use "
         "until the stuck backend call returns, so it never writes a slot that holds another "
         "block (under vLLM, which reuses chunks at once, the job is reported then)",
-        minimum=0, strict_min=True, unit="seconds", env="KVTIER_LOAD_TIMEOUT_S")
+        minimum=MIN_LOAD_TIMEOUT_S, maximum=MAX_TIMEOUT_S, unit="seconds",
+        env="KVTIER_LOAD_TIMEOUT_S")
 
     def __post_init__(self) -> None:
         check_record(self, TIER_IO_SETTINGS, "tier")

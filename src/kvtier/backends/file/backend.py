@@ -153,6 +153,9 @@ class FileBackend(Backend):
         root_path = Path(root)
         if not root_path.is_absolute():
             raise ValueError(f"file backend root must be an absolute path, got {str(root)!r}")
+        if root_path == Path(root_path.anchor):
+            raise ValueError(f"file backend root {str(root)!r} is the file system's root; expected "
+                             "a directory of its own, e.g. file:///var/cache/kvtier")
         digest_hex = namespace.digest_hex if isinstance(namespace, Namespace) else ""
         self._dir = root_path / digest_hex
         self._dir_str = str(self._dir)
