@@ -35,6 +35,9 @@ def register(commands: Any) -> None:
     inspect.set_defaults(run=run)
 
 
+_REACHABILITY_KEY = b"kvtier-inspect-reachability-probe"
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -87,6 +90,15 @@ def run(args: argparse.Namespace) -> int:
         console.print(table)
         if stored is not None:
             console.print(f"stored: {stored.blocks:,} blocks, {format_bytes(stored.bytes)}")
+        if not keys:
+            # The counters above are this process's own: only a call to the medium says whether
+            # it can be read at all (the key is one no block can have: its answer is ignored).
+            try:
+                backend.probe([_REACHABILITY_KEY])
+            except Exception as exc:
+                failed = True
+                print(args.scrub(f"kvtier inspect: FAILED: could not read {shown}: {exc}"),
+                      file=sys.stderr)
         if keys:
             try:
                 present: list[bool] | None = list(backend.probe(keys))
