@@ -86,6 +86,7 @@ __all__ = [
     "registered_kinds",
     "registered_schemes",
     "split_url_options",
+    "url_password",
 ]
 
 SCHEMES: tuple[str, ...] = BUILTIN_SCHEMES
@@ -191,11 +192,9 @@ def redact_url(url: str) -> str:
     ``@`` is hidden (a path that happens to hold both is over-redacted, never leaked).
     """
     scheme, separator, rest = url.partition("://")
-    if separator and "@" in rest:
+    if url_password(url) is not None:
         userinfo, _, hostinfo = rest.rpartition("@")
-        user, has_password, _password = userinfo.partition(":")
-        if has_password:
-            rest = f"{user}:***@{hostinfo}"
+        rest = f"{userinfo.partition(':')[0]}:***@{hostinfo}"
     try:
         parts = urllib.parse.urlsplit(f"{scheme}{separator}{rest}")
     except ValueError:
@@ -205,6 +204,17 @@ def redact_url(url: str) -> str:
         pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
         query = "&".join(f"{name}={'***' if _is_secret(name) else value}" for name, value in pairs)
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))
+
+
+def url_password(url: str) -> str | None:
+    """The password of ``url`` as written (between the first ``:`` after the scheme and the
+    last ``@``), found on the raw text: a password holding ``/``, ``?`` or ``#`` hides its
+    ``@`` from a URL parser. None when the URL has no password."""
+    _scheme, separator, rest = url.partition("://")
+    if not separator or "@" not in rest:
+        return None
+    _user, has_password, password = rest.rpartition("@")[0].partition(":")
+    return password if has_password else None
 
 
 def _is_secret(name: str) -> bool:

@@ -130,23 +130,8 @@ class FunctionKind(BackendKind):
         return self._deleter(url, options, digests)
 
 
-class _FactoryKind(BackendKind):
-    """A kind made by :func:`register_scheme` from a bare factory (no inventory)."""
-
-    def __init__(self, scheme: str, factory: BackendFactory, settings: SettingsTable) -> None:
-        self.schemes = (scheme,)
-        self.factory = factory
-        self._settings = settings
-
-    @property
-    def settings(self) -> SettingsTable:
-        return self._settings
-
-    def open(self, url: str, namespace: Namespace, options: dict[str, Any]) -> Backend:
-        return self.factory(url, namespace, options)
-
-    def parse_url(self, url: str, options: Mapping[str, Any]) -> dict[str, Any]:
-        return dict(options)  # a bare factory validates its own options when it opens
+def _checked_by_the_factory(url: str, options: dict[str, Any]) -> None:
+    """A bare factory (:func:`register_scheme`) validates its own options when it opens."""
 
 
 _BUILTIN: dict[str, str] = {
@@ -197,8 +182,8 @@ def register_kind(kind: BackendKind) -> BackendKind:
 def _same(existing: BackendKind | str, kind: BackendKind) -> bool:
     if existing is kind:
         return True
-    return (isinstance(existing, _FactoryKind) and isinstance(kind, _FactoryKind)
-            and existing.factory is kind.factory)
+    return (isinstance(existing, FunctionKind) and isinstance(kind, FunctionKind)
+            and existing._opener is kind._opener)
 
 
 def register_scheme(scheme: str, factory: BackendFactory,
@@ -209,7 +194,8 @@ def register_scheme(scheme: str, factory: BackendFactory,
     if not callable(factory):
         raise TypeError(f"factory must be callable, got {type(factory).__name__}")
     table = settings if settings is not None else SettingsTable(f"{name} backend", ())
-    register_kind(_FactoryKind(name, factory, table))
+    register_kind(FunctionKind((name,), table, factory, remote=True,
+                               url_check=_checked_by_the_factory))
 
 
 def registered_schemes() -> tuple[str, ...]:

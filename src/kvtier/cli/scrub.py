@@ -29,12 +29,11 @@ def _is_secret_name(name: str) -> bool:
 def secrets_in_url(url: str) -> list[str]:
     """The password and the credential-like query values in ``url``."""
     found: list[str] = []
-    _scheme, separator, rest = url.partition("://")
-    if separator and "@" in rest:  # on the raw text: the password may hold '/', '?' or '#'
-        userinfo = rest.rpartition("@")[0]
-        _user, has_password, password = userinfo.partition(":")
-        if has_password and password:
-            found += [password, urllib.parse.unquote(password)]
+    from kvtier.backends import url_password
+
+    password = url_password(url)
+    if password:
+        found += [password, urllib.parse.unquote(password)]
     try:
         parts = urllib.parse.urlsplit(url)
         for name, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=False):

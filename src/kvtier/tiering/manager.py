@@ -83,6 +83,8 @@ _METRICS_INTERVAL_S = 1.0      # scheduler-side counters are published at most t
 
 ManagerClosedError = ClosedError  # the one closed error; this name is kept for callers
 
+_get_ident = threading.get_ident  # bound once: every scheduler-side call asks it
+
 
 class _ManagerState(enum.Enum):
     RUNNING = "running"
@@ -498,7 +500,7 @@ class TieringManager:
             raise ManagerClosedError(
                 f"the tiering manager is shut down; {operation}() is not allowed any more"
             )
-        caller = threading.get_ident()
+        caller = _get_ident()
         if caller != self._owner:
             if self._owner is not None:
                 raise OwnerThreadError(
@@ -515,7 +517,7 @@ class TieringManager:
         daemon threads, which never hold up interpreter exit. ``None``: wait without bound."""
         if self._state is _ManagerState.CLOSED:
             return
-        if self._owner is not None and threading.get_ident() != self._owner:
+        if self._owner is not None and _get_ident() != self._owner:
             raise OwnerThreadError(
                 f"tiering manager: shutdown() was called from thread "
                 f"{threading.current_thread().name!r}, not the scheduler thread that drives the "
