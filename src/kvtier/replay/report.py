@@ -170,6 +170,10 @@ def lookup_table(result: ReplayResult) -> Table:
     return table
 
 
+def _table_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} {count:,}" for name, count in counts.items()) or "none"
+
+
 def summary_table(report: ReplayReport, result: ReplayResult) -> Table:
     table = Table(show_header=False, title="run", title_justify="left")
     table.add_column("what", ratio=2)
@@ -195,6 +199,8 @@ def summary_table(report: ReplayReport, result: ReplayResult) -> Table:
         ("hash convention (hashed blocks per prompt)", result.hash_convention),
         ("stored blocks deferred (streamed) / shed", f"{result.store_blocks_deferred:,} / "
                                                      f"{result.store_blocks_shed:,}"),
+        ("hit sources (blocks)", _table_text(result.hit_sources)),
+        ("hits lost against the ideal (blocks, by cause)", _table_text(result.lost_hits)),
         ("cascades shed / promoted blocks lost before load",
          f"{result.cascades_shed:,} / {result.promotions_lost:,}"),
         ("scheduler time per step p50 / p99", f"{_ms(result.step_time_p50_s)} / "
