@@ -56,6 +56,8 @@ speed_factor = _argument(Kind.FLOAT, 1e-3, maximum=1e6)
 """Replay speed: a thousandth of real time (a trace gap of a second takes 17 minutes) to a
 million times; 1e-300 would sleep forever."""
 ttl_seconds = _argument(Kind.FLOAT, 0.001, maximum=MAX_TTL_S)
+generated_sessions = _argument(Kind.INT, 1, maximum=10_000)
+"""Sessions of builtin:agentic (kvtier.replay.agentic.MAX_GENERATED_SESSIONS)."""
 _size = _argument(Kind.SIZE)
 
 

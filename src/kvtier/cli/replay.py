@@ -22,6 +22,7 @@ from kvtier.cli.common import (
     REPLAY_MODEL,
     UsageError,
     add_stack_options,
+    generated_sessions,
     int_at_least,
     redact,
     speed_factor,
@@ -77,6 +78,8 @@ def register(commands: Any) -> None:
     replay.add_argument("--seed", type=int_at_least(0), default=0, metavar="N",
                         help="seed of builtin:agentic and of the session interleaving of a "
                              "directory of session files (default 0)")
+    replay.add_argument("--sessions", type=generated_sessions, default=None, metavar="N",
+                        help="sessions of builtin:agentic (default 8; 1 to 10,000)")
     replay.add_argument("--max-requests", type=int_at_least(1), default=None, metavar="N",
                         help="replay only the first N requests")
     replay.add_argument("--skip-bad-lines", action="store_true",
@@ -235,6 +238,7 @@ def _settings(args: argparse.Namespace, options: Any) -> dict[str, Any]:
     settings["max_requests"] = args.max_requests
     settings["hash_convention"] = getattr(args, "hash_convention", "auto")
     settings["seed"] = getattr(args, "seed", 0)
+    settings["sessions"] = getattr(args, "sessions", None)
     return settings
 
 
@@ -243,6 +247,10 @@ def _load_trace(args: argparse.Namespace) -> Any:
     from kvtier.replay.trace import TraceFormatError
 
     source = args.trace or DEFAULT_TRACE
+    sessions = getattr(args, "sessions", None)
+    if sessions is not None and source != "builtin:agentic":
+        raise UsageError(f"--sessions {sessions} applies to builtin:agentic only (a generated "
+                         f"trace); {source!r} has its own sessions")
     max_requests = args.max_requests
     if args.trace is None and max_requests is None:
         max_requests = DEFAULT_TRACE_REQUESTS
@@ -254,6 +262,7 @@ def _load_trace(args: argparse.Namespace) -> Any:
             max_requests=max_requests,
             hash_convention=getattr(args, "hash_convention", "auto"),
             seed=getattr(args, "seed", 0),
+            sessions=sessions,
         )
     except TraceFormatError as exc:
         hint = "" if args.skip_bad_lines or exc.line is None else (
