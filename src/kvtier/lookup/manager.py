@@ -609,9 +609,16 @@ class AsyncLookupManager(abc.ABC):
                 self._keys.release(state)
 
     def _expire_timed_out(self, now: float) -> None:
-        """Resolve False every probe whose batch passed its deadline (batches are in order)."""
+        """Resolve False every probe whose batch passed its deadline (batches are in order) -
+        unless the worker is still making progress: a backend call started less than
+        ``probe_timeout_s`` ago means the batches behind it are queued, not lost, and they wait
+        (back-pressure, counted in ``probes_delayed``); only a call that runs past the timeout
+        (a stuck or dead backend) times them out and feeds the breaker."""
         inflight = self._inflight_batches
         if not inflight or next(iter(inflight.values())).deadline > now:
+            return
+        if self._worker_is_progressing(now):
+            self._counters.probes_delayed += 1
             return
         expired: list[int] = []
         for batch_id, batch in inflight.items():
@@ -639,6 +646,15 @@ class AsyncLookupManager(abc.ABC):
             self._logs["timeout"].warning(
                 "tier %s: %d probes timed out after %.3fs; answering False",
                 self._tier_name, timed_out, self._probe_timeout_s)
+
+    def _worker_is_progressing(self, now: float) -> bool:
+        """The worker is alive and not inside a backend call older than the probe timeout: the
+        batches past their deadline are waiting their turn (or for the interpreter lock)."""
+        worker = self._worker
+        busy_since = worker.busy_since
+        if busy_since is not None:
+            return now - busy_since < self._probe_timeout_s
+        return worker.thread.is_alive()
 
     def _note(self, keys: Iterable[BlockKey], verdict: bool) -> None:
         checked = validate_keys(keys, "keys")
