@@ -17,8 +17,9 @@ import numpy as np
 
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.replay.errors import ReplayError, ReplayIntegrityError, ReplayStuckError
-from kvtier.replay.options import _KEY_PREFIX_BYTES, _PAYLOAD_SEED, ReplayOptions
+from kvtier.replay.options import _KEY_PREFIX_BYTES, _PAYLOAD_SEED, PrefixLoading, ReplayOptions
 from kvtier.replay.trace import TraceRequest
+from kvtier.tiering.plans import PrefixPiece
 
 if TYPE_CHECKING:
     from kvtier.tiering.manager import TieringManager
@@ -274,7 +275,6 @@ class _Instance:
     def _try_schedule(self, request: _Request) -> tuple[bool, float, dict[str, int]]:
         """Schedule ``request`` once its prefix is loaded (piece by piece: each ready piece is
         loaded into the request's GPU blocks at once); returns engine-side time spent."""
-        manager = self.manager
         gpu_run = self._gpu_run(request)
         if request.first_ask_seq is None:
             request.first_ask_seq = self.event_seq
@@ -285,7 +285,7 @@ class _Instance:
             if start >= len(request.keys):
                 more = False
                 break
-            piece = manager.lookup_piece(request.keys[start:], request.ctx)
+            piece = self._next_piece(request.keys[start:], request.ctx)
             self._take_events()
             if piece.ready:
                 engine_time += self._load(request, start, piece.ready)
@@ -299,6 +299,12 @@ class _Instance:
             return False, engine_time, {}
         return True, engine_time + self._schedule(request, gpu_run), self._hits_of(request,
                                                                                       gpu_run)
+
+    def _next_piece(self, keys: list[BlockKey], ctx: RequestContext) -> PrefixPiece:
+        if self.options.prefix_loading is PrefixLoading.PIECES:
+            return self.manager.lookup_piece(keys, ctx)
+        loadable = self.manager.lookup_prefix(keys, ctx)  # the whole prefix at once
+        return PrefixPiece(0, True) if loadable is None else PrefixPiece(loadable, False)
 
     def _note_wait(self, request: _Request) -> None:
         counters = self.counters
