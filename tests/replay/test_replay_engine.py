@@ -440,3 +440,43 @@ def test_a_tier_slower_than_the_scheduler_costs_no_hits(tmp_path: Path) -> None:
     assert result.cascades_shed == 0
     assert result.block_hits == result.ideal_block_hits
     _assert_no_state_left(result)
+
+
+def _growing_sessions(tmp_path: Path, sessions: int, turns: int, start: int,
+                      growth: int) -> Trace:
+    """Per-session JSON traces: each turn extends its session's context by ``growth`` blocks."""
+    import json
+
+    folder = tmp_path / "sessions"
+    folder.mkdir()
+    for session in range(sessions):
+        requests = [{"t": float(turn), "in": (start + growth * turn) * 64, "out": 64,
+                     "hash_ids": list(range(start + growth * turn))} for turn in range(turns)]
+        (folder / f"s{session}.json").write_text(json.dumps(
+            {"block_size": 64, "hash_id_scope": "local", "requests": requests}))
+    return read_trace(folder)
+
+
+def test_sessions_beyond_the_pool_keep_every_hit_and_say_where_each_came_from(
+        tmp_path: Path) -> None:
+    """The six-session case scaled down: four sessions whose contexts (85 to 155 blocks) are
+    each larger than half the 100-slot pool, working set 6x the pool, a GPU model of 100 blocks.
+    Every hit the ideal allows is kept (loaded piece by piece), the per-cause sources add up to
+    the hits, and a tier row counts only blocks it really read."""
+    trace = _growing_sessions(tmp_path, sessions=4, turns=8, start=85, growth=10)
+    options = _opts(tier_urls=((tmp_path / "tier").as_uri(),), cpu_blocks=100, gpu_blocks=200)
+    result = replay(trace, options)
+    assert result.block_hits == result.ideal_block_hits
+    assert result.lost_hits == {}
+    assert sum(result.hit_sources.values()) == result.block_hits
+    assert set(result.hit_sources) <= {"gpu", "cpu_resident", "copy_readmitted",
+                                       "stored_meanwhile", "promoted.file"}
+    file_row = _tiers(result)["file"]
+    assert file_row.block_hits == result.hit_sources.get("promoted.file", 0)  # timing decides
+    assert file_row.bytes_read >= file_row.block_hits * options.block_bytes
+    whole = replay(trace, _opts(tier_urls=((tmp_path / "whole").as_uri(),), cpu_blocks=100,
+                                gpu_blocks=200, prefix_loading=engine.PrefixLoading.WHOLE))
+    assert whole.block_hits < result.block_hits  # all-at-once loading ends where room ends
+    assert set(whole.lost_hits) == {"no_room"} and sum(whole.lost_hits.values()) == (
+        whole.ideal_block_hits - whole.block_hits)
+    _assert_no_state_left(result)

@@ -135,6 +135,7 @@ def _apply_events(events: Sequence[Any], seq: int,
 
 
 NOT_FOUND = "not_found"
+NO_ROOM = "no_room"
 STORE_SHED = "store_shed"
 
 
@@ -258,8 +259,17 @@ class _Instance:
             _note_losses(events, self.lost_causes)
 
     def loss_cause(self, key: BlockKey) -> str:
-        """Why ``key`` (which the ideal cache holds) was found in no tier."""
-        return self.lost_causes.get(key, NOT_FOUND)
+        """Why the prefix ended at ``key``, which the ideal cache holds: a shed store or
+        cascade, a failed load, no room to bring it in although a tier has it (``no_room``:
+        whole-prefix loading), or ``not_found`` (in no tier: evicted from a bounded one)."""
+        cause = self.lost_causes.get(key)
+        if cause is not None:
+            return cause
+        manager = self.manager
+        if manager.pool.slot_of(key) is not None or any(
+                tier.backend.exists([key])[0] for tier in manager.tiers):
+            return NO_ROOM
+        return NOT_FOUND
 
     def _gpu_run(self, request: _Request) -> int:
         if request.gpu_run is not None:

@@ -108,7 +108,8 @@ class ReplayResult:
     # copy_readmitted, stored_meanwhile, promoted.<tier>; see kvtier.replay.instance.
     hit_sources: dict[str, int] = field(default_factory=dict)
     # Blocks the ideal hit but this run recomputed, by why the prefix ended early: store_shed,
-    # cascade_shed, load_failed, not_found (in no tier: evicted from a bounded tier, expired).
+    # cascade_shed, load_failed, no_room (a tier has it; whole-prefix loading ran out of pool
+    # room), not_found (in no tier: evicted from a bounded tier, expired).
     lost_hits: dict[str, int] = field(default_factory=dict)
 
     @property
