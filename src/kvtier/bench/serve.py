@@ -425,13 +425,10 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def print_outcome(args: argparse.Namespace, report: Mapping[str, Any],
                   results: Mapping[str, ConfigResult]) -> None:
     """The results on stdout in ``--format`` (the JSON is what ``--json FILE`` writes)."""
-    from rich.text import Text
-
     from kvtier.cli.output import Output
 
     Output.for_args(args).emit(
-        tables=lambda: [Text("\n".join([format_table(results), *outcome_lines(report)]),
-                             no_wrap=True, overflow="ignore")],
+        tables=lambda: [format_table(results), *outcome_lines(report)],
         sheets=lambda: outcome_sheets(report, results),
         document=lambda: report,
     )

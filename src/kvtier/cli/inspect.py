@@ -125,11 +125,10 @@ class _Found:
 
     def tables(self) -> list[Any]:
         from rich.table import Table
-        from rich.text import Text
 
         from kvtier.replay.report import format_bytes
 
-        shown: list[Any] = [Text(f"{self.url} (namespace {self.digest})")]
+        shown: list[Any] = [f"{self.url} (namespace {self.digest})"]
         table = Table()
         table.add_column("counter")
         table.add_column("value", justify="right")
@@ -138,13 +137,13 @@ class _Found:
         shown.append(table)
         if self.stored is not None:
             disk = self.stored.disk_bytes
-            shown.append(Text(f"stored: {self.stored.blocks:,} blocks, "
-                              f"{format_bytes(self.stored.bytes)}" + (
-                                  "" if disk is None else f" ({format_bytes(disk)} on disk)")))
+            shown.append(f"stored: {self.stored.blocks:,} blocks, "
+                         f"{format_bytes(self.stored.bytes)}"
+                         + ("" if disk is None else f" ({format_bytes(disk)} on disk)"))
         for key, present in zip(self.keys, self._verdicts(), strict=True):
             verdict = ("unknown (check failed)" if present is None
                        else "present" if present else "absent")
-            shown.append(Text(f"key {key.hex()}: {verdict}"))
+            shown.append(f"key {key.hex()}: {verdict}")
         return shown
 
     def sheets(self) -> list[Sheet]:

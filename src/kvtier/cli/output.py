@@ -151,7 +151,9 @@ class Output:
 
     def emit(self, *, tables: Callable[[], Iterable[Any]], sheets: Callable[[], Sequence[Sheet]],
              document: Callable[[], object]) -> None:
-        """Print the command's result in the chosen format (only that one is built)."""
+        """Print the command's result in the chosen format (only that one is built). Of
+        ``tables``, a ``str`` is a line for people, printed as written (never wrapped, never
+        parsed as markup); anything else is a rich renderable (a table, a paragraph)."""
         if self.format is OutputFormat.JSON:
             sys.stdout.write(json_document(document()))
             sys.stdout.flush()
@@ -160,4 +162,5 @@ class Output:
             sys.stdout.flush()
         else:
             for renderable in tables():
-                self.console.print(renderable)
+                self.console.print(renderable, soft_wrap=isinstance(renderable, str),
+                                   markup=False, highlight=False)

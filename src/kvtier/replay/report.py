@@ -110,16 +110,19 @@ def _min_width(table: Table) -> int:
 
 def tier_table(result: ReplayResult, width: int | None = None) -> Table:
     """Hits and traffic per tier, next to the ideal (infinite cache). When the table cannot fit
-    ``width`` columns without cutting numbers, the token hit ratio column is dropped (the run
-    table still gives the overall token figure)."""
-    table = _tier_table(result, token_ratio=True)
-    if width is not None and _min_width(table) > width:
-        table = _tier_table(result, token_ratio=False)
+    ``width`` columns without cutting numbers or tier labels, the token hit ratio column is
+    dropped (the run table still gives the overall token figure), then labels wrap."""
+    layouts = ((True, True), (False, True), (False, False)) if width is not None \
+        else ((True, False),)
+    for token_ratio, whole_labels in layouts:
+        table = _tier_table(result, token_ratio=token_ratio, whole_labels=whole_labels)
+        if width is None or _min_width(table) <= width:
+            break
     _share_width(table, width)
     return table
 
 
-def _tier_table(result: ReplayResult, *, token_ratio: bool) -> Table:
+def _tier_table(result: ReplayResult, *, token_ratio: bool, whole_labels: bool) -> Table:
     table = Table(
         title=(
             f"kvtier replay: {result.trace_name}, {result.requests:,} requests, "
@@ -145,7 +148,7 @@ def _tier_table(result: ReplayResult, *, token_ratio: bool) -> Table:
     totals = [
         ["all tiers", f"{result.block_hits:,}", _ratio(result.block_hit_ratio),
          _ratio(result.token_hit_ratio), "", "", ""],
-        ["ideal (infinite cache)", f"{result.ideal_block_hits:,}",
+        ["ideal", f"{result.ideal_block_hits:,}",  # explained below the report (terms)
          _ratio(result.ideal_block_hit_ratio),
          _ratio(result.ideal_token_hit_ratio), "", "", ""],
     ]
@@ -157,6 +160,8 @@ def _tier_table(result: ReplayResult, *, token_ratio: bool) -> Table:
     for row in rows:
         table.add_row(*row)
     _fit_numbers(table, [*rows, *totals])
+    if whole_labels:
+        table.columns[0].min_width = max(len(row[0]) for row in (*rows, *totals))
     table.add_section()
     table.add_row(*totals[0], style="bold")
     table.add_row(*totals[1], style="dim")
@@ -299,7 +304,7 @@ def report_tables(report: ReplayReport, width: int | None = None) -> list[Any]:
     """What ``kvtier replay`` prints for people: the verdict line, the tables, the terms."""
     from rich.text import Text
 
-    shown: list[Any] = [Text(verdict(report).line())]
+    shown: list[Any] = [verdict(report).line()]  # one line, never wrapped
     for result in report.results:
         shown += [tier_table(result, width), lookup_table(result)]
     shown.append(summary_table(report, report.results[0]))
@@ -310,8 +315,9 @@ def report_tables(report: ReplayReport, width: int | None = None) -> list[Any]:
 
 
 def print_report(report: ReplayReport, console: Console) -> None:
-    for renderable in report_tables(report, console.width):
-        console.print(renderable)
+    for renderable in report_tables(report, console.width):  # a str: a line, as written
+        console.print(renderable, soft_wrap=isinstance(renderable, str), markup=False,
+                      highlight=False)
 
 
 def _tier_json(tier: TierResult, result: ReplayResult) -> dict[str, Any]:
