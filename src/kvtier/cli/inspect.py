@@ -14,7 +14,7 @@ from kvtier.cli import common
 from kvtier.cli.common import EXIT_FAILED, EXIT_OK, UsageError, namespace_field, redact
 from kvtier.cli.output import Output, add_format_option
 from kvtier.cli.usage import list_usage
-from kvtier.text import Sheet
+from kvtier.text import Sheet, printable
 
 
 def register(commands: Any) -> None:
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             print(args.scrub(f"kvtier inspect: FAILED: stats of {shown}: {exc}"),
                   file=sys.stderr)
         if not keys:
-            # The counters above are this process's own: only a call to the medium says whether
+            # The counters are this process's own: only a call to the medium says whether
             # it can be read at all (the key is one no block can have: its answer is ignored).
             try:
                 backend.probe([_REACHABILITY_KEY])
@@ -128,7 +128,7 @@ class _Found:
 
         from kvtier.replay.report import format_bytes
 
-        shown: list[Any] = [f"{self.url} (namespace {self.digest})"]
+        shown: list[Any] = [f"{printable(self.url)} (namespace {self.digest})"]
         table = Table()
         table.add_column("counter")
         table.add_column("value", justify="right")
