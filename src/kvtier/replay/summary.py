@@ -23,7 +23,8 @@ TERMS: tuple[tuple[str, str], ...] = (
     ("block hit ratio", "blocks served by a tier / block references of all requests"),
     ("requests that waited", "requests held back at least one engine step because a "
                              "secondary tier had not yet answered whether it holds their "
-                             "blocks (steps waited on lookups counts those request-steps)"),
+                             "blocks, or was still loading one (steps waited on lookups counts "
+                             "those request-steps)"),
 )
 
 
