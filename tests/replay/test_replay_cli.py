@@ -37,14 +37,16 @@ def _usage_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().err
 
 
-def test_replay_a_trace_file(small_trace: Path, tmp_path: Path,
+def test_replay_a_trace_file(small_trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # whole cells: the validation note on one line
     out_json = tmp_path / "r.json"
     out_png = tmp_path / "r.png"
     code, out, err = _run(["replay", str(small_trace), "--tier", (tmp_path / "t").as_uri(),
                            "--json", str(out_json), "--plot", str(out_png), *FAST], capsys)
     assert code == 0, err
-    assert "ideal (infinite cache)" in out and "file" in out
+    assert "│ ideal " in out and "file" in out
+    assert "ideal = an infinite cache" in " ".join(out.split())  # the terms, below the tables
     assert "n/a: no published numbers for this trace" in out
     data = json.loads(out_json.read_text())
     result = data["results"][0]
@@ -58,6 +60,7 @@ def test_default_replay_uses_the_bundled_trace_and_validates(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(cli.replay, "DEFAULT_TRACE_REQUESTS", 40)
+    monkeypatch.setenv("COLUMNS", "200")  # whole cells: the validation note on one line
     code, out, err = _run(["replay", "--scratch-dir", str(tmp_path), *FAST], capsys)
     assert code == 0, err
     assert "builtin:conversation" in out
@@ -185,7 +188,8 @@ def test_console_script_entry_point(small_trace: Path, tmp_path: Path) -> None:
                            str(tmp_path), *FAST], capture_output=True, text=True, timeout=60,
                           check=False, env=env)
     assert done.returncode == 0, done.stderr
-    assert "ideal (infinite cache)" in done.stdout
+    assert "│ ideal " in done.stdout
+    assert "ideal = an infinite cache" in " ".join(done.stdout.split())
 
 
 

@@ -7,7 +7,6 @@ No state: constants and functions, called on the command's main thread.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -113,18 +112,11 @@ def add_stack_options(parser: argparse.ArgumentParser) -> None:
                              "request), so nothing is rejected)")
 
 
-_PIPE_WIDTH = 170
-
-
 def console() -> Any:
-    """A rich console; when output is not a terminal (a pipe, a log, CI) rich would wrap the
-    tables at 80 columns, so it gets a width that keeps them readable."""
-    from rich.console import Console
+    """The rich console of a command's tables (the rule is :func:`kvtier.cli.output.console`)."""
+    from kvtier.cli.output import console as output_console
 
-    console = Console()
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(width=_PIPE_WIDTH)
-    return console
+    return output_console()
 
 
 def redact(url: str) -> str:

@@ -10,9 +10,10 @@ import argparse
 import sys
 from typing import Any
 
-from kvtier.cli import common
 from kvtier.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, namespace_field, redact
-from kvtier.cli.usage import MediumFailed, list_usage, usage_table
+from kvtier.cli.output import Output, add_format_option
+from kvtier.cli.usage import MediumFailed, list_usage, usage_sheet, usage_table
+from kvtier.text import Sheet
 
 
 def register(commands: Any) -> None:
@@ -34,6 +35,7 @@ def register(commands: Any) -> None:
                        help="show what would be removed; remove nothing")
     purge.add_argument("--yes", action="store_true",
                        help="remove without asking (needed when stdin is not a terminal)")
+    add_format_option(purge)
     purge.set_defaults(run=run)
 
 
@@ -50,15 +52,18 @@ def run(args: argparse.Namespace) -> int:
     except MediumFailed as exc:
         print(f"kvtier purge: failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    console = common.console()
+    out = Output.for_args(args)
     if not chosen:
-        console.print("nothing to purge: no stored namespace matches")
+        out.note("nothing to purge: no stored namespace matches")
+        _emit(out, args, chosen, None)
         return EXIT_OK
     what = (f"{sum(i.blocks for i in chosen):,} blocks "
             f"({format_bytes(sum(i.bytes for i in chosen))}) in {len(chosen)} namespace(s)")
-    console.print(usage_table(args.url, chosen, f"kvtier purge: {redact(args.url)}"))
+    if out.for_people:  # the table before the question; scripts get it with the outcome
+        out.console.print(usage_table(args.url, chosen, f"kvtier purge: {redact(args.url)}"))
     if args.dry_run:
-        console.print(f"dry run: would remove {what}; nothing removed")
+        _emit(out, args, chosen, None)
+        out.note(f"dry run: would remove {what}; nothing removed")
         return EXIT_OK
     if not args.yes and not _confirmed(f"remove {what}?"):
         return EXIT_USAGE
@@ -67,8 +72,25 @@ def run(args: argparse.Namespace) -> int:
     except MediumError as exc:
         print(f"kvtier purge: failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    console.print(f"removed {what} ({result.objects_deleted:,} objects)")
+    _emit(out, args, chosen, result.objects_deleted)
+    out.note(f"removed {what} ({result.objects_deleted:,} objects)")
     return EXIT_OK
+
+
+def _emit(out: Output, args: argparse.Namespace, chosen: list[Any], deleted: int | None) -> None:
+    """The outcome for scripts (``plain``: the namespaces, then one row of totals; ``json``: one
+    object); people saw the table before the question and read the note that follows."""
+    action = ("nothing" if not chosen else "would_remove" if deleted is None else "removed")
+    blocks, size = sum(i.blocks for i in chosen), sum(i.bytes for i in chosen)
+    out.emit(
+        tables=lambda: [],
+        sheets=lambda: [usage_sheet(chosen), Sheet(
+            ("action", "namespaces", "blocks", "bytes", "objects_deleted"),
+            ((action, len(chosen), blocks, size, deleted),))],
+        document=lambda: {"url": redact(args.url), "action": action, "dry_run": args.dry_run,
+                          "namespaces": [item.to_json() for item in chosen], "blocks": blocks,
+                          "bytes": size, "objects_deleted": deleted},
+    )
 
 
 def _confirmed(question: str) -> bool:
@@ -78,7 +100,9 @@ def _confirmed(question: str) -> bool:
               f"terminal, so nobody can confirm (see what would go with --dry-run)",
               file=sys.stderr)
         return False
-    answer = input(f"{question} [y/N] ").strip().lower()
+    # The question on stderr, like every message for people: stdout may be a --format pipe.
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    answer = input().strip().lower()
     if answer not in ("y", "yes"):
         print("kvtier purge: nothing removed", file=sys.stderr)
         return False

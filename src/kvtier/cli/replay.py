@@ -29,6 +29,7 @@ from kvtier.cli.common import (
     step_ms,
     ttl_seconds,
 )
+from kvtier.cli.output import Output, add_format_option
 
 DEFAULT_TRACE_REQUESTS = 3_000
 """Requests of the bundled conversation trace replayed when no trace is given."""
@@ -100,8 +101,10 @@ def register(commands: Any) -> None:
     replay.add_argument("--scratch-dir", default=None, metavar="DIR",
                         help="parent of the default file tier's temporary directory (default: "
                              "/dev/shm when it has room, else the system temporary directory)")
+    add_format_option(replay)
     replay.add_argument("--json", type=Path, default=None, metavar="FILE",
-                        help="write every number as JSON")
+                        help="also write every number as JSON to FILE (the document --format "
+                             "json prints)")
     replay.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                         help="plot hit ratio over time per tier (needs kvtier[plot])")
     replay.add_argument("--no-progress", action="store_true", help="no live progress bar")
@@ -119,9 +122,10 @@ def register(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvtier.config import ConfigError
     from kvtier.replay.errors import ReplayError
-    from kvtier.replay.report import ReportError, print_report, write_json, write_plot
+    from kvtier.replay.report import ReportError, report_json, report_tables, write_json, write_plot
     from kvtier.replay.results import ReplayReport
     from kvtier.replay.strategies import Strategy
+    from kvtier.replay.summary import report_sheets
 
     if args.plot is not None:
         try:
@@ -133,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
             ) from None
     common.check_memory(args)
     trace = _load_trace(args)
-    console = common.console()
+    out = Output.for_args(args)
+    console = out.notes  # progress and messages; the report goes to stdout in every format
     strategies = list(Strategy) if args.compare else [Strategy.KVTIER]
     validation, note = _validation_for(trace)
     with _scratch_for(args, trace) as scratch:
@@ -157,14 +162,15 @@ def run(args: argparse.Namespace) -> int:
         validation_note=note,
         settings=_settings(args, options),
     )
-    print_report(report, console)
+    out.emit(tables=lambda: report_tables(report, out.console.width),
+             sheets=lambda: report_sheets(report), document=lambda: report_json(report))
     try:
         if args.json is not None:
             write_json(report, args.json)
-            console.print(f"JSON report written to {args.json}")
+            out.note(f"JSON report written to {args.json}")
         if args.plot is not None:
             write_plot(report, args.plot)
-            console.print(f"plot written to {args.plot}")
+            out.note(f"plot written to {args.plot}")
     except ReportError as exc:
         print(f"kvtier replay: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -350,7 +356,9 @@ def _replay_each(trace: Any, options: Any, strategies: Sequence[Any], show_progr
 
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=console, disable=not show_progress, transient=True,
+        # Off when its console is not a terminal: a pipe or a log would get a stray empty line.
+        TimeElapsedColumn(), console=console, transient=True,
+        disable=not show_progress or not console.is_terminal,
     ) as progress:
         for strategy in strategies:
             task = progress.add_task(f"replay ({strategy.value})", total=len(trace.requests))

@@ -50,15 +50,16 @@ def _list_namespaces(url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
         manifest = directory / MANIFEST_NAME
         data = manifest.read_bytes() if manifest.is_file() and not manifest.is_symlink() else None
         item = NamespaceUsage(digest=directory.name, fields=parse_manifest(data, directory.name))
-        for parent, _subdirs, files in os.walk(directory):
-            for name in files:
-                if not name.endswith(_SUFFIX):
-                    continue
+        with contextlib.suppress(FileNotFoundError):
+            item.add_disk(os.lstat(directory).st_blocks * 512)
+        for parent, subdirs, files in os.walk(directory):
+            for name in (*subdirs, *files):
                 try:
                     info = os.lstat(os.path.join(parent, name))
                 except FileNotFoundError:
                     continue  # removed while we walked
-                if stat.S_ISREG(info.st_mode):
+                item.add_disk(info.st_blocks * 512)  # st_blocks is in 512-byte units (POSIX)
+                if name.endswith(_SUFFIX) and stat.S_ISREG(info.st_mode):
                     item.add_block(info.st_size, info.st_mtime)
         found.append(item)
     return found
