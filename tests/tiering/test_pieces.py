@@ -11,7 +11,8 @@ import pytest
 from kvtier.keys import RequestContext
 from kvtier.tiering.finder import PIECE_FRACTION
 from kvtier.tiering.manager import BlockPromoted, BlockReadmitted, PrefixPiece, TieringManager
-from tests.tiering.test_manager import (
+
+from .test_manager import (
     Factory,
     assert_no_state,
     data,
@@ -108,7 +109,7 @@ def test_concurrent_long_requests_take_turns_and_never_evict_each_others_pieces(
                 for r in range(3)]
     for _, keys in requests:
         put_in_tier(m, keys)
-    loaded, steps, _pieces = load_in_pieces(m, requests, 120)
+    loaded, _steps, _pieces = load_in_pieces(m, requests, 120)
     assert loaded == {"r0": 30, "r1": 30, "r2": 30}
     promoted = [key for event in m.take_events() if isinstance(event, BlockPromoted)
                 for key in event.keys]
