@@ -228,7 +228,8 @@ def test_the_json_report_keeps_every_key_and_adds_the_verdict() -> None:
 def test_plain_tables_of_a_report_have_one_row_per_tier_and_strategy() -> None:
     from kvtier.replay.summary import report_sheets
 
-    tiers, lookups, run = report_sheets(_report("kvtier", "per-request"))
+    tiers, lookups, run, sources = report_sheets(_report("kvtier", "per-request"))
+    assert sources.columns == ("strategy", "outcome", "source", "blocks")
     assert len(tiers.rows) == 2 * (5 + 2)  # GPU, CPU, 3 secondaries, total, ideal
     assert len(lookups.rows) == 2 * 3 and len(run.rows) == 2
     row = dict(zip(run.columns, run.rows[1], strict=True))

@@ -94,7 +94,9 @@ def test_plain_is_tab_separated_tables_for_every_command(
     if command == "purge":
         assert tables[-1][0]["action"] == "would_remove" and tables[-1][0]["blocks"] == "3"
     if command == "replay":
-        tiers, lookups, run = tables
+        tiers, lookups, run, sources = tables
+        hits = sum(int(row["blocks"]) for row in sources if row["outcome"] == "hit")
+        assert hits == int(run[0]["block_hits"])  # the hit sources add up to the hits
         total = next(row for row in tiers if row["kind"] == "total")
         ideal = next(row for row in tiers if row["kind"] == "ideal")
         assert float(total["block_hit_ratio"]) == float(run[0]["block_hit_ratio"])

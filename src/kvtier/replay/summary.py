@@ -151,6 +151,18 @@ def run_sheet(report: ReplayReport) -> Sheet:
                   "trace", "trace_sha256"), rows)
 
 
+def sources_sheet(report: ReplayReport) -> Sheet:
+    """Per strategy: block hits by where they came from (``hit``: gpu, cpu_resident, ...;
+    they add up to ``block_hits``) and hits lost against the ideal by cause (``lost``)."""
+    rows: list[tuple[object, ...]] = []
+    for result in report.results:
+        rows += [(result.strategy, "hit", name, count)
+                 for name, count in result.hit_sources.items()]
+        rows += [(result.strategy, "lost", name, count)
+                 for name, count in result.lost_hits.items()]
+    return Sheet(("strategy", "outcome", "source", "blocks"), tuple(rows))
+
+
 def report_sheets(report: ReplayReport) -> list[Sheet]:
-    """The ``--format plain`` tables of a replay: tiers, lookups, run."""
-    return [tier_sheet(report), lookup_sheet(report), run_sheet(report)]
+    """The ``--format plain`` tables of a replay: tiers, lookups, run, hit sources."""
+    return [tier_sheet(report), lookup_sheet(report), run_sheet(report), sources_sheet(report)]
