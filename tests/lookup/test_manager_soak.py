@@ -183,7 +183,7 @@ def test_soak_ends_empty_and_never_claims_a_missing_block(seed: int) -> None:
                 tier.cleanup(aborted)
                 active.pop(aborted, None)
             # Past its deadline only while the worker still makes progress (back-pressure).
-            assert tier._worker_is_progressing(clock.now) or all(
+            assert tier._worker.is_progressing(clock.now, 1.0) or all(
                 batch.deadline > clock.now for batch in tier._inflight_batches.values())
         for req_id in list(active):
             tier.cleanup(req_id)

@@ -617,7 +617,7 @@ class AsyncLookupManager(abc.ABC):
         inflight = self._inflight_batches
         if not inflight or next(iter(inflight.values())).deadline > now:
             return
-        if self._worker_is_progressing(now):
+        if self._worker.is_progressing(now, self._probe_timeout_s):
             self._counters.probes_delayed += 1
             return
         expired: list[int] = []
@@ -646,15 +646,6 @@ class AsyncLookupManager(abc.ABC):
             self._logs["timeout"].warning(
                 "tier %s: %d probes timed out after %.3fs; answering False",
                 self._tier_name, timed_out, self._probe_timeout_s)
-
-    def _worker_is_progressing(self, now: float) -> bool:
-        """The worker is alive and not inside a backend call older than the probe timeout: the
-        batches past their deadline are waiting their turn (or for the interpreter lock)."""
-        worker = self._worker
-        busy_since = worker.busy_since
-        if busy_since is not None:
-            return now - busy_since < self._probe_timeout_s
-        return worker.thread.is_alive()
 
     def _note(self, keys: Iterable[BlockKey], verdict: bool) -> None:
         checked = validate_keys(keys, "keys")

@@ -103,6 +103,14 @@ class ProbeWorker:
         with self._posted_cond:
             return self._posted_cond.wait_for(lambda: self._posted >= count, timeout)
 
+    def is_progressing(self, now: float, timeout_s: float) -> bool:
+        """Alive and not inside a backend call older than ``timeout_s``: batches past their
+        deadline are waiting their turn (or for the interpreter lock), not lost."""
+        busy_since = self.busy_since
+        if busy_since is not None:
+            return now - busy_since < timeout_s
+        return self.thread.is_alive()
+
     def stop(self, timeout: float | None) -> bool:
         """Stop after the call in progress (waiting up to ``timeout`` s); True when it stopped."""
         self._stop.set()
