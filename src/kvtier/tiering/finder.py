@@ -69,9 +69,6 @@ class KeyFinder:
     def piece_blocks(self) -> int:
         return self._piece_blocks
 
-    def is_staging(self, req_id: str) -> bool:
-        return req_id in self._turns
-
     def leave(self, req_id: str) -> None:
         """``req_id`` finished, or its prefix is complete: the next request's turn."""
         self._turns.pop(req_id, None)

@@ -251,10 +251,9 @@ class TieringManager:
                     f"loaded"
                 )
         slots = self._pins.pin_for_request(ctx.req_id, checked)
-        if self._finder.is_staging(ctx.req_id):  # a piece: the rest of its hold stays
-            self._pins.release_held(ctx.req_id, checked)
-        else:
-            self._pins.release_hold(ctx.req_id)
+        # The loaded keys leave the request's hold; the rest (a piece's next blocks) stays
+        # held until its next lookup settles it, it finishes, or the hold expires.
+        self._pins.release_held(ctx.req_id, checked)
         return LoadPlan(tuple(checked), tuple(slots))
 
     def touch(self, keys: Sequence[BlockKey], ctx: RequestContext) -> None:
