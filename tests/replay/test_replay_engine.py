@@ -477,6 +477,8 @@ def test_sessions_beyond_the_pool_keep_every_hit_and_say_where_each_came_from(
     whole = replay(trace, _opts(tier_urls=((tmp_path / "whole").as_uri(),), cpu_blocks=100,
                                 gpu_blocks=200, prefix_loading=engine.PrefixLoading.WHOLE))
     assert whole.block_hits < result.block_hits  # all-at-once loading ends where room ends
-    assert set(whole.lost_hits) == {"no_room"} and sum(whole.lost_hits.values()) == (
+    # Mostly no_room (a tier had it); a block whose tier write was still in flight, held only
+    # by its in-memory copy, reads as not_found.
+    assert whole.lost_hits.get("no_room", 0) > 0 and sum(whole.lost_hits.values()) == (
         whole.ideal_block_hits - whole.block_hits)
     _assert_no_state_left(result)
