@@ -47,6 +47,8 @@ from kvtier.backends.base import (
     MISSING_FETCH,
     Backend,
     Fetched,
+    NoTierError,
+    OpenMode,
     Outcome,
     StoredFrame,
     load_auth_key,
@@ -149,6 +151,7 @@ class FileBackend(Backend):
         o_direct: bool | str = False,
         shared_dir: bool | str = False,
         auth_key: bytes | None = None,
+        mode: OpenMode = OpenMode.READ_WRITE,
     ) -> None:
         root_path = Path(root)
         if not root_path.is_absolute():
@@ -179,12 +182,16 @@ class FileBackend(Backend):
         self._pid = os.getpid()
         self._uid = os.geteuid()
         self._scratch = _Scratch()
+        self._read_only = mode is OpenMode.READ_ONLY
         try:
-            self._make_root(self._root)
-            self._check_private(self._root, "root")
-            self._make_root(self._dir)
-            self._check_private(self._dir, "namespace directory")
-            self._scan()
+            if self._read_only:
+                self._open_read_only()
+            else:
+                self._make_root(self._root)
+                self._check_private(self._root, "root")
+                self._make_root(self._dir)
+                self._check_private(self._dir, "namespace directory")
+                self._scan()
         except OSError as exc:
             raise ValueError(
                 f"file backend root {str(root)!r} cannot be used: {exc.strerror or exc}"
@@ -253,6 +260,18 @@ class FileBackend(Backend):
                 "the sticky bit; anyone could plant or swap blocks there. chmod o-w it, or set "
                 "shared_dir=true (with auth_key) if it is shared on purpose"
             )
+
+    def _open_read_only(self) -> None:
+        """Look without creating anything: no root, no namespace directory, no temp-file
+        cleanup, no eviction. A missing root is :class:`NoTierError`; a missing namespace
+        directory is an empty namespace."""
+        if not self._root.is_dir():
+            problem = "does not exist" if not os.path.lexists(self._root) else "is not a directory"
+            raise NoTierError(f"no kvtier tier at {self.url}: {str(self._root)!r} {problem}")
+        self._check_private(self._root, "root")
+        if os.path.lexists(self._dir):
+            self._check_private(self._dir, "namespace directory")
+            self._scan()
 
     def _make_root(self, path: Path) -> None:
         """Create the root or namespace directory at open (0700); never called later."""
@@ -572,7 +591,7 @@ class FileBackend(Backend):
             for name in files:
                 path = os.path.join(directory, name)
                 if name.startswith(_TEMP_PREFIX):
-                    if self._is_stray_temp(name):
+                    if not self._read_only and self._is_stray_temp(name):
                         self._unlink_quietly(path, None)
                         removed += 1
                     continue
@@ -590,7 +609,8 @@ class FileBackend(Backend):
         if removed:
             self._stats.add("stray_temp_files_removed", removed)
             _log.info("file backend: removed %d stray temp files under %s", removed, self._dir)
-        self._evict_files(victims)
+        if not self._read_only:
+            self._evict_files(victims)
 
     def _evict_files(self, victims: list[BlockKey]) -> None:
         for victim in victims:
@@ -650,7 +670,8 @@ class FileBackend(Backend):
                 self._fail("unlink", key if key is not None else path, exc)
 
 
-def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBackend:
+def from_url(url: str, namespace: Namespace, options: dict[str, Any],
+             mode: OpenMode = OpenMode.READ_WRITE) -> FileBackend:
     """Build a :class:`FileBackend` from ``file:///abs/path``.
 
     Options (keyword or query string): see :data:`SETTINGS` (``max_bytes``, ``fsync``,
@@ -683,4 +704,11 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBac
         o_direct=parsed["o_direct"],
         shared_dir=parsed["shared_dir"],
         auth_key=load_auth_key(parsed, "file"),
+        mode=mode,
     )
+
+
+def open_read_only(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBackend:
+    """:func:`from_url` in ``OpenMode.READ_ONLY``: creates nothing; :class:`NoTierError` when
+    the root directory is not there."""
+    return from_url(url, namespace, options, OpenMode.READ_ONLY)

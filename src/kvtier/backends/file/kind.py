@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.backends import split_url_options
-from kvtier.backends.file.backend import SETTINGS, from_url
+from kvtier.backends.base import NoTierError
+from kvtier.backends.file.backend import SETTINGS, from_url, open_read_only
 from kvtier.backends.file.layout import _SUFFIX, _TEMP_PREFIX, MANIFEST_NAME
 from kvtier.backends.manifest import NamespaceUsage, is_digest, parse_manifest
 from kvtier.backends.registry import FunctionKind
@@ -38,7 +39,8 @@ def _parse(url: str, options: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
 
 def _namespace_dirs(root: Path) -> list[Path]:
     if not root.is_dir():
-        raise ValueError(f"file tier root {str(root)!r} is not a directory")
+        problem = "does not exist" if not os.path.lexists(root) else "is not a directory"
+        raise NoTierError(f"no kvtier tier at {root.as_uri()}: {str(root)!r} {problem}")
     return sorted(entry for entry in root.iterdir()
                   if is_digest(entry.name) and entry.is_dir() and not entry.is_symlink())
 
@@ -89,5 +91,6 @@ def _delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]
 
 
 KIND = FunctionKind(("file",), SETTINGS, from_url, remote=False, lister=_list_namespaces,
-                    deleter=_delete_namespaces, url_check=_parse)
+                    deleter=_delete_namespaces, url_check=_parse,
+                    read_only_opener=open_read_only)
 """``file:///absolute/path``: one framed file per block under the directory."""
