@@ -208,7 +208,7 @@ def test_bad_selectors_and_urls_are_named(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="unknown backend URL scheme"):
         kvtier.usage("ftp://host/x")
     # A root that is not there is a medium with no tier (exit 1), not a bad argument.
-    with pytest.raises(MediumError, match="no kvtier tier at file://.*/missing.* does not exist"):
+    with pytest.raises(MediumError, match=r"no kvtier tier at file://.*/missing.* does not exist"):
         kvtier.usage(f"file://{tmp_path}/missing")
     assert not (tmp_path / "missing").exists()
 
