@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.replay.strategies import Strategy
     from kvtier.replay.summary import report_sheets
 
+    common.check_output_file("--json", args.json)
+    common.check_output_file("--plot", args.plot)
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -271,7 +273,9 @@ def _load_trace(args: argparse.Namespace) -> Any:
             sessions=sessions,
         )
     except TraceFormatError as exc:
-        hint = "" if args.skip_bad_lines or exc.line is None else (
+        from kvtier.replay.trace import EXPECTED_FORMAT
+
+        hint = "" if args.skip_bad_lines or exc.line is None or EXPECTED_FORMAT in str(exc) else (
             " (use --skip-bad-lines to skip malformed lines)"
         )
         raise UsageError(f"bad trace: {exc}{hint}") from None
@@ -422,11 +426,11 @@ def after_replay(options: Any, console: Any, keep: bool) -> None:
             if keep:
                 expiry = ("they expire after their ttl_s" if url.startswith("redis")
                           else "they have no expiry")
-                console.print(
-                    f"kept {blocks:,} blocks ({size}) in {shown} ({expiry}); remove them with "
-                    f"`kvtier purge URL --namespace revision=REV` (revisions "
-                    f"{escape(', '.join(printable(i.fields['revision']) for i in found))})",
-                    soft_wrap=True)
+                revisions = sorted(printable(i.fields["revision"]) for i in found)
+                console.print(escape(
+                    f"kept {blocks:,} blocks ({size}) in {shown} ({expiry})"
+                    + ("; remove them with:\n  " + "\n  ".join(common.purge_commands(
+                        url, revisions)) if revisions else "")), soft_wrap=True)
                 continue
             delete(url, found)
         except (InventoryError, MediumError) as exc:
