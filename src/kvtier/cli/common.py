@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvtier.errors import KvtierError
-from kvtier.settings import MAX_TTL_S, ConfigError, Kind, Setting
+from kvtier.settings import MAX_TTL_S, ConfigError, Kind, Setting, choice_spelling
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -88,6 +88,12 @@ def tier_url(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def choice(text: str) -> str:
+    """An argparse ``type`` for choice values: one spelling (``write_through``, ``round_robin``),
+    the dashed one accepted too (:func:`kvtier.settings.choice_spelling`)."""
+    return choice_spelling(text)
 
 
 def namespace_field(text: str) -> tuple[str, str]:
@@ -219,7 +225,7 @@ def check_output_file(option: str, path: os.PathLike[str] | None) -> None:
     if not stat.S_ISREG(info.st_mode):
         what = "a directory" if stat.S_ISDIR(info.st_mode) else (
             "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a socket or device")
-        raise UsageError(f"{option} {shown}: is {what}; expected a regular file path")
+        raise UsageError(f"{option} {shown}: is {what}, not a regular file; expected a file path")
     if not os.access(path, os.W_OK):
         raise UsageError(f"{option} {shown}: the file is not writable by this user")
 
