@@ -45,8 +45,8 @@ __all__ = [
     "Setting",
     "SettingsTable",
     "check_record",
-    "did_you_mean",
     "choice_spelling",
+    "did_you_mean",
     "env_layer",
     "format_size",
     "mapping_of",
@@ -57,6 +57,7 @@ __all__ = [
     "registered_tables",
     "setting_field",
     "shown_value",
+    "unknown_names_text",
 ]
 
 _SETTING_KEY = "kvtier_setting"
