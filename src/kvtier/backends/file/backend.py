@@ -47,7 +47,6 @@ from kvtier.backends.base import (
     MISSING_FETCH,
     Backend,
     Fetched,
-    NoTierError,
     OpenMode,
     Outcome,
     StoredFrame,
@@ -184,14 +183,14 @@ class FileBackend(Backend):
         self._scratch = _Scratch()
         self._read_only = mode is OpenMode.READ_ONLY
         try:
-            if self._read_only:
-                self._open_read_only()
+            for path, what in ((self._root, "root"), (self._dir, "namespace directory")):
+                if not self._read_only:
+                    self._make_root(path)
+                elif not os.path.lexists(path):  # READ_ONLY creates nothing: a namespace never
+                    break                        # written is empty (kind.py: a missing root)
+                self._check_private(path, what)
             else:
-                self._make_root(self._root)
-                self._check_private(self._root, "root")
-                self._make_root(self._dir)
-                self._check_private(self._dir, "namespace directory")
-                self._scan()
+                self._scan()  # READ_ONLY: no temp-file removal, no eviction
         except OSError as exc:
             raise ValueError(
                 f"file backend root {str(root)!r} cannot be used: {exc.strerror or exc}"
@@ -260,18 +259,6 @@ class FileBackend(Backend):
                 "the sticky bit; anyone could plant or swap blocks there. chmod o-w it, or set "
                 "shared_dir=true (with auth_key) if it is shared on purpose"
             )
-
-    def _open_read_only(self) -> None:
-        """Look without creating anything: no root, no namespace directory, no temp-file
-        cleanup, no eviction. A missing root is :class:`NoTierError`; a missing namespace
-        directory is an empty namespace."""
-        if not self._root.is_dir():
-            problem = "does not exist" if not os.path.lexists(self._root) else "is not a directory"
-            raise NoTierError(f"no kvtier tier at {self.url}: {str(self._root)!r} {problem}")
-        self._check_private(self._root, "root")
-        if os.path.lexists(self._dir):
-            self._check_private(self._dir, "namespace directory")
-            self._scan()
 
     def _make_root(self, path: Path) -> None:
         """Create the root or namespace directory at open (0700); never called later."""
@@ -707,8 +694,3 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any],
         mode=mode,
     )
 
-
-def open_read_only(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBackend:
-    """:func:`from_url` in ``OpenMode.READ_ONLY``: creates nothing; :class:`NoTierError` when
-    the root directory is not there."""
-    return from_url(url, namespace, options, OpenMode.READ_ONLY)
