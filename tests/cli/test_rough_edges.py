@@ -225,3 +225,16 @@ def test_bench_serve_help_never_imports_vllm(tmp_path: Path) -> None:
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(_SRC)])})
     assert done.returncode == 0, done.stderr
     assert "usage: kvtier bench serve" in done.stdout and done.stderr == ""
+
+
+def test_a_tier_refused_at_open_is_one_line_and_no_cleanup_report(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A URL whose problem only the backend's open finds (the file system's root): before, the
+    error came with "removed the 0 blocks (0 B) this run stored in file:///"."""
+    trace = _trace(tmp_path / "t.jsonl")
+    code, out, err = _run(["replay", str(trace), "--tier", "file:///", *FAST], capsys)
+    assert code == 2
+    assert out == ""
+    assert err.splitlines() == [
+        "kvtier replay: error: secondary_tiers[0]: file backend root '/' is the file system's "
+        "root; expected a directory of its own, e.g. file:///var/cache/kvtier"]

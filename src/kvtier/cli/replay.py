@@ -435,6 +435,8 @@ def after_replay(options: Any, console: Any, keep: bool) -> None:
                     + ("; remove them with:\n  " + "\n  ".join(common.purge_commands(
                         url, revisions)) if revisions else "")), soft_wrap=True)
                 continue
+            if not found:
+                continue  # nothing stored (a run that failed at open): nothing to report
             delete(url, found)
         except (InventoryError, MediumError) as exc:
             print(f"kvtier: warning: could not remove the replay's blocks from {shown}: {exc}",
