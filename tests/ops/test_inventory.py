@@ -207,8 +207,10 @@ def test_bad_selectors_and_urls_are_named(tmp_path: Path) -> None:
         kvtier.purge(url, fields={"colour": "red"})
     with pytest.raises(UsageError, match="unknown backend URL scheme"):
         kvtier.usage("ftp://host/x")
-    with pytest.raises(UsageError, match="not a directory"):
+    # A root that is not there is a medium with no tier (exit 1), not a bad argument.
+    with pytest.raises(MediumError, match=r"no kvtier tier at file://.*/missing.* does not exist"):
         kvtier.usage(f"file://{tmp_path}/missing")
+    assert not (tmp_path / "missing").exists()
 
 
 def test_an_unreachable_server_is_a_medium_error() -> None:
@@ -228,8 +230,8 @@ def test_inspect_opens_without_writing_a_manifest(tmp_path: Path) -> None:
     url = f"file://{tmp_path}"
     backend: Backend = open_backend(url, _namespace(), mode=OpenMode.INSPECT)
     backend.close()
-    (item,) = kvtier.usage(url)
-    assert item.fields is None and item.blocks == 0
+    assert kvtier.usage(url) == []  # not even a namespace directory
+    assert list(tmp_path.iterdir()) == []
 
 
 # --------------------------------------------------------------------------- the commands

@@ -13,7 +13,7 @@ from typing import Any
 from kvtier.cli import common
 from kvtier.cli.common import EXIT_FAILED, EXIT_OK, UsageError, namespace_field, redact
 from kvtier.cli.output import Output, add_format_option
-from kvtier.cli.usage import list_usage
+from kvtier.cli.usage import MediumFailed, list_usage
 from kvtier.text import Sheet, printable
 
 
@@ -43,10 +43,14 @@ _REACHABILITY_KEY = b"kvtier-inspect-reachability-probe"
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.backends import OpenMode, open_backend, redact_url
+    from kvtier.backends import NoTierError, OpenMode, open_backend, redact_url
     from kvtier.keys import Namespace, check_key
 
-    stored = _stored_namespace(args.url, args.digest) if args.digest else None
+    try:
+        stored = _stored_namespace(args.url, args.digest) if args.digest else None
+    except MediumFailed as exc:
+        print(args.scrub(f"kvtier inspect: failed: {exc}"), file=sys.stderr)
+        return EXIT_FAILED
     if stored is not None and args.namespace_fields:
         raise UsageError("give the namespace by --digest or by --namespace, not both")
     try:
@@ -66,7 +70,10 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
     shown = redact_url(args.url)
     try:
-        backend = open_backend(args.url, namespace, mode=OpenMode.INSPECT)
+        backend = open_backend(args.url, namespace, mode=OpenMode.READ_ONLY)
+    except NoTierError as exc:
+        print(args.scrub(f"kvtier inspect: {exc}"), file=sys.stderr)
+        return EXIT_FAILED
     except ValueError as exc:
         raise UsageError(f"URL {shown!r}: {exc}") from None
     except Exception as exc:

@@ -1,12 +1,14 @@
 """``kvtier purge``: remove the blocks and manifests of chosen namespaces from a tier.
 
-Asks before deleting on a terminal; elsewhere it needs ``--yes``. No state: runs on the
+Asks before deleting on a terminal (declining exits 0: nothing removed); elsewhere it needs
+``--yes`` (exit 2 without it). No state: runs on the
 command's main thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import sys
 from typing import Any
 
@@ -65,8 +67,12 @@ def run(args: argparse.Namespace) -> int:
         _emit(out, args, chosen, None)
         out.note(f"dry run: would remove {what}; nothing removed")
         return EXIT_OK
-    if not args.yes and not _confirmed(f"remove {what}?"):
-        return EXIT_USAGE
+    if not args.yes:
+        answer = _confirm(f"remove {what}?")
+        if answer is not Answer.YES:
+            # Declining is the user's choice, not a failure (exit 0); no terminal to ask on is
+            # a missing --yes (exit 2). docs/operations.md documents both.
+            return EXIT_OK if answer is Answer.DECLINED else EXIT_USAGE
     try:
         result = delete(args.url, chosen)
     except MediumError as exc:
@@ -93,19 +99,28 @@ def _emit(out: Output, args: argparse.Namespace, chosen: list[Any], deleted: int
     )
 
 
-def _confirmed(question: str) -> bool:
+class Answer(enum.Enum):
+    YES = "yes"
+    DECLINED = "declined"
+    NO_TERMINAL = "no terminal"
+
+
+def _confirm(question: str) -> Answer:
     """Ask on a terminal; refuse (with the reason) when stdin is not one."""
     if not sys.stdin.isatty():
         print(f"kvtier purge: refusing to {question.rstrip('?')} without --yes: stdin is not a "
               f"terminal, so nobody can confirm (see what would go with --dry-run)",
               file=sys.stderr)
-        return False
+        return Answer.NO_TERMINAL
     # The question on stderr, like every message for people: stdout may be a --format pipe.
     print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
-    answer = input().strip().lower()
+    try:
+        answer = input().strip().lower()
+    except EOFError:  # Ctrl-D: no answer is a no
+        answer = ""
     if answer not in ("y", "yes"):
-        print("kvtier purge: nothing removed", file=sys.stderr)
-        return False
-    return True
+        print("kvtier purge: declined; nothing removed", file=sys.stderr)
+        return Answer.DECLINED
+    return Answer.YES
 
 

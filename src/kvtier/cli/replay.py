@@ -22,6 +22,7 @@ from kvtier.cli.common import (
     REPLAY_MODEL,
     UsageError,
     add_stack_options,
+    choice,
     generated_sessions,
     int_at_least,
     redact,
@@ -56,8 +57,9 @@ def register(commands: Any) -> None:
     add_stack_options(replay)
     replay.add_argument("--instances", type=int_at_least(1), default=1, metavar="N",
                         help="engines sharing the secondary tiers (default 1)")
-    replay.add_argument("--route", choices=("round-robin", "hash"), default="round-robin",
-                        help="how requests are spread over instances (default round-robin)")
+    replay.add_argument("--route", type=choice, choices=("round_robin", "hash"),
+                        default="round_robin",
+                        help="how requests are spread over instances (default round_robin)")
     replay.add_argument("--speed", type=speed_factor, default=None, metavar="X",
                         help="replay arrivals at X times real time (default: as fast as "
                              "possible, in arrival order)")
@@ -72,7 +74,8 @@ def register(commands: Any) -> None:
                              "0 = no pause)")
     replay.add_argument("--trace-block-tokens", type=int_at_least(1), default=512, metavar="N",
                         help="tokens per hash id in the trace (default 512)")
-    replay.add_argument("--hash-convention", choices=("auto", "ceil", "floor"), default="auto",
+    replay.add_argument("--hash-convention", type=choice, choices=("auto", "ceil", "floor"),
+                        default="auto",
                         help="hash ids per prompt: ceil = the partial last block is hashed "
                              "(Mooncake), floor = only full blocks (vLLM), auto = either, line "
                              "by line (default auto; the report says which it found)")
@@ -86,9 +89,9 @@ def register(commands: Any) -> None:
     replay.add_argument("--skip-bad-lines", action="store_true",
                         help="skip malformed trace lines (counted in the report) instead of "
                              "failing")
-    replay.add_argument("--eviction-policy", choices=("lru", "arc"), default="lru",
+    replay.add_argument("--eviction-policy", type=choice, choices=("lru", "arc"), default="lru",
                         help="eviction policy of the CPU pool (default lru)")
-    replay.add_argument("--write-policy", choices=("write_through", "write_back"),
+    replay.add_argument("--write-policy", type=choice, choices=("write_through", "write_back"),
                         default="write_through",
                         help="write each stored block to the secondary tiers at once "
                              "(write_through, the default) or when the CPU pool evicts it")
@@ -127,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.replay.strategies import Strategy
     from kvtier.replay.summary import report_sheets
 
+    common.check_output_file("--json", args.json)
+    common.check_output_file("--plot", args.plot)
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -271,7 +276,9 @@ def _load_trace(args: argparse.Namespace) -> Any:
             sessions=sessions,
         )
     except TraceFormatError as exc:
-        hint = "" if args.skip_bad_lines or exc.line is None else (
+        from kvtier.replay.trace import EXPECTED_FORMAT
+
+        hint = "" if args.skip_bad_lines or exc.line is None or EXPECTED_FORMAT in str(exc) else (
             " (use --skip-bad-lines to skip malformed lines)"
         )
         raise UsageError(f"bad trace: {exc}{hint}") from None
@@ -310,7 +317,7 @@ def replay_options(args: argparse.Namespace, **extra: Any) -> Any:
                 _with_ttl(url, getattr(args, "ttl_s", DEFAULT_REPLAY_TTL_S)) for url in args.tiers
             ),
             instances=getattr(args, "instances", 1),
-            route=Route(getattr(args, "route", "round-robin")),
+            route=Route(choice(getattr(args, "route", "round_robin"))),
             speed=getattr(args, "speed", None),
             max_running=getattr(args, "max_running", 32),
             gpu_blocks=args.gpu_blocks,
@@ -422,12 +429,14 @@ def after_replay(options: Any, console: Any, keep: bool) -> None:
             if keep:
                 expiry = ("they expire after their ttl_s" if url.startswith("redis")
                           else "they have no expiry")
-                console.print(
-                    f"kept {blocks:,} blocks ({size}) in {shown} ({expiry}); remove them with "
-                    f"`kvtier purge URL --namespace revision=REV` (revisions "
-                    f"{escape(', '.join(printable(i.fields['revision']) for i in found))})",
-                    soft_wrap=True)
+                revisions = sorted(printable(i.fields["revision"]) for i in found)
+                console.print(escape(
+                    f"kept {blocks:,} blocks ({size}) in {shown} ({expiry})"
+                    + ("; remove them with:\n  " + "\n  ".join(common.purge_commands(
+                        url, revisions)) if revisions else "")), soft_wrap=True)
                 continue
+            if not found:
+                continue  # nothing stored (a run that failed at open): nothing to report
             delete(url, found)
         except (InventoryError, MediumError) as exc:
             print(f"kvtier: warning: could not remove the replay's blocks from {shown}: {exc}",

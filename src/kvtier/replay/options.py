@@ -24,7 +24,7 @@ _MAX_SPEED_SLEEP_S = 0.005
 class Route(enum.Enum):
     """How requests are spread over instances."""
 
-    ROUND_ROBIN = "round-robin"
+    ROUND_ROBIN = "round_robin"
     FIRST_BLOCK_HASH = "hash"
 
 

@@ -415,6 +415,18 @@ def write_plot(report: ReplayReport, path: Path) -> None:
             "--plot needs matplotlib, which is not installed; install it with "
             "`pip install 'kvtier[plot]'`"
         ) from exc
+    figure = plot_figure(report, plt)
+    try:
+        # "tight": the legends sit outside the axes (never over the lines) and must be kept.
+        figure.savefig(path, dpi=110, bbox_inches="tight")
+    except OSError as exc:
+        raise ReportError(f"could not write plot to {path}: {exc.strerror}") from exc
+    finally:
+        plt.close(figure)
+
+
+def plot_figure(report: ReplayReport, plt: Any) -> Any:
+    """The figure :func:`write_plot` saves (``plt``: ``matplotlib.pyplot``)."""
     results = report.results
     if len(results) == 1:
         figure, axis = plt.subplots(figsize=(10, 4.8))
@@ -422,19 +434,25 @@ def write_plot(report: ReplayReport, path: Path) -> None:
     else:
         figure = _plot_compare(plt, results)
     figure.tight_layout()
-    try:
-        figure.savefig(path, dpi=110)
-    except OSError as exc:
-        raise ReportError(f"could not write plot to {path}: {exc.strerror}") from exc
-    finally:
-        plt.close(figure)
+    return figure
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
 
 
 def _window_label(result: ReplayResult) -> str:
     points = result.timeline
     size = points[0].requests_done if points else 0
-    return (f"requests scheduled (each point: one window of {size:,} requests, "
-            f"{len(points)} windows)")
+    if len(points) <= 1:
+        return f"requests scheduled (one point: all {_plural(size, 'request')})"
+    return (f"requests scheduled (each point: a window of {_plural(size, 'request')}, "
+            f"{_plural(len(points), 'window')})")
+
+
+_OUTSIDE_RIGHT: dict[str, Any] = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0),
+                                  "borderaxespad": 0.0, "fontsize": "small"}
+"""Legends go right of the axes: inside, they covered the lines of a short replay."""
 
 
 def _ratios(result: ReplayResult, hits: Any) -> list[float]:
@@ -460,7 +478,7 @@ def _plot_tiers(axis: Any, result: ReplayResult) -> None:
                    f"{result.strategy} (overall {result.block_hit_ratio:.4f}, ideal "
                    f"{result.ideal_block_hit_ratio:.4f})")
     axis.grid(True, alpha=0.3)
-    axis.legend(loc="upper left", fontsize="small", ncol=3)
+    axis.legend(**_OUTSIDE_RIGHT)
 
 
 def _plot_compare(plt: Any, results: Sequence[ReplayResult]) -> Any:
@@ -483,7 +501,7 @@ def _plot_compare(plt: Any, results: Sequence[ReplayResult]) -> Any:
     hits.set_title(f"{first.trace_name}: the strategies reach the same hits; what differs is "
                    f"below")
     hits.grid(True, alpha=0.3)
-    hits.legend(loc="upper left", fontsize="small", ncol=2)
+    hits.legend(**_OUTSIDE_RIGHT)
     names = [result.strategy for result in results]
     panels: list[tuple[str, list[float], str]] = [
         ("backend calls (secondary tiers)",
