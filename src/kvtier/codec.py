@@ -1,36 +1,49 @@
 """The self-describing block frame: one stored object per KV block.
 
-This module owns no state; every function and :class:`FrameCodec` are pure and safe to call from
-any thread.
+This module owns no state: :class:`KeyRing`, :class:`FrameCodec` and every function are
+immutable or pure and safe to call from any thread (blake3 may hash a large payload on its own
+worker threads; they hold no kvtier state).
 
-Frame layout (little-endian), ``HEADER_BYTES`` (320) of header followed by the payload::
+Frame layout, format 3 (little-endian), ``HEADER_BYTES`` (320) of header followed by the
+payload::
 
     offset  size  field
          0     4  magic b"KVTB"
-         4     2  format version (2)
+         4     2  format version (3)
          6     2  key length (1 .. MAX_KEY_BYTES)
          8     8  payload length in bytes
         16    16  namespace digest
         32   255  key echo, zero-padded to MAX_KEY_BYTES
-       287     1  integrity mode: 0 = xxh3 checksum, 1 = keyed MAC
-       288    16  MAC tag (mode 1): HMAC-SHA256 over header bytes [0, 288) and the payload,
-                  truncated to 128 bits; zero in mode 0
-       304     8  reserved, zero
-       312     8  checksum (mode 0): xxh3_64 over header bytes [0, 312) and the payload;
-                  zero in mode 1
+       287     1  integrity algorithm (:class:`Algorithm`): 0 = xxh3_64 checksum,
+                  2 = keyed BLAKE3 MAC
+       288     8  key id (algorithm 2): which key of the writer's :class:`KeyRing` signed (a
+                  one-way fingerprint of it); zero for algorithm 0
+       296     8  reserved, zero
+       304    16  the check, over header bytes [0, 304) and the payload: the MAC tag (BLAKE3
+                  keyed with a key derived from the auth key, 128 bits), or the xxh3_64
+                  checksum followed by 8 zero bytes
+
+Format 2 (kvtier before key rotation) is still read: the same bytes [0, 287), then an integrity
+mode at 287 (0: xxh3_64 over [0, 312) stored at 312; 1: HMAC-SHA256 over [0, 288) and the
+payload, truncated to 128 bits, at 288) and no key id, so a keyed reader tries each of its keys.
+Such a frame is served and reported as :attr:`Provenance.OLDER_FORMAT`, so that the backend's
+next store of its key rewrites it in format 3.
 
 The header has a fixed size so that readers can pre-size buffers; keys are therefore bounded by
-``MAX_KEY_BYTES`` (255). Either check covers every header byte before it and the payload, so a
+``MAX_KEY_BYTES`` (255). The check covers every header byte before it and the payload, so a
 flipped byte anywhere in the frame is detected. Empty (0-byte) payloads are valid frames.
 
-A reader configured with a key accepts only mode-1 frames whose tag verifies under that key; a
-reader without a key accepts only mode-0 frames. Every other frame raises
-:class:`AuthenticationError` (a :class:`FrameError`): a writer without the key cannot get bytes
-served, and a keyed tier is never silently read as an unkeyed one (or the reverse).
+A reader with a key ring accepts only keyed frames whose tag verifies under one of its keys; a
+reader without one accepts only unkeyed frames; everything else raises a :class:`FrameError`.
+Two kinds of refusal are not proof of damage and raise a :class:`ForeignFrame`: a frame signed
+by a key the reader does not hold (:class:`ForeignKey`: a key rotation in progress, or another
+tenant), and a frame in a newer format or with an unknown algorithm (a newer kvtier). Backends
+never serve those, and leave them in place for a writer that can read them; the reader's own
+next store of the key replaces them.
 
-Verification order: magic, version, mode, namespace, key, length against the frame's size, then
-the checksum or tag, and only then the length against the caller's buffer, so a damaged length
-field is always a frame error, never a caller error.
+Verification order: magic, version, namespace, key, length against the frame's size, the
+algorithm (and key id), the check, and only then the length against the caller's buffer, so a
+damaged length field is always a frame error, never a caller error.
 """
 
 from __future__ import annotations
@@ -39,8 +52,11 @@ import enum
 import hashlib
 import hmac
 import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TypeAlias
 
+import blake3
 import xxhash
 
 from kvtier.errors import KvtierError
@@ -49,31 +65,58 @@ from kvtier.keys import MAX_KEY_BYTES, NAMESPACE_DIGEST_BYTES, check_key
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
 MAGIC = b"KVTB"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+OLDEST_READ_VERSION = 2
 HEADER_BYTES = 320
 TAG_BYTES = 16
+KEY_ID_BYTES = 8
 
 _FIXED = struct.Struct("<4sHHQ16s")  # magic, version, key length, payload length, namespace
 _KEY_OFFSET = _FIXED.size  # 32
-_MODE_OFFSET = _KEY_OFFSET + MAX_KEY_BYTES  # 287
-_TAG_OFFSET = _MODE_OFFSET + 1  # 288
-_CHECKSUM_OFFSET = HEADER_BYTES - 8  # 312
+_ALGORITHM_OFFSET = _KEY_OFFSET + MAX_KEY_BYTES  # 287
+_KEY_ID_OFFSET = _ALGORITHM_OFFSET + 1  # 288
+_RESERVED_OFFSET = _KEY_ID_OFFSET + KEY_ID_BYTES  # 296
+_CHECK_OFFSET = _RESERVED_OFFSET + 8  # 304
 _CHECKSUM = struct.Struct("<Q")
 _ZERO_KEY_PAD = bytes(MAX_KEY_BYTES)
-_ZERO_TAIL = bytes(HEADER_BYTES - _TAG_OFFSET)  # tag + reserved + checksum, all zero
-_ZERO_CHECK_TAIL = bytes(_CHECKSUM_OFFSET - _TAG_OFFSET)  # tag + reserved (mode 0)
-_ZERO_AFTER_TAG = bytes(HEADER_BYTES - _TAG_OFFSET - TAG_BYTES)  # reserved + checksum (mode 1)
+_ZERO_8 = bytes(8)
+_ZERO_16 = bytes(16)
+# Format 2's offsets: the mode byte sat where the algorithm sits, the checks elsewhere.
+_V2_TAG_OFFSET = 288
+_V2_CHECKSUM_OFFSET = 312
+
+# BLAKE3 derive-key contexts: the MAC key and the key id are independent one-way functions of
+# the configured key, so a key id in a frame tells nothing about the MAC key.
+_MAC_KEY_CONTEXT = "kvtier 2026-12-02 frame MAC key"
+_KEY_ID_CONTEXT = "kvtier 2026-12-02 frame key id"
+PARALLEL_MIN_BYTES = 256 << 10
+"""Payloads at least this large are hashed by blake3 on several cores (it releases the GIL);
+smaller ones on the calling thread, where starting workers costs more than it saves."""
 
 
-class IntegrityMode(enum.IntEnum):
-    """How a frame proves it is whole (and, with a key, whose it is)."""
+class Algorithm(enum.IntEnum):
+    """How a frame proves it is whole (and, keyed, whose it is): the byte at offset 287."""
 
-    CHECKSUM = 0  # xxh3_64: integrity only
-    MAC = 1       # keyed HMAC-SHA256: integrity and authenticity
+    XXH3 = 0          # xxh3_64: integrity only
+    HMAC_SHA256 = 1   # format 2 only: read, never written
+    BLAKE3 = 2        # keyed BLAKE3: integrity and authenticity
+
+
+class Provenance(enum.Enum):
+    """Who wrote a frame that verified, as far as the reader's next store cares."""
+
+    CURRENT = "current"            # this format, the signing key (or unkeyed): keep it
+    OLDER_KEY = "older_key"        # signed by a later key of the ring: rewrite it
+    OLDER_FORMAT = "older_format"  # format 2 (HMAC-SHA256 or xxh3): rewrite it
 
 
 class FrameError(KvtierError):
     """A stored frame is not the block that was asked for (corrupt, foreign or truncated)."""
+
+
+class ForeignFrame(FrameError):
+    """A frame this reader cannot judge (another key, a newer format): refused, but not proof
+    of damage, so backends leave it for a writer that can read it."""
 
 
 class BadMagic(FrameError):
@@ -82,6 +125,14 @@ class BadMagic(FrameError):
 
 class UnsupportedVersion(FrameError):
     """The frame was written by an unknown format version."""
+
+
+class NewerVersion(UnsupportedVersion, ForeignFrame):
+    """The frame's format version is newer than this kvtier's."""
+
+
+class UnknownAlgorithm(ForeignFrame):
+    """The frame's integrity algorithm is not one this kvtier knows."""
 
 
 class NamespaceMismatch(FrameError):
@@ -105,7 +156,12 @@ class ChecksumMismatch(FrameError):
 
 
 class AuthenticationError(FrameError):
-    """The frame has no valid MAC under the reader's key, or is keyed while the reader is not."""
+    """The frame has no valid MAC under the reader's keys, or is keyed while the reader is not
+    (or the reverse)."""
+
+
+class ForeignKey(AuthenticationError, ForeignFrame):
+    """The frame names a signing key that is not in the reader's key ring."""
 
 
 class OutputSizeMismatch(ValueError):
@@ -151,26 +207,114 @@ def _check_digest(namespace_digest: bytes) -> None:
         )
 
 
+# --------------------------------------------------------------------------- keys
+
+
+def _derive(context: str, secret: bytes, length: int) -> bytes:
+    return blake3.blake3(secret, derive_key_context=context).digest(length)
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class _RingKey:
+    secret: bytes   # the configured key (format 2's HMAC key)
+    key_id: bytes   # KEY_ID_BYTES, written into the frames it signs
+    mac_key: bytes  # BLAKE3's 32-byte key
+
+
+class KeyRing:
+    """The auth keys of a tier: the first signs every new frame, every one verifies.
+
+    Immutable; never shows a key (``repr`` counts them).
+    """
+
+    __slots__ = ("_by_id", "_keys")
+
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        if not isinstance(keys, (list, tuple)) or not keys:
+            raise ValueError("auth keys must be a non-empty list of non-empty bytes")
+        ring: list[_RingKey] = []
+        by_id: dict[bytes, int] = {}
+        for index, secret in enumerate(keys):
+            if not isinstance(secret, bytes) or not secret:
+                raise ValueError(f"auth key {index + 1} must be non-empty bytes")
+            entry = _RingKey(secret, _derive(_KEY_ID_CONTEXT, secret, KEY_ID_BYTES),
+                             _derive(_MAC_KEY_CONTEXT, secret, 32))
+            if entry.key_id in by_id:
+                raise ValueError(f"auth key {index + 1} repeats key {by_id[entry.key_id] + 1}")
+            by_id[entry.key_id] = index
+            ring.append(entry)
+        self._keys = tuple(ring)
+        self._by_id = by_id
+
+    @classmethod
+    def of(cls, value: bytes | KeyRing | Sequence[bytes]) -> KeyRing:
+        """``value`` as a ring: a ring as is, one key, or keys in order (the first signs)."""
+        if isinstance(value, KeyRing):
+            return value
+        if isinstance(value, bytes):
+            return cls([value])
+        return cls(value)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __repr__(self) -> str:
+        return f"KeyRing({len(self._keys)} key{'s' if len(self._keys) != 1 else ''})"
+
+    @property
+    def key_ids(self) -> tuple[bytes, ...]:
+        """The key ids frames carry, in ring order (fingerprints: they reveal no key)."""
+        return tuple(entry.key_id for entry in self._keys)
+
+    @property
+    def signing(self) -> _RingKey:
+        return self._keys[0]
+
+    @property
+    def entries(self) -> tuple[_RingKey, ...]:
+        return self._keys
+
+    def find(self, key_id: bytes) -> int | None:
+        """The position of the key with ``key_id`` (0: the signing key), or None."""
+        return self._by_id.get(key_id)
+
+
+def _blake3_tag(mac_key: bytes, prefix: Buffer, payload: Buffer, nbytes: int) -> bytes:
+    threads = blake3.blake3.AUTO if nbytes >= PARALLEL_MIN_BYTES else 1
+    hasher = blake3.blake3(prefix, key=mac_key, max_threads=threads)
+    hasher.update(payload)
+    return hasher.digest(TAG_BYTES)
+
+
+# --------------------------------------------------------------------------- the codec
+
+
 class FrameCodec:
-    """Encodes and verifies the frames of one namespace, with or without an auth key.
+    """Encodes and verifies the frames of one namespace, with or without auth keys.
 
     Immutable after construction; safe to share between threads.
     """
 
-    __slots__ = ("_auth_key", "_digest", "_mode", "_mode_byte")
+    __slots__ = ("_digest", "_ring", "_tail")
 
-    def __init__(self, namespace_digest: bytes, auth_key: bytes | None = None) -> None:
+    def __init__(self, namespace_digest: bytes,
+                 auth_key: bytes | KeyRing | Sequence[bytes] | None = None) -> None:
         _check_digest(namespace_digest)
-        if auth_key is not None and (not isinstance(auth_key, bytes) or not auth_key):
-            raise ValueError("auth_key must be non-empty bytes")
         self._digest = namespace_digest
-        self._auth_key = auth_key
-        self._mode = IntegrityMode.CHECKSUM if auth_key is None else IntegrityMode.MAC
-        self._mode_byte = bytes((self._mode,))
+        self._ring = None if auth_key is None else KeyRing.of(auth_key)
+        # Header bytes [287, 304) of every frame this codec writes: algorithm, key id, reserved.
+        if self._ring is None:
+            self._tail = bytes((Algorithm.XXH3,)) + _ZERO_16
+        else:
+            self._tail = bytes((Algorithm.BLAKE3,)) + self._ring.signing.key_id + _ZERO_8
 
     @property
     def keyed(self) -> bool:
-        return self._auth_key is not None
+        return self._ring is not None
+
+    @property
+    def ring(self) -> KeyRing | None:
+        return self._ring
 
     # -- encoding -----------------------------------------------------------------------------
 
@@ -180,24 +324,18 @@ class FrameCodec:
             _FIXED.pack(MAGIC, FORMAT_VERSION, len(key), payload.nbytes, self._digest)
             + key
             + _ZERO_KEY_PAD[len(key) :]
-            + self._mode_byte
+            + self._tail
         )
-        if self._auth_key is None:
+        if self._ring is None:
             hasher = xxhash.xxh3_64(prefix)
-            hasher.update(_ZERO_CHECK_TAIL)
             hasher.update(payload)
-            return prefix + _ZERO_CHECK_TAIL + _CHECKSUM.pack(hasher.intdigest())
-        return prefix + self._tag(prefix, payload) + _ZERO_AFTER_TAG
-
-    def _tag(self, prefix: Buffer, payload: Buffer) -> bytes:
-        mac = hmac.new(self._auth_key or b"", prefix, hashlib.sha256)
-        mac.update(payload)
-        return mac.digest()[:TAG_BYTES]
+            return prefix + _CHECKSUM.pack(hasher.intdigest()) + _ZERO_8
+        return prefix + _blake3_tag(self._ring.signing.mac_key, prefix, payload, payload.nbytes)
 
     # -- verification -------------------------------------------------------------------------
 
     def decode(self, frame: memoryview, key: bytes, out: memoryview, *,
-               trusted: bool = False) -> None:
+               trusted: bool = False) -> Provenance:
         """Verify a whole ``frame``, then copy its payload into ``out`` (untouched on error).
 
         ``trusted``: the caller guarantees ``frame`` is a frame this codec encoded for ``key``
@@ -206,16 +344,18 @@ class FrameCodec:
         """
         if trusted and frame.nbytes - HEADER_BYTES == out.nbytes:
             out[:] = frame[HEADER_BYTES:]
-            return
-        length = self._verify_header(frame[:HEADER_BYTES], key, frame.nbytes - HEADER_BYTES)
+            return Provenance.CURRENT
+        header = frame[:HEADER_BYTES]
         payload = frame[HEADER_BYTES:]
-        self._verify_integrity(frame[:HEADER_BYTES], payload)
+        length = self._verify_header(header, key, frame.nbytes - HEADER_BYTES)
+        provenance = self._verify_integrity(header, payload)
         if out.nbytes != length:
             raise OutputSizeMismatch(f"out has {out.nbytes} bytes, the frame payload has {length}")
         out[:] = payload
+        return provenance
 
     def verify_in_place(self, header: Buffer, key: bytes, out: memoryview,
-                        payload_bytes: int) -> None:
+                        payload_bytes: int) -> Provenance:
         """Verify ``header`` + the payload already read into ``out`` (one pass over ``out``).
 
         ``payload_bytes`` is how many bytes the stored object carried after its header.
@@ -223,7 +363,7 @@ class FrameCodec:
         length = self._verify_header(header, key, payload_bytes)
         if length != out.nbytes:  # the medium should have returned the whole frame instead
             raise LengthMismatch(f"header says {length} payload bytes, out has {out.nbytes}")
-        self._verify_integrity(header, out)
+        return self._verify_integrity(header, out)
 
     def verify(self, frame: memoryview, key: bytes) -> int:
         """Verify a whole frame without copying it; its payload length."""
@@ -232,32 +372,30 @@ class FrameCodec:
         return length
 
     def _verify_header(self, header: Buffer, key: bytes, actual: int) -> int:
-        """The payload length, if ``header`` is exactly the header this codec would write for
-        ``key`` and ``actual`` payload bytes (checks and reserved bytes aside); else the precise
-        :class:`FrameError`."""
+        """The payload length, if ``header``'s bytes [0, 287) are exactly what this codec would
+        write for ``key`` and ``actual`` payload bytes (or a format-2 header that matches the
+        same way); else the precise :class:`FrameError`."""
         if actual >= 0 and len(header) >= HEADER_BYTES:
-            # The common case in one compare (a memoryview compares slowly: copy 288 bytes).
-            prefix = bytes(header[:_TAG_OFFSET]) if type(header) is memoryview else header
+            # The common case in one compare (a memoryview compares slowly: copy 287 bytes).
+            prefix = bytes(header[:_ALGORITHM_OFFSET]) if type(header) is memoryview else header
             expected = (_FIXED.pack(MAGIC, FORMAT_VERSION, len(key), actual, self._digest) + key
-                        + _ZERO_KEY_PAD[len(key):] + self._mode_byte)
+                        + _ZERO_KEY_PAD[len(key):])
             if prefix.startswith(expected):
                 return actual
         return self._diagnose(memoryview(header), key, actual)
 
     def _diagnose(self, header: memoryview, key: bytes, actual: int) -> int:
-        """Which check a header fails, in the documented order (the slow path)."""
+        """Which check a header fails, in the documented order (the slow path; also the path
+        of every format-2 frame)."""
         if header.nbytes < HEADER_BYTES or actual < 0:
             raise TruncatedFrame(f"frame is {header.nbytes} bytes, shorter than the header")
         magic, version, key_len, length, digest = _FIXED.unpack_from(header)
         _check_magic_and_version(magic, version)
-        mode = header[_MODE_OFFSET]
-        if mode != self._mode:
-            raise AuthenticationError(_mode_mismatch(mode, self._mode))
         if digest != self._digest:
             raise NamespaceMismatch(
                 f"frame namespace {bytes(digest).hex()}, expected {self._digest.hex()}"
             )
-        if key_len != len(key) or bytes(header[_KEY_OFFSET:_MODE_OFFSET]) != (
+        if key_len != len(key) or bytes(header[_KEY_OFFSET:_ALGORITHM_OFFSET]) != (
             key + _ZERO_KEY_PAD[len(key):]
         ):
             stored_key = bytes(header[_KEY_OFFSET : _KEY_OFFSET + min(key_len, MAX_KEY_BYTES)])
@@ -268,35 +406,114 @@ class FrameCodec:
             raise LengthMismatch(f"frame carries {actual} payload bytes, header says {length}")
         return int(length)
 
-    def _verify_integrity(self, header: Buffer, payload: memoryview) -> None:
-        if self._auth_key is None:
-            hasher = xxhash.xxh3_64(header[:_CHECKSUM_OFFSET])
+    def _verify_integrity(self, header: Buffer, payload: memoryview) -> Provenance:
+        """The check of a header already matched by :meth:`_verify_header` (version 2 or 3)."""
+        if header[4] != FORMAT_VERSION:
+            return self._verify_format_2(header, payload)
+        tail = header[_ALGORITHM_OFFSET:_CHECK_OFFSET]
+        algorithm = header[_ALGORITHM_OFFSET]
+        if self._ring is None:
+            if tail != self._tail:
+                raise _unexpected_tail(algorithm, keyed_reader=False)
+            hasher = xxhash.xxh3_64(header[:_CHECK_OFFSET])
             hasher.update(payload)
-            (stored,) = _CHECKSUM.unpack_from(header, _CHECKSUM_OFFSET)
-            if hasher.intdigest() != stored:
+            (stored,) = _CHECKSUM.unpack_from(header, _CHECK_OFFSET)
+            if hasher.intdigest() != stored or header[_CHECK_OFFSET + 8:HEADER_BYTES] != _ZERO_8:
                 raise ChecksumMismatch(
                     f"checksum {hasher.intdigest():#018x}, stored {stored:#018x}"
                 )
-            return
-        tag_end = _TAG_OFFSET + TAG_BYTES
-        expected = self._tag(header[:_TAG_OFFSET], payload)
-        if not hmac.compare_digest(expected, header[_TAG_OFFSET:tag_end]):
-            raise AuthenticationError("MAC tag does not verify under this tier's auth key")
-        if header[tag_end:HEADER_BYTES] != _ZERO_AFTER_TAG:
-            raise ChecksumMismatch("reserved header bytes are not zero")
+            return Provenance.CURRENT
+        if tail == self._tail:
+            position = 0
+        elif algorithm != Algorithm.BLAKE3:
+            raise _unexpected_tail(algorithm, keyed_reader=True)
+        else:
+            key_id = bytes(header[_KEY_ID_OFFSET:_RESERVED_OFFSET])
+            found = self._ring.find(key_id)
+            if found is None:
+                raise ForeignKey(f"frame signed by key id {key_id.hex()}, which is none of "
+                                 f"this tier's {len(self._ring)} auth key(s)")
+            if header[_RESERVED_OFFSET:_CHECK_OFFSET] != _ZERO_8:
+                raise ChecksumMismatch("reserved header bytes are not zero")
+            position = found
+        mac_key = self._ring.entries[position].mac_key
+        expected = _blake3_tag(mac_key, header[:_CHECK_OFFSET], payload, payload.nbytes)
+        if not hmac.compare_digest(expected, header[_CHECK_OFFSET:HEADER_BYTES]):
+            raise AuthenticationError("MAC tag does not verify under the auth key it names")
+        return Provenance.CURRENT if position == 0 else Provenance.OLDER_KEY
+
+    def _verify_format_2(self, header: Buffer, payload: memoryview) -> Provenance:
+        mode = header[_ALGORITHM_OFFSET]
+        if mode == Algorithm.XXH3 and self._ring is None:
+            hasher = xxhash.xxh3_64(header[:_V2_CHECKSUM_OFFSET])
+            hasher.update(payload)
+            (stored,) = _CHECKSUM.unpack_from(header, _V2_CHECKSUM_OFFSET)
+            if hasher.intdigest() != stored:
+                raise ChecksumMismatch(
+                    f"format-2 checksum {hasher.intdigest():#018x}, stored {stored:#018x}")
+            return Provenance.OLDER_FORMAT
+        if mode == Algorithm.HMAC_SHA256 and self._ring is not None:
+            stored_tag = header[_V2_TAG_OFFSET:_V2_TAG_OFFSET + TAG_BYTES]
+            if header[_V2_TAG_OFFSET + TAG_BYTES:HEADER_BYTES] != _ZERO_16:
+                raise ChecksumMismatch("reserved header bytes are not zero")
+            for position, entry in enumerate(self._ring.entries):
+                mac = hmac.new(entry.secret, header[:_V2_TAG_OFFSET], hashlib.sha256)
+                mac.update(payload)
+                if hmac.compare_digest(mac.digest()[:TAG_BYTES], stored_tag):
+                    return Provenance.OLDER_FORMAT if position == 0 else Provenance.OLDER_KEY
+            raise AuthenticationError("format-2 HMAC tag verifies under none of this tier's "
+                                      f"{len(self._ring)} auth key(s)")
+        if mode in (Algorithm.XXH3, Algorithm.HMAC_SHA256):
+            raise AuthenticationError(_mode_mismatch(mode, keyed_reader=self._ring is not None))
+        raise ChecksumMismatch(f"format-2 frame with integrity mode {mode} (only 0 and 1 exist)")
 
 
-def _mode_mismatch(found: int, expected: IntegrityMode) -> str:
-    if expected is IntegrityMode.MAC:
-        return f"frame integrity mode {found}: not signed with a key, but this tier has one"
-    return f"frame integrity mode {found}: signed with a key, but this tier has none"
+def _mode_mismatch(algorithm: int, *, keyed_reader: bool) -> str:
+    if keyed_reader:
+        return (f"frame integrity algorithm {algorithm}: not signed with a key, but this tier "
+                "has one")
+    return f"frame integrity algorithm {algorithm}: signed with a key, but this tier has none"
+
+
+def _unexpected_tail(algorithm: int, *, keyed_reader: bool) -> FrameError:
+    """The error for format-3 header bytes [287, 304) that are not this reader's."""
+    if algorithm not in (Algorithm.XXH3, Algorithm.BLAKE3):
+        return UnknownAlgorithm(f"frame integrity algorithm {algorithm}: not one this kvtier "
+                                "knows (written by a newer kvtier?)")
+    if (algorithm == Algorithm.BLAKE3) != keyed_reader:
+        return AuthenticationError(_mode_mismatch(algorithm, keyed_reader=keyed_reader))
+    return ChecksumMismatch("key id or reserved header bytes are not zero")
 
 
 def _check_magic_and_version(magic: bytes, version: int) -> None:
     if magic != MAGIC:
         raise BadMagic(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise UnsupportedVersion(f"frame format version {version}, expected {FORMAT_VERSION}")
+    if version > FORMAT_VERSION:
+        raise NewerVersion(f"frame format version {version}, newer than this kvtier's "
+                           f"{FORMAT_VERSION}")
+    if version < OLDEST_READ_VERSION:
+        raise UnsupportedVersion(f"frame format version {version}, written by an older kvtier "
+                                 f"(this one reads {OLDEST_READ_VERSION} and {FORMAT_VERSION})")
+
+
+@dataclass(frozen=True, slots=True)
+class FrameInfo:
+    """What a header says about how its frame was written (nothing verified but the magic)."""
+
+    version: int
+    algorithm: int
+    key_id: bytes  # zero bytes where the frame carries none
+
+
+def frame_info(frame: Buffer) -> FrameInfo:
+    """Version, algorithm and key id of ``frame``'s header (magic and version checked)."""
+    view = as_byte_view(frame, "frame")
+    if view.nbytes < HEADER_BYTES:
+        raise TruncatedFrame(f"frame is {view.nbytes} bytes, shorter than the header")
+    magic, version, _key_len, _length, _digest = _FIXED.unpack_from(view)
+    _check_magic_and_version(magic, version)
+    key_id = bytes(view[_KEY_ID_OFFSET:_RESERVED_OFFSET]) if version == FORMAT_VERSION else _ZERO_8
+    return FrameInfo(int(version), view[_ALGORITHM_OFFSET], key_id)
 
 
 # --------------------------------------------------------------------------- functional API

@@ -82,6 +82,7 @@ class Kind(enum.Enum):
     STR = "str"
     CHOICE = "choice"    # one of Setting.choices
     SECRET = "secret"    # a str that is never shown (wrapped in Secret)
+    SECRETS = "secrets"  # one secret or a list of them, in order (a tuple of Secret)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +207,8 @@ class Setting:
             return "a boolean (true/false, 1/0, yes/no, on/off)"
         if self.kind in (Kind.STR, Kind.SECRET):
             return "a string"
+        if self.kind is Kind.SECRETS:
+            return "a string or a list of strings"
         noun = "an integer" if self.kind is Kind.INT else "a finite number"
         return f"{noun} {bounds}".strip() + (f" ({self.unit})" if self.unit else "")
 
@@ -214,7 +217,8 @@ class Setting:
         if self.kind is Kind.CHOICE:
             return " \\| ".join(f"`{choice}`" for choice in self.choices)
         noun = {Kind.INT: "int", Kind.FLOAT: "number", Kind.SIZE: "size", Kind.BOOL: "bool",
-                Kind.STR: "string", Kind.SECRET: "secret string"}[self.kind]
+                Kind.STR: "string", Kind.SECRET: "secret string",
+                Kind.SECRETS: "secret string or list"}[self.kind]
         bounds = (_range_text(self.minimum, self.maximum, self.strict_min)
                   .removeprefix("a value").strip())
         unit = f" ({self.unit})" if self.unit else ""
@@ -222,7 +226,7 @@ class Setting:
 
     def shown(self, value: object) -> str:
         """``value`` as it may appear in a message or a report: never a secret."""
-        if self.kind is Kind.SECRET and value is not None:
+        if self.kind in (Kind.SECRET, Kind.SECRETS) and value is not None:
             return "'***'"
         return shown_value(value)
 
@@ -337,6 +341,16 @@ def _parse_secret(setting: Setting, value: object, where: str) -> Secret:
     return Secret(value)
 
 
+def _parse_secrets(setting: Setting, value: object, where: str) -> tuple[Secret, ...]:
+    if isinstance(value, (str, Secret)):
+        return (_parse_secret(setting, value, where),)
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"{where}: expected a string or a non-empty list of strings, got "
+                          f"{type(value).__name__} '***'")
+    return tuple(_parse_secret(setting, item, f"{where}[{index}]")
+                 for index, item in enumerate(value))
+
+
 _PARSERS: dict[Kind, Any] = {
     Kind.INT: _parse_int,
     Kind.FLOAT: _parse_float,
@@ -345,6 +359,7 @@ _PARSERS: dict[Kind, Any] = {
     Kind.STR: _parse_str,
     Kind.CHOICE: _parse_choice,
     Kind.SECRET: _parse_secret,
+    Kind.SECRETS: _parse_secrets,
 }
 
 

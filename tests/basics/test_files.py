@@ -50,16 +50,20 @@ def test_key_files_over_64_kib_are_refused_not_cut(tmp_path: Path) -> None:
         open_backend(f"memory://?auth_key_file={key}", Namespace(model="m"))
 
 
-def test_only_one_line_ending_is_removed(tmp_path: Path) -> None:
-    """Before: every trailing CR/LF was stripped, so 'key\\n\\n' and 'key' were one key."""
+def test_line_endings_end_keys_and_never_become_key_bytes(tmp_path: Path) -> None:
+    """Before: the file held one key with one line ending removed, so 'key\\n\\n' was the key
+    'key\\n'. Now a key file holds one key per line (blank lines ignored): '\\n', '\\r\\n',
+    none, or a trailing blank line all give the same one key."""
     from kvtier.backends.base import load_auth_key
+    from kvtier.codec import KeyRing
 
+    secret = b"0123456789abcdef0123456789abcdef"
     key = tmp_path / "key"
-    key.write_bytes(b"0123456789abcdef0123456789abcdef\n\n")
-    key.chmod(0o600)
-    assert load_auth_key({"auth_key_file": str(key)}, "t") == b"0123456789abcdef" * 2 + b"\n"
-    key.write_bytes(b"0123456789abcdef0123456789abcdef\r\n")
-    assert load_auth_key({"auth_key_file": str(key)}, "t") == b"0123456789abcdef" * 2
+    for content in (secret + b"\n\n", secret + b"\r\n", secret, b"\n" + secret + b"\n \n"):
+        key.write_bytes(content)
+        key.chmod(0o600)
+        ring = load_auth_key({"auth_key_file": str(key)}, "t")
+        assert ring is not None and ring.key_ids == KeyRing([secret]).key_ids, content
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")

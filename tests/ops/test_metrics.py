@@ -42,7 +42,9 @@ GOLDEN = [
     "kvtier_store_shed_blocks_total", "kvtier_evicted_blocks_total", "kvtier_read_bytes_total",
     "kvtier_write_bytes_total", "kvtier_read_seconds_total", "kvtier_write_seconds_total",
     "kvtier_job_errors_total", "kvtier_backend_errors_total",
-    "kvtier_backend_corrupt_objects_total", "kvtier_resident_blocks", "kvtier_resident_bytes",
+    "kvtier_backend_corrupt_objects_total", "kvtier_backend_auth_failures_total",
+    "kvtier_backend_auth_old_key_total", "kvtier_backend_old_format_total",
+    "kvtier_resident_blocks", "kvtier_resident_bytes",
     "kvtier_capacity_bytes", "kvtier_quarantined_keys", "kvtier_breaker_state",
     "kvtier_jobs_in_flight", "kvtier_primary_slots", "kvtier_probe_duration_seconds_bucket",
     "kvtier_probe_duration_seconds_count", "kvtier_probe_duration_seconds_sum",
@@ -248,7 +250,8 @@ def test_every_tier_metric_names_a_field_of_the_typed_snapshot() -> None:
     from kvtier.ops.metrics import VOCABULARY, tier_samples
     from kvtier.tiering.tier_stats import TierCounters, TierStats
 
-    full = {"errors": 1, "corrupt_objects": 2, "blocks": 3, "used_bytes": 4, "max_bytes": 5}
+    full = {"errors": 1, "corrupt_objects": 2, "blocks": 3, "used_bytes": 4, "max_bytes": 5,
+            "auth_failures": 6, "auth_old_key": 7, "old_format": 8}
     stats = TierStats(LookupStats(lookups=7), TierCounters(lookup_answers=2, lookup_hits=1),
                       backend=full)
     samples = tier_samples(stats, "1:t", 16)

@@ -34,11 +34,11 @@ from kvtier.backends.base import (
     Outcome,
     RateLimitedLog,
     StoredFrame,
+    UnkeyedWriterError,
     check_get_args,
     check_keys,
     check_put_args,
 )
-from kvtier.backends.manifest import manifest_document
 from kvtier.backends.registry import (
     BUILTIN_SCHEMES,
     BackendFactory,
@@ -74,6 +74,7 @@ __all__ = [
     "Outcome",
     "RateLimitedLog",
     "StoredFrame",
+    "UnkeyedWriterError",
     "backend_settings",
     "check_get_args",
     "check_keys",
@@ -142,9 +143,11 @@ def open_backend(
     """Open the backend named by ``url`` for blocks of ``namespace``.
 
     With ``mode=OpenMode.READ_WRITE`` (the default) the namespace manifest is written to the
-    medium, so that ``kvtier usage`` can name the model of every stored digest. With
-    ``OpenMode.READ_ONLY`` nothing is created or written at open (no directory, no manifest),
-    and a medium that is not there raises :class:`NoTierError`.
+    medium, so that ``kvtier usage`` can name the model of every stored digest, and checked
+    first: a writer without ``auth_key`` on a tier whose manifest says keyed raises
+    :class:`UnkeyedWriterError` (a ``ConfigError``). With ``OpenMode.READ_ONLY`` nothing is
+    created or written at open (no directory, no manifest), and a medium that is not there
+    raises :class:`NoTierError`.
 
     Raises ``ValueError`` naming the bad part of the URL or the unknown option, and
     ``TypeError`` for arguments of the wrong type.
@@ -236,10 +239,14 @@ _log = logging.getLogger(__name__)
 
 
 def _write_manifest(backend: Backend) -> None:
-    """Store the namespace manifest next to the blocks. Best effort: a medium that is down at
-    open is not an error for a backend, so a failed write is logged, never raised."""
+    """Check and store the namespace manifest next to the blocks. Best effort: a medium that is
+    down at open is not an error for a backend, so a failed read or write is logged, never
+    raised; only a refusal (:class:`UnkeyedWriterError`) is, after closing the backend."""
     try:
-        backend.write_manifest(manifest_document(backend.namespace))
+        backend.open_for_writing()
+    except UnkeyedWriterError:
+        backend.close()
+        raise
     except Exception as exc:
         _log.warning("%s: could not write the namespace manifest of %s: %s: %s",
                      backend.url, backend.namespace.digest_hex, type(exc).__name__,

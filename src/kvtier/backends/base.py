@@ -11,6 +11,12 @@ A backend medium (memory, file, redis, s3, or one registered from outside) subcl
 - frame encoding and verification (:class:`kvtier.codec.FrameCodec`, keyed or not), and the
   conditional removal of every corrupt or unauthenticated object so the owner's next store
   replaces it;
+- replacement by the next store: a frame served under an older key of the ring or in an older
+  format, and a frame refused as foreign (another key, a newer kvtier: left in place, never
+  served), is rewritten by this backend's next store of its key (``put`` never overwrites a
+  present block otherwise);
+- the tier's manifest at open (:meth:`Backend.open_for_writing`): a writer without a key is
+  refused where the manifest says the tier is keyed;
 - rate-limited logging of failures.
 
 The load contract: ``get_many`` answers True where ``out`` now holds the verified block. Where it
@@ -23,6 +29,8 @@ State and owners:
   object's own lock.
 - :class:`RateLimitedLog` timestamps: any thread, guarded by the object's own lock.
 - :class:`Lifecycle` state: any thread; ``close()`` flips it once, under its lock.
+- ``Backend._replaceable`` (the keys the next store rewrites): any thread calling
+  ``get_many`` / ``put_many``, guarded by ``Backend._replace_lock``.
 - everything else a medium owns is described in its own module docstring.
 
 Backends are synchronous and thread-safe. A batch call never raises for an I/O error (the
@@ -34,25 +42,26 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from kvtier import codec
-from kvtier.codec import Buffer, as_byte_view
+from kvtier.backends.auth import COMMON_SETTINGS, load_auth_key
+from kvtier.backends.manifest import TierAuth, manifest_auth, manifest_document
+from kvtier.codec import Buffer, KeyRing, Provenance, as_byte_view
 from kvtier.errors import ClosedError, KvtierError
-from kvtier.files import read_regular_file
 from kvtier.keys import BlockKey, Namespace, check_key
-from kvtier.settings import ConfigError, Kind, Secret, Setting
+from kvtier.lru import BoundedLRU
+from kvtier.settings import ConfigError
 from kvtier.text import first_line
 
 __all__ = [
     "COMMON_SETTINGS",
     "STANDARD_COUNTERS",
+    "AuthKey",
     "Backend",
     "BackendClosedError",
     "BackendStats",
@@ -65,6 +74,7 @@ __all__ = [
     "Outcome",
     "RateLimitedLog",
     "StoredFrame",
+    "UnkeyedWriterError",
     "check_get_args",
     "check_keys",
     "check_put_args",
@@ -73,8 +83,15 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
+AuthKey = bytes | KeyRing
+"""One auth key, or a ring of them (the first signs, every one verifies)."""
+_MAX_REPLACEABLE = 65536  # keys remembered for rewriting; one that falls out is found again
 
 BackendClosedError = ClosedError  # the one closed error; this name is kept for callers
+
+
+class UnkeyedWriterError(ConfigError):
+    """A writer without an auth key opened a tier whose manifest says its frames are keyed."""
 
 
 class BackendUnavailableError(KvtierError, RuntimeError):
@@ -115,9 +132,25 @@ class Verdict(enum.Enum):
     """What the template's verification made of a fetched frame."""
 
     VALID = "valid"
+    OLDER_KEY = "older_key"      # served; counted in auth_old_key; the next store rewrites it
+    OLDER_FORMAT = "older_format"  # served; counted in old_format; the next store rewrites it
     CORRUPT = "corrupt"          # counted in corrupt_objects, removed
     UNAUTHENTIC = "unauthentic"  # counted in auth_failures, removed
+    FOREIGN_KEY = "foreign_key"  # another key's frame: counted in auth_failures, left in place
+    FOREIGN = "foreign"          # a newer kvtier's frame: counted in corrupt_objects, left
     WRONG_SIZE = "wrong_size"    # a valid frame, but not the caller's size: kept
+
+
+_SERVED = frozenset({Verdict.VALID, Verdict.OLDER_KEY, Verdict.OLDER_FORMAT})
+_REPLACEABLE = frozenset({Verdict.OLDER_KEY, Verdict.OLDER_FORMAT, Verdict.FOREIGN_KEY,
+                          Verdict.FOREIGN})
+_REMOVED = frozenset({Verdict.CORRUPT, Verdict.UNAUTHENTIC})
+_COUNTER_OF = {Verdict.OLDER_KEY: "auth_old_key", Verdict.OLDER_FORMAT: "old_format",
+               Verdict.CORRUPT: "corrupt_objects", Verdict.UNAUTHENTIC: "auth_failures",
+               Verdict.FOREIGN_KEY: "auth_failures", Verdict.FOREIGN: "corrupt_objects",
+               Verdict.WRONG_SIZE: "size_mismatches"}
+_PROVENANCE_VERDICT = {Provenance.CURRENT: Verdict.VALID, Provenance.OLDER_KEY: Verdict.OLDER_KEY,
+                       Provenance.OLDER_FORMAT: Verdict.OLDER_FORMAT}
 
 
 class Fetched(NamedTuple):
@@ -222,6 +255,8 @@ STANDARD_COUNTERS = (
     "corrupt_objects",
     "size_mismatches",
     "auth_failures",
+    "auth_old_key",
+    "old_format",
     "errors",
     "round_trips",
 )
@@ -348,70 +383,6 @@ def check_get_args(
     return key_list, views
 
 
-# --------------------------------------------------------------------------- option parsing
-
-
-
-# --------------------------------------------------------------------------- common options
-
-
-COMMON_SETTINGS: tuple[Setting, ...] = (
-    Setting("auth_key", Kind.SECRET, None, nullable=True,
-            help="secret key: every frame carries an HMAC-SHA256 tag over header and payload; "
-                 "frames without a valid tag are never served"),
-    Setting("auth_key_file", Kind.STR, None, nullable=True,
-            help="file holding the auth key (read once at open; trailing newline stripped; "
-                 "must not be readable by group or others)"),
-)
-"""Options every backend scheme accepts (merged into each scheme's table)."""
-
-_MIN_AUTH_KEY_BYTES = 16
-
-
-def load_auth_key(options: Mapping[str, Any], where: str) -> bytes | None:
-    """The auth key from the parsed ``auth_key`` / ``auth_key_file`` options, or None.
-
-    The key file is read once; a trailing newline is stripped. A key file readable by group or
-    others is refused (``chmod 600`` it). The key itself never appears in a message.
-    """
-    secret: Secret | None = options.get("auth_key")
-    path: str | None = options.get("auth_key_file")
-    if secret is not None and path is not None:
-        raise ConfigError(f"{where}: give auth_key or auth_key_file, not both")
-    if path is not None:
-        key = _read_key_file(path, where)
-    elif secret is not None:
-        key = secret.reveal().encode()
-    else:
-        return None
-    if len(key) < _MIN_AUTH_KEY_BYTES:
-        raise ConfigError(
-            f"{where}: the auth key is {len(key)} bytes; expected at least "
-            f"{_MIN_AUTH_KEY_BYTES} (e.g. 32 random bytes, hex-encoded)"
-        )
-    return key
-
-
-_MAX_KEY_FILE_BYTES = 1 << 16
-
-
-def _read_key_file(path: str, where: str) -> bytes:
-    """The key in ``path``: a regular file (never a FIFO: it would block), not a symlink, owned
-    by us (or root), readable by nobody else, at most 64 KiB (longer is refused, never cut).
-    Exactly one trailing line ending is removed; the rest of the bytes are the key."""
-    data, info = read_regular_file(path, f"{where}: auth_key_file",
-                                   max_bytes=_MAX_KEY_FILE_BYTES, follow_symlinks=False)
-    if info.st_uid not in (os.geteuid(), 0):
-        raise ConfigError(f"{where}: auth_key_file {path!r} is owned by uid {info.st_uid}; "
-                          "expected a file owned by this user (or root)")
-    if info.st_mode & 0o077:
-        raise ConfigError(
-            f"{where}: auth_key_file {path!r} has mode {stat.S_IMODE(info.st_mode):o}; "
-            "it must not be accessible by group or others (chmod 600)"
-        )
-    return data.removesuffix(b"\n").removesuffix(b"\r")
-
-
 # --------------------------------------------------------------------------- the template
 
 
@@ -432,13 +403,15 @@ class Backend:
         *,
         name: str,
         logger: logging.Logger,
-        auth_key: bytes | None = None,
+        auth_key: AuthKey | None = None,
     ) -> None:
         if not isinstance(namespace, Namespace):
             raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
         self._namespace = namespace
         self._digest = namespace.digest
         self._codec = codec.FrameCodec(namespace.digest, auth_key)
+        self._replaceable: BoundedLRU[BlockKey, None] = BoundedLRU(_MAX_REPLACEABLE)
+        self._replace_lock = threading.Lock()
         self._stats = BackendStats(extra=self.EXTRA_COUNTERS)
         self._error_log = RateLimitedLog(logger)
         self._lifecycle = Lifecycle(name)
@@ -484,6 +457,8 @@ class Backend:
         encode = self._codec.encode_header
         frames = [StoredFrame(key, encode(key, view), view)
                   for key, view in zip(key_list, views, strict=True)]
+        if self._replaceable:
+            self._clear_replaceable(key_list)
         outcomes = self._checked(self._m_store(frames), len(frames), "store")
         written = sum(frame.payload.nbytes for frame, outcome in zip(frames, outcomes, strict=True)
                       if outcome is Outcome.OK)
@@ -500,26 +475,33 @@ class Backend:
             return []
         results: list[bool] = []
         doomed: list[tuple[BlockKey, Fetched]] = []
+        stale: list[BlockKey] = []
         counts = dict.fromkeys(("bytes_read", "corrupt_objects", "auth_failures",
-                                "size_mismatches"), 0)
+                                "auth_old_key", "old_format", "size_mismatches"), 0)
         # One item at a time: a medium may reuse a scratch buffer for the next key.
         for key, out, item in zip(key_list, views, self._m_fetch(key_list, views), strict=False):
             verdict = self._judge(key, out, item)
-            results.append(verdict is Verdict.VALID)
-            if verdict is Verdict.VALID:
+            results.append(verdict in _SERVED)
+            if verdict is None:
+                continue
+            if verdict in _SERVED:
                 counts["bytes_read"] += out.nbytes
-            elif verdict is Verdict.WRONG_SIZE:
-                counts["size_mismatches"] += 1
-            elif verdict is not None:
-                counts["auth_failures" if verdict is Verdict.UNAUTHENTIC
-                       else "corrupt_objects"] += 1
+            if verdict is not Verdict.VALID:
+                counts[_COUNTER_OF[verdict]] += 1
+            if verdict in _REMOVED:
                 doomed.append((key, item))
+            elif verdict in _REPLACEABLE:
+                stale.append(key)
         if len(results) != len(key_list):
             self._fail("fetch", len(key_list),
                        RuntimeError(f"{len(results)} answers for {len(key_list)} keys"))
             results += [False] * (len(key_list) - len(results))
         if doomed:
             self._m_remove_bad(doomed)
+        if stale:
+            with self._replace_lock:
+                for key in stale:
+                    self._replaceable.put(key, None)
         hits = sum(results)
         self._stats.add_many({"gets": len(key_list), "hits": hits,
                               "misses": len(key_list) - hits, **counts})
@@ -533,14 +515,48 @@ class Backend:
         if key_list:
             self._m_delete(list(dict.fromkeys(key_list)))
 
+    def open_for_writing(self) -> None:
+        """Check the tier's manifest against this writer's key, then store this namespace's
+        manifest (saying whether its frames are keyed). Called once at open for writing.
+
+        A writer without a key on a tier whose manifest says keyed raises
+        :class:`UnkeyedWriterError`: its frames would be refused by every keyed reader, and it
+        would refuse theirs. A keyed writer on a tier whose manifest says unkeyed turns the tier
+        keyed (that is how authentication is turned on); from then on writers without a key are
+        refused at open. Other I/O errors propagate (the caller logs them)."""
+        self._lifecycle.check_open()
+        try:
+            document = self._m_read_manifest()
+        except Exception as exc:  # a medium down at open: not known, as for an old manifest
+            _log.warning("%s: could not read the namespace manifest of %s: %s: %s", self.url,
+                         self._namespace.digest_hex, type(exc).__name__, first_line(exc))
+            document = None
+        stored = manifest_auth(document, self._namespace.digest_hex)
+        mine = TierAuth.KEYED if self.authenticated else TierAuth.UNKEYED
+        if stored is TierAuth.KEYED and mine is TierAuth.UNKEYED:
+            raise UnkeyedWriterError(
+                f"{self.url}: the tier's manifest for namespace {self._namespace.digest_hex} says "
+                "its frames are keyed, but this writer has no auth_key; give it the tier's "
+                "auth_key or auth_key_file")
+        if stored is TierAuth.UNKEYED and mine is TierAuth.KEYED:
+            _log.warning("%s: turning on authentication for namespace %s (its manifest said "
+                         "unkeyed): unkeyed frames are refused from now on, and writers without "
+                         "a key are refused at open", self.url, self._namespace.digest_hex)
+        self._m_write_manifest(manifest_document(self._namespace, mine))
+
     def write_manifest(self, document: bytes) -> None:
-        """Store the namespace manifest next to the blocks, where the medium is shared (the
-        default: nowhere, for a private medium). Called once at open for writing; may raise."""
+        """Store ``document`` as the namespace manifest next to the blocks, where the medium is
+        shared (the default: nowhere, for a private medium); may raise."""
         self._lifecycle.check_open()
         self._m_write_manifest(document)
 
     def _m_write_manifest(self, document: bytes) -> None:
-        """Hook: store ``document`` as this namespace's manifest (default: nothing to do)."""
+        """Hook: store ``document`` as this namespace's manifest, replacing one with other
+        content (default: nothing to do)."""
+
+    def _m_read_manifest(self) -> bytes | None:
+        """Hook: this namespace's manifest as stored (None: none, or a private medium)."""
+        return None
 
     def close(self) -> None:
         """Release the medium's resources; later calls raise :class:`BackendClosedError`."""
@@ -586,6 +602,19 @@ class Backend:
             return [Outcome.FAILED] * expected
         return outcomes
 
+    def _clear_replaceable(self, keys: list[BlockKey]) -> None:
+        """Delete the stored frames of ``keys`` that the next store must rewrite (served under
+        an older key or format, or refused as foreign), so that this store writes them.
+
+        Unconditional: whatever is stored under such a key now, this store writes a frame
+        every holder of the current key serves, so nothing is lost by replacing it."""
+        with self._replace_lock:
+            doomed = [key for key in dict.fromkeys(keys) if key in self._replaceable]
+            for key in doomed:
+                self._replaceable.pop(key)
+        if doomed:
+            self._m_delete(doomed)
+
     def _judge(self, key: BlockKey, out: memoryview, item: Fetched) -> Verdict | None:
         """The verdict on one fetched object; None where nothing was read (missing / failed)."""
         if item.outcome is Outcome.CORRUPT:
@@ -594,13 +623,19 @@ class Backend:
             return None
         try:
             if item.frame is not None:
-                self._codec.decode(item.frame, key, out, trusted=item.trusted)
+                provenance = self._codec.decode(item.frame, key, out, trusted=item.trusted)
             elif item.header is not None:
-                self._codec.verify_in_place(item.header, key, out, item.payload_bytes)
+                provenance = self._codec.verify_in_place(item.header, key, out,
+                                                         item.payload_bytes)
             else:
                 raise codec.TruncatedFrame("the medium returned neither a frame nor a header")
         except codec.OutputSizeMismatch:
             return Verdict.WRONG_SIZE
+        except codec.ForeignFrame as exc:
+            self._error_log.warning("%s: refusing block %s (left for its writer; the next store "
+                                    "replaces it): %s", self.url, key.hex(), exc)
+            return (Verdict.FOREIGN_KEY if isinstance(exc, codec.AuthenticationError)
+                    else Verdict.FOREIGN)
         except codec.AuthenticationError as exc:
             self._error_log.warning("%s: removing unauthenticated block %s: %s",
                                     self.url, key.hex(), exc)
@@ -608,7 +643,7 @@ class Backend:
         except codec.FrameError as exc:
             self._error_log.warning("%s: removing corrupt block %s: %s", self.url, key.hex(), exc)
             return Verdict.CORRUPT
-        return Verdict.VALID
+        return _PROVENANCE_VERDICT[provenance]
 
     # ------------------------------------------------------------------ medium hooks
 

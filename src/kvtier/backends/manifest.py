@@ -5,11 +5,17 @@ when a backend is opened for writing; its name can never be a block's name. A ma
 fields do not hash to its digest is ignored (the namespace shows as unknown). Listing and
 deleting per medium is each :class:`~kvtier.backends.registry.BackendKind`'s job;
 :mod:`kvtier.ops.inventory` selects, sums and presents.
+
+The manifest also says whether the tier's frames are keyed (``"auth": "keyed"``), so that a
+writer without a key is refused at open instead of fighting the keyed writers block by block
+(:meth:`kvtier.backends.Backend.open_for_writing`). Manifests written before that field existed
+read as "not known".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import re
 import struct
@@ -22,8 +28,10 @@ __all__ = [
     "DIGEST_HEX_CHARS",
     "MANIFEST_FORMAT",
     "NamespaceUsage",
+    "TierAuth",
     "is_block_name",
     "is_digest",
+    "manifest_auth",
     "manifest_document",
     "namespace_fields",
     "parse_manifest",
@@ -34,6 +42,13 @@ DIGEST_HEX_CHARS = 2 * NAMESPACE_DIGEST_BYTES
 MAX_MANIFEST_BYTES = 1 << 16
 """A manifest is a few hundred bytes; a larger object under the manifest's name is not one."""
 _DIGEST_RE = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
+
+
+class TierAuth(enum.Enum):
+    """Whether a tier's frames carry a keyed MAC; the value is the manifest's spelling."""
+
+    KEYED = "keyed"
+    UNKEYED = "unkeyed"
 
 
 @dataclass(slots=True)
@@ -84,19 +99,35 @@ def namespace_fields(namespace: Namespace) -> dict[str, Any]:
     return {f.name: getattr(namespace, f.name) for f in dataclasses.fields(namespace) if f.init}
 
 
-def manifest_document(namespace: Namespace) -> bytes:
-    """The manifest of ``namespace``: deterministic JSON, so rewriting it changes nothing."""
-    document = {
+def manifest_document(namespace: Namespace, auth: TierAuth | None = None) -> bytes:
+    """The manifest of ``namespace`` (with ``auth``, whether its frames are keyed):
+    deterministic JSON, so rewriting it changes nothing."""
+    document: dict[str, Any] = {
         "kvtier_namespace_manifest": MANIFEST_FORMAT,
         "digest": namespace.digest_hex,
         "namespace": namespace_fields(namespace),
     }
+    if auth is not None:
+        document["auth"] = auth.value
     return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
 
 
 def parse_manifest(data: bytes | None, digest: str) -> dict[str, Any] | None:
     """The namespace fields of a manifest stored under ``digest``, or None if it is missing,
     malformed, or its fields do not hash to ``digest`` (a manifest cannot lie about a name)."""
+    document = _valid_document(data, digest)
+    return None if document is None else dict(document["namespace"])
+
+
+def manifest_auth(data: bytes | None, digest: str) -> TierAuth | None:
+    """What a valid manifest says about keyed frames; None where it is missing, invalid, or
+    written before the field existed."""
+    document = _valid_document(data, digest)
+    value = None if document is None else document.get("auth")
+    return next((auth for auth in TierAuth if auth.value == value), None)
+
+
+def _valid_document(data: bytes | None, digest: str) -> dict[str, Any] | None:
     if not data or len(data) > MAX_MANIFEST_BYTES:
         return None
     try:
@@ -113,7 +144,7 @@ def parse_manifest(data: bytes | None, digest: str) -> dict[str, Any] | None:
     except (ValueError, TypeError, KeyError, RecursionError, OverflowError, AttributeError,
             struct.error):
         return None
-    return dict(fields)
+    return dict(document)
 
 
 def is_block_name(suffix: bytes | str) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 from kvtier.backends import redact_url, split_url_options
 from kvtier.backends.base import (
     COMMON_SETTINGS,
+    AuthKey,
     Backend,
     Fetched,
     Outcome,
@@ -50,7 +51,7 @@ class MemoryBackend(Backend):
     EXTRA_COUNTERS = ("evictions",)
 
     def __init__(self, namespace: Namespace, *, max_bytes: int | str = 0,
-                 auth_key: bytes | None = None) -> None:
+                 auth_key: AuthKey | None = None) -> None:
         super().__init__(namespace, name=f"memory backend for {namespace.digest_hex}"
                          if isinstance(namespace, Namespace) else "memory backend",
                          logger=_log, auth_key=auth_key)

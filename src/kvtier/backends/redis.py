@@ -44,6 +44,7 @@ from kvtier.backends.base import (
     Outcome,
     StoredFrame,
 )
+from kvtier.backends.manifest import MAX_MANIFEST_BYTES
 from kvtier.backends.redis_config import (
     SETTINGS,
     RedisConfig,
@@ -59,6 +60,7 @@ __all__ = [
     "RedisTopology",
     "from_url",
     "parse_redis_url",
+    "read_manifest_value",
 ]
 
 MANIFEST_SUFFIX: Final = b"namespace"
@@ -496,8 +498,13 @@ class RedisBackend(Backend):
     # Test hooks: raw access to the stored objects, used by the contract suite to inject faults.
     def _m_write_manifest(self, document: bytes) -> None:
         """``SET kvtier:<digest>:namespace`` (with the tier's TTL, so it goes with the blocks)."""
-        name = _KEY_PREFIX + self.namespace.digest_hex.encode() + b":" + MANIFEST_SUFFIX
-        self.raw_client().set(name, document, px=self.config.ttl_ms)
+        self.raw_client().set(self._manifest_name(), document, px=self.config.ttl_ms)
+
+    def _m_read_manifest(self) -> bytes | None:
+        return read_manifest_value(self.raw_client(), self._manifest_name())
+
+    def _manifest_name(self) -> bytes:
+        return _KEY_PREFIX + self.namespace.digest_hex.encode() + b":" + MANIFEST_SUFFIX
 
     def primary_clients(self) -> list[Any]:
         """One client per primary: the standalone server, or every Cluster primary."""
@@ -519,6 +526,17 @@ class RedisBackend(Backend):
 
     def _raw_write(self, key: BlockKey, frame: bytes) -> None:
         self.raw_client().set(self._name(key), bytes(frame))
+
+
+def read_manifest_value(client: Any, name: bytes) -> bytes | None:
+    """A manifest's bytes; None for another type (WRONGTYPE) or a value too large to be one."""
+    try:
+        if int(client.strlen(name)) > MAX_MANIFEST_BYTES:
+            return None
+        value = client.get(name)
+    except redis.ResponseError:
+        return None
+    return value if isinstance(value, bytes) else None
 
 
 def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> RedisBackend:

@@ -15,6 +15,7 @@ from typing import Any, Final
 from kvtier.backends import redact_url, split_url_options
 from kvtier.backends.base import (
     COMMON_SETTINGS,
+    AuthKey,
     load_auth_key,
 )
 from kvtier.settings import MAX_TIMEOUT_S, MAX_TTL_S, Kind, Secret, Setting, SettingsTable
@@ -50,7 +51,7 @@ class RedisConfig:
     socket_timeout_s: float
     connect_timeout_s: float
     max_connections: int | None
-    auth_key: bytes | None = field(default=None, repr=False)
+    auth_key: AuthKey | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:

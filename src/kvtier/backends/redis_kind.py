@@ -12,7 +12,6 @@ import redis
 import redis.cluster
 
 from kvtier.backends.manifest import (
-    MAX_MANIFEST_BYTES,
     NamespaceUsage,
     is_block_name,
     is_digest,
@@ -25,6 +24,7 @@ from kvtier.backends.redis import (
     RedisBackend,
     from_url,
     parse_redis_url,
+    read_manifest_value,
 )
 from kvtier.backends.registry import FunctionKind
 from kvtier.keys import Namespace
@@ -88,7 +88,7 @@ def _list_namespaces(url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
                     digest, suffix = split
                     found.setdefault(digest, NamespaceUsage(digest=digest))
                     if suffix == MANIFEST_SUFFIX:
-                        manifests[digest] = _get_manifest(node, name)
+                        manifests[digest] = read_manifest_value(node, name)
                     elif is_block_name(suffix):
                         blocks.append((digest, name))
                     # anything else under kvtier:<digest>: is not ours: neither counted nor purged
@@ -108,17 +108,6 @@ def _list_namespaces(url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
     for digest, item in found.items():
         item.fields = parse_manifest(manifests.get(digest), digest)
     return list(found.values())
-
-
-def _get_manifest(node: redis.Redis, name: bytes) -> bytes | None:
-    """The manifest's bytes; None for another type (WRONGTYPE) or a value too large to be one."""
-    try:
-        if int(node.strlen(name)) > MAX_MANIFEST_BYTES:
-            return None
-        value = node.get(name)
-    except redis.ResponseError:
-        return None
-    return value if isinstance(value, bytes) else None
 
 
 def _delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]) -> int:

@@ -69,12 +69,14 @@ from kvtier.backends.base import (
     COMMON_SETTINGS,
     FAILED_FETCH,
     MISSING_FETCH,
+    AuthKey,
     Backend,
     Fetched,
     Outcome,
     StoredFrame,
     load_auth_key,
 )
+from kvtier.backends.manifest import MAX_MANIFEST_BYTES
 from kvtier.keys import BlockKey, Namespace, check_key
 from kvtier.settings import MAX_TIMEOUT_S, Kind, Setting, SettingsTable
 
@@ -137,7 +139,7 @@ class S3Settings:
     max_concurrency: int = _DEFAULT_MAX_CONCURRENCY
     timeout_s: float = _DEFAULT_TIMEOUT_S
     put_mode: PutMode = PutMode.IF_NONE_MATCH
-    auth_key: bytes | None = field(default=None, repr=False)
+    auth_key: AuthKey | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket, str) or not _BUCKET_RE.match(self.bucket):
@@ -397,6 +399,27 @@ class S3Backend(Backend):
         pending = self._loop.submit(put())
         pending.add_done_callback(report)
         concurrent.futures.wait([pending], timeout=min(_MANIFEST_WAIT_S, self.settings.timeout_s))
+
+    def _m_read_manifest(self) -> bytes | None:
+        """``<prefix>/<digest>/namespace.json`` (its first bytes: a larger object is not one);
+        None where absent or not answered within :data:`_MANIFEST_WAIT_S`."""
+        name = self._object_prefix + MANIFEST_NAME
+
+        async def get() -> bytes | None:
+            try:
+                result = await obstore.get_async(
+                    self._store, name, options={"range": (0, MAX_MANIFEST_BYTES + 1)})
+                data = bytes(await result.bytes_async())
+            except _NOT_FOUND:
+                return None
+            return data if len(data) <= MAX_MANIFEST_BYTES else None
+
+        pending = self._loop.submit(get())
+        try:
+            return pending.result(timeout=min(_MANIFEST_WAIT_S, self.settings.timeout_s))
+        except concurrent.futures.TimeoutError:
+            pending.cancel()
+            return None
 
     def _m_close(self) -> None:
         self._finalizer.detach()

@@ -178,6 +178,12 @@ VOCABULARY: tuple[MetricSpec, ...] = (
     _counter("backend_errors", "Backend operations that failed", "backend.errors"),
     _counter("backend_corrupt_objects", "Stored objects that failed verification",
              "backend.corrupt_objects"),
+    _counter("backend_auth_failures", "Stored objects refused: no valid MAC under the tier's "
+             "auth keys (another key's, unkeyed or forged)", "backend.auth_failures"),
+    _counter("backend_auth_old_key", "Blocks served that an older key of the tier's key list "
+             "signed (key rotation; the next store rewrites them)", "backend.auth_old_key"),
+    _counter("backend_old_format", "Blocks served in an older kvtier frame format (the next "
+             "store rewrites them)", "backend.old_format"),
     # state
     _gauge("resident_blocks", "Blocks held by the tier now (where the tier can tell)",
            "backend.blocks"),

@@ -45,6 +45,7 @@ from kvtier.backends.base import (
     CORRUPT_FETCH,
     FAILED_FETCH,
     MISSING_FETCH,
+    AuthKey,
     Backend,
     Fetched,
     OpenMode,
@@ -75,6 +76,8 @@ from kvtier.backends.file.layout import (
     _Scratch,
     _write_all,
 )
+from kvtier.backends.manifest import MAX_MANIFEST_BYTES
+from kvtier.files import read_regular_file
 from kvtier.keys import MAX_KEY_BYTES, BlockKey, Namespace, check_key
 from kvtier.settings import ConfigError, Kind, Setting, SettingsTable
 
@@ -149,7 +152,7 @@ class FileBackend(Backend):
         fsync: bool | str = False,
         o_direct: bool | str = False,
         shared_dir: bool | str = False,
-        auth_key: bytes | None = None,
+        auth_key: AuthKey | None = None,
         mode: OpenMode = OpenMode.READ_WRITE,
     ) -> None:
         root_path = Path(root)
@@ -220,10 +223,21 @@ class FileBackend(Backend):
         gauges["o_direct_active"] = int(self._direct_io is DirectIO.ACTIVE)
         return gauges
 
+    def _m_read_manifest(self) -> bytes | None:
+        """``<root>/<digest>/namespace.json`` (never a FIFO or symlink: None for those)."""
+        try:
+            data, _info = read_regular_file(os.path.join(self._dir_str, MANIFEST_NAME),
+                                            "manifest", max_bytes=MAX_MANIFEST_BYTES,
+                                            follow_symlinks=False)
+        except ConfigError:
+            return None
+        return data
+
     def _m_write_manifest(self, document: bytes) -> None:
-        """Write ``<root>/<digest>/namespace.json`` unless it is there (atomic: temp + rename)."""
+        """Write ``<root>/<digest>/namespace.json`` unless it holds ``document`` (atomic: temp
+        + rename)."""
         final = os.path.join(self._dir_str, MANIFEST_NAME)
-        if os.path.lexists(final):
+        if self._m_read_manifest() == document:
             return
         temp = os.path.join(self._dir_str, f"{_TEMP_PREFIX}{self._pid}-{next(_TEMP_COUNTER)}")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, _FILE_MODE)
