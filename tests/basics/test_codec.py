@@ -178,3 +178,178 @@ def test_verify_frame_checks_everything_and_returns_the_length() -> None:
             codec.verify_frame(damaged, NS, key)
     with pytest.raises(codec.KeyMismatch):
         codec.verify_frame(frame, NS, b"x" * 16)
+
+
+# --------------------------------------------------------------------------- format 3, keys
+
+OLD = b"old-secret-key-0123456789abcdef"
+NEW = b"new-secret-key-fedcba9876543210"
+
+
+def format_2_frame(namespace_digest: bytes, key: bytes, payload: bytes,
+                   auth_key: bytes | None = None) -> bytes:
+    """A frame exactly as kvtier wrote it before format 3 (xxh3 at 312, or HMAC-SHA256/128 at
+    288 over bytes [0, 288) and the payload)."""
+    import hmac
+    import struct
+
+    import xxhash
+
+    prefix = (struct.pack("<4sHHQ16s", b"KVTB", 2, len(key), len(payload), namespace_digest)
+              + key + bytes(255 - len(key)) + bytes((0 if auth_key is None else 1,)))
+    if auth_key is None:
+        hasher = xxhash.xxh3_64(prefix + bytes(24))
+        hasher.update(payload)
+        return prefix + bytes(24) + struct.pack("<Q", hasher.intdigest()) + payload
+    mac = hmac.new(auth_key, prefix, hashlib.sha256)
+    mac.update(payload)
+    return prefix + mac.digest()[:16] + bytes(16) + payload
+
+
+def _keyed(ring: list[bytes]) -> codec.FrameCodec:
+    return codec.FrameCodec(NS, codec.KeyRing(ring))
+
+
+def _encode_with(frame_codec: codec.FrameCodec, payload: bytes, key: bytes = KEY) -> bytes:
+    view = memoryview(payload)
+    return frame_codec.encode_header(key, view) + payload
+
+
+def _decode_with(frame_codec: codec.FrameCodec, frame: bytes, size: int,
+                 key: bytes = KEY) -> tuple[codec.Provenance, bytes]:
+    out = bytearray(b"\xa5") * size
+    provenance = frame_codec.decode(memoryview(frame), key, memoryview(out))
+    return provenance, bytes(out)
+
+
+def test_format_3_header_names_its_algorithm_and_signing_key() -> None:
+    """Before: a mode byte (0/1) and no key id; HMAC-SHA256 was the only MAC."""
+    payload = bytes(range(200))
+    unkeyed = codec.encode(NS, KEY, payload)
+    assert codec.frame_info(unkeyed) == codec.FrameInfo(3, codec.Algorithm.XXH3, bytes(8))
+    ring = codec.KeyRing([NEW, OLD])
+    keyed = _encode_with(codec.FrameCodec(NS, ring), payload)
+    info = codec.frame_info(keyed)
+    assert (info.version, info.algorithm, info.key_id) == (3, codec.Algorithm.BLAKE3,
+                                                           ring.key_ids[0])
+    assert len(set(ring.key_ids)) == 2 and all(len(i) == codec.KEY_ID_BYTES for i in ring.key_ids)
+    assert NEW not in keyed and hashlib.sha256(NEW).digest()[:8] not in keyed
+    assert repr(ring) == "KeyRing(2 keys)"
+
+
+def test_every_key_of_the_ring_verifies_and_the_first_signs() -> None:
+    payload = b"rotation" * 100
+    old_frame = _encode_with(_keyed([OLD]), payload)
+    rotated = _keyed([NEW, OLD])
+    assert _decode_with(rotated, old_frame, len(payload)) == (codec.Provenance.OLDER_KEY, payload)
+    new_frame = _encode_with(rotated, payload)
+    assert _decode_with(rotated, new_frame, len(payload)) == (codec.Provenance.CURRENT, payload)
+    assert _decode_with(_keyed([OLD, NEW]), new_frame, len(payload))[0] is (
+        codec.Provenance.OLDER_KEY)
+    # A reader that holds only the old key refuses the new frames as foreign, never serves them.
+    out = bytearray(b"\xa5") * len(payload)
+    with pytest.raises(codec.ForeignKey, match="none of this tier's 1 auth key"):
+        _keyed([OLD]).decode(memoryview(new_frame), KEY, memoryview(out))
+    assert out == bytearray(b"\xa5") * len(payload)
+    assert issubclass(codec.ForeignKey, codec.AuthenticationError)
+    assert issubclass(codec.ForeignKey, codec.ForeignFrame)
+
+
+def test_a_tag_forged_under_a_held_key_id_is_an_authentication_error_not_foreign() -> None:
+    payload = b"x" * 64
+    frame = bytearray(_encode_with(_keyed([OLD]), payload))
+    frame[codec.HEADER_BYTES - 1] ^= 0x01  # the tag
+    with pytest.raises(codec.AuthenticationError) as caught:
+        _decode_with(_keyed([NEW, OLD]), bytes(frame), len(payload))
+    assert not isinstance(caught.value, codec.ForeignFrame)
+
+
+@pytest.mark.parametrize("algorithm", [1, 3, 7, 255])
+def test_an_unknown_algorithm_id_is_refused_never_served(algorithm: int) -> None:
+    """Format 3 knows algorithms 0 and 2; anything else (HMAC-SHA256 in format 3 included) is
+    a frame this kvtier cannot judge: refused as foreign, ``out`` untouched."""
+    payload = b"a" * 100
+    for frame_codec in (codec.FrameCodec(NS), _keyed([OLD])):
+        frame = bytearray(_encode_with(frame_codec, payload))
+        frame[287] = algorithm
+        out = bytearray(b"\xa5") * 100
+        with pytest.raises(codec.UnknownAlgorithm, match=f"algorithm {algorithm}"):
+            frame_codec.decode(memoryview(bytes(frame)), KEY, memoryview(out))
+        assert out == bytearray(b"\xa5") * 100
+    assert issubclass(codec.UnknownAlgorithm, codec.ForeignFrame)
+
+
+def test_a_newer_format_is_foreign_and_format_1_is_corrupt() -> None:
+    frame = bytes(codec.encode(NS, KEY, bytes(100)))
+    _expect(codec.NewerVersion, frame[:4] + (4).to_bytes(2, "little") + frame[6:])
+    assert issubclass(codec.NewerVersion, codec.ForeignFrame)
+    with pytest.raises(codec.UnsupportedVersion, match="older kvtier") as caught:
+        codec.decode_into(frame[:4] + (1).to_bytes(2, "little") + frame[6:], NS, KEY,
+                          memoryview(bytearray(100)))
+    assert not isinstance(caught.value, codec.ForeignFrame)
+
+
+def test_format_2_frames_of_the_previous_kvtier_still_verify() -> None:
+    """Unkeyed (xxh3) and keyed (HMAC-SHA256) frames of format 2 are served and reported as
+    OLDER_FORMAT (so the next store rewrites them); under a ring's later key, OLDER_KEY."""
+    payload = bytes(range(256)) * 9
+    plain = format_2_frame(NS, KEY, payload)
+    assert _decode_with(codec.FrameCodec(NS), plain, len(payload)) == (
+        codec.Provenance.OLDER_FORMAT, payload)
+    assert codec.payload_length(plain) == len(payload)
+    assert codec.frame_info(plain) == codec.FrameInfo(2, 0, bytes(8))
+    signed = format_2_frame(NS, KEY, payload, auth_key=OLD)
+    assert _decode_with(_keyed([OLD]), signed, len(payload)) == (
+        codec.Provenance.OLDER_FORMAT, payload)
+    assert _decode_with(_keyed([NEW, OLD]), signed, len(payload)) == (
+        codec.Provenance.OLDER_KEY, payload)
+    with pytest.raises(codec.AuthenticationError, match="none of this tier's 1"):
+        _decode_with(_keyed([NEW]), signed, len(payload))
+    with pytest.raises(codec.AuthenticationError):
+        _decode_with(codec.FrameCodec(NS), signed, len(payload))
+    with pytest.raises(codec.AuthenticationError):
+        _decode_with(_keyed([OLD]), plain, len(payload))
+    for position in (8, 100, 290, 315, codec.HEADER_BYTES + 3):
+        for frame, frame_codec in ((plain, codec.FrameCodec(NS)), (signed, _keyed([OLD]))):
+            damaged = bytearray(frame)
+            damaged[position] ^= 0x04
+            with pytest.raises((codec.FrameError, codec.OutputSizeMismatch)):
+                _decode_with(frame_codec, bytes(damaged), len(payload))
+
+
+def test_every_single_byte_flip_of_a_keyed_frame_is_detected() -> None:
+    frame_codec = _keyed([NEW, OLD])
+    payload = bytes(range(64))
+    frame = _encode_with(frame_codec, payload)
+    for position in range(len(frame)):
+        corrupt = bytearray(frame)
+        corrupt[position] ^= 0x01
+        with pytest.raises((codec.FrameError, codec.OutputSizeMismatch)):
+            _decode_with(frame_codec, bytes(corrupt), len(payload))
+
+
+@pytest.mark.parametrize("size", [0, 1000, codec.PARALLEL_MIN_BYTES, 3 << 20])
+def test_keyed_round_trip_on_the_threaded_and_the_inline_path(size: int) -> None:
+    payload = np.random.default_rng(size).bytes(size)
+    frame_codec = _keyed([NEW])
+    frame = _encode_with(frame_codec, payload)
+    assert _decode_with(frame_codec, frame, size) == (codec.Provenance.CURRENT, payload)
+    out = bytearray(size)
+    memoryview(out)[:] = payload
+    assert frame_codec.verify_in_place(frame[: codec.HEADER_BYTES], KEY, memoryview(out),
+                                       size) is codec.Provenance.CURRENT
+    if size:
+        out[size // 2] ^= 1
+        with pytest.raises(codec.AuthenticationError):
+            frame_codec.verify_in_place(frame[: codec.HEADER_BYTES], KEY, memoryview(out), size)
+
+
+def test_a_key_ring_refuses_bad_keys_without_showing_them() -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        codec.KeyRing([])
+    with pytest.raises(ValueError, match="auth key 2 must be non-empty bytes"):
+        codec.KeyRing([OLD, b""])
+    with pytest.raises(ValueError, match="auth key 3 repeats key 1") as caught:
+        codec.KeyRing([OLD, NEW, OLD])
+    assert OLD.decode() not in str(caught.value)
+    assert codec.KeyRing.of(OLD).key_ids == codec.KeyRing([OLD]).key_ids
