@@ -520,43 +520,39 @@ class Backend:
         manifest (saying whether its frames are keyed). Called once at open for writing.
 
         A writer without a key on a tier whose manifest says keyed raises
-        :class:`UnkeyedWriterError`: its frames would be refused by every keyed reader, and it
-        would refuse theirs. A keyed writer on a tier whose manifest says unkeyed turns the tier
-        keyed (that is how authentication is turned on); from then on writers without a key are
-        refused at open. Other I/O errors propagate (the caller logs them)."""
+        :class:`UnkeyedWriterError` and writes nothing: its frames would be refused by every
+        keyed reader, and it would refuse theirs. A keyed writer on a tier whose manifest says
+        unkeyed turns the tier keyed (that is how authentication is turned on); from then on
+        writers without a key are refused at open. I/O errors propagate (the caller logs them).
+        """
         self._lifecycle.check_open()
-        try:
-            document = self._m_read_manifest()
-        except Exception as exc:  # a medium down at open: not known, as for an old manifest
-            _log.warning("%s: could not read the namespace manifest of %s: %s: %s", self.url,
-                         self._namespace.digest_hex, type(exc).__name__, first_line(exc))
-            document = None
-        stored = manifest_auth(document, self._namespace.digest_hex)
+        self._m_update_manifest(self._manifest_for)
+
+    def _manifest_for(self, stored: bytes | None) -> bytes:
+        """The manifest this writer stores over ``stored`` (or :class:`UnkeyedWriterError`)."""
+        found = manifest_auth(stored, self._namespace.digest_hex)
         mine = TierAuth.KEYED if self.authenticated else TierAuth.UNKEYED
-        if stored is TierAuth.KEYED and mine is TierAuth.UNKEYED:
+        if found is TierAuth.KEYED and mine is TierAuth.UNKEYED:
             raise UnkeyedWriterError(
                 f"{self.url}: the tier's manifest for namespace {self._namespace.digest_hex} says "
                 "its frames are keyed, but this writer has no auth_key; give it the tier's "
                 "auth_key or auth_key_file")
-        if stored is TierAuth.UNKEYED and mine is TierAuth.KEYED:
+        if found is TierAuth.UNKEYED and mine is TierAuth.KEYED:
             _log.warning("%s: turning on authentication for namespace %s (its manifest said "
                          "unkeyed): unkeyed frames are refused from now on, and writers without "
                          "a key are refused at open", self.url, self._namespace.digest_hex)
-        self._m_write_manifest(manifest_document(self._namespace, mine))
+        return manifest_document(self._namespace, mine)
 
     def write_manifest(self, document: bytes) -> None:
         """Store ``document`` as the namespace manifest next to the blocks, where the medium is
         shared (the default: nowhere, for a private medium); may raise."""
         self._lifecycle.check_open()
-        self._m_write_manifest(document)
+        self._m_update_manifest(lambda _stored: document)
 
-    def _m_write_manifest(self, document: bytes) -> None:
-        """Hook: store ``document`` as this namespace's manifest, replacing one with other
-        content (default: nothing to do)."""
-
-    def _m_read_manifest(self) -> bytes | None:
-        """Hook: this namespace's manifest as stored (None: none, or a private medium)."""
-        return None
+    def _m_update_manifest(self, decide: Callable[[bytes | None], bytes]) -> None:
+        """Hook: read this namespace's manifest as stored (None: absent, or not a manifest: a
+        FIFO, another type, too large), and store ``decide(stored)`` unless it is what is
+        stored; when ``decide`` raises, store nothing. Default: a private medium keeps none."""
 
     def close(self) -> None:
         """Release the medium's resources; later calls raise :class:`BackendClosedError`."""

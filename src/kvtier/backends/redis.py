@@ -496,15 +496,12 @@ class RedisBackend(Backend):
                 self._cluster_client.close()
 
     # Test hooks: raw access to the stored objects, used by the contract suite to inject faults.
-    def _m_write_manifest(self, document: bytes) -> None:
-        """``SET kvtier:<digest>:namespace`` (with the tier's TTL, so it goes with the blocks)."""
-        self.raw_client().set(self._manifest_name(), document, px=self.config.ttl_ms)
-
-    def _m_read_manifest(self) -> bytes | None:
-        return read_manifest_value(self.raw_client(), self._manifest_name())
-
-    def _manifest_name(self) -> bytes:
-        return _KEY_PREFIX + self.namespace.digest_hex.encode() + b":" + MANIFEST_SUFFIX
+    def _m_update_manifest(self, decide: Callable[[bytes | None], bytes]) -> None:
+        """``SET kvtier:<digest>:namespace`` to ``decide`` of what it holds, always (with the
+        tier's TTL, so it goes with the blocks)."""
+        name = _KEY_PREFIX + self.namespace.digest_hex.encode() + b":" + MANIFEST_SUFFIX
+        client = self.raw_client()
+        client.set(name, decide(read_manifest_value(client, name)), px=self.config.ttl_ms)
 
     def primary_clients(self) -> list[Any]:
         """One client per primary: the standalone server, or every Cluster primary."""

@@ -380,12 +380,31 @@ class S3Backend(Backend):
         self._run(_Batch([Outcome.FAILED] * len(names)),
                   lambda batch: self._delete_names(batch, names))
 
-    def _m_write_manifest(self, document: bytes) -> None:
-        """PUT ``<prefix>/<digest>/namespace.json`` on this backend's loop thread (S3 has no
-        TTL: the manifest stays until purged). The open waits at most :data:`_MANIFEST_WAIT_S`
-        for it, so a slow or hung server barely delays it; a PUT still running goes on, and a
-        failure is logged."""
+    def _m_update_manifest(self, decide: Callable[[bytes | None], bytes]) -> None:
+        """PUT ``<prefix>/<digest>/namespace.json`` (``decide`` of its first bytes: a larger
+        object is not one) on this backend's loop thread (S3 has no TTL: the manifest stays
+        until purged). The open waits at most :data:`_MANIFEST_WAIT_S` for each step, so a slow
+        or hung server barely delays it: an unanswered read counts as no manifest, a PUT still
+        running goes on, and a failure is logged."""
         name = self._object_prefix + MANIFEST_NAME
+        wait_s = min(_MANIFEST_WAIT_S, self.settings.timeout_s)
+
+        async def get() -> bytes | None:
+            try:
+                result = await obstore.get_async(
+                    self._store, name, options={"range": (0, MAX_MANIFEST_BYTES + 1)})
+                data = bytes(await result.bytes_async())
+            except _NOT_FOUND:
+                return None
+            return data if len(data) <= MAX_MANIFEST_BYTES else None
+
+        reading = self._loop.submit(get())
+        try:
+            stored = reading.result(timeout=wait_s)
+        except concurrent.futures.TimeoutError:
+            reading.cancel()
+            stored = None
+        document = decide(stored)
 
         async def put() -> None:
             await obstore.put_async(self._store, name, document)
@@ -398,28 +417,7 @@ class S3Backend(Backend):
 
         pending = self._loop.submit(put())
         pending.add_done_callback(report)
-        concurrent.futures.wait([pending], timeout=min(_MANIFEST_WAIT_S, self.settings.timeout_s))
-
-    def _m_read_manifest(self) -> bytes | None:
-        """``<prefix>/<digest>/namespace.json`` (its first bytes: a larger object is not one);
-        None where absent or not answered within :data:`_MANIFEST_WAIT_S`."""
-        name = self._object_prefix + MANIFEST_NAME
-
-        async def get() -> bytes | None:
-            try:
-                result = await obstore.get_async(
-                    self._store, name, options={"range": (0, MAX_MANIFEST_BYTES + 1)})
-                data = bytes(await result.bytes_async())
-            except _NOT_FOUND:
-                return None
-            return data if len(data) <= MAX_MANIFEST_BYTES else None
-
-        pending = self._loop.submit(get())
-        try:
-            return pending.result(timeout=min(_MANIFEST_WAIT_S, self.settings.timeout_s))
-        except concurrent.futures.TimeoutError:
-            pending.cancel()
-            return None
+        concurrent.futures.wait([pending], timeout=wait_s)
 
     def _m_close(self) -> None:
         self._finalizer.detach()

@@ -34,7 +34,7 @@ import os
 import stat
 import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -223,21 +223,17 @@ class FileBackend(Backend):
         gauges["o_direct_active"] = int(self._direct_io is DirectIO.ACTIVE)
         return gauges
 
-    def _m_read_manifest(self) -> bytes | None:
-        """``<root>/<digest>/namespace.json`` (never a FIFO or symlink: None for those)."""
-        try:
-            data, _info = read_regular_file(os.path.join(self._dir_str, MANIFEST_NAME),
-                                            "manifest", max_bytes=MAX_MANIFEST_BYTES,
-                                            follow_symlinks=False)
-        except ConfigError:
-            return None
-        return data
-
-    def _m_write_manifest(self, document: bytes) -> None:
-        """Write ``<root>/<digest>/namespace.json`` unless it holds ``document`` (atomic: temp
-        + rename)."""
+    def _m_update_manifest(self, decide: Callable[[bytes | None], bytes]) -> None:
+        """Replace ``<root>/<digest>/namespace.json`` with ``decide`` of what it holds (a FIFO
+        or symlink there holds nothing), unless unchanged (atomic: temp + rename)."""
         final = os.path.join(self._dir_str, MANIFEST_NAME)
-        if self._m_read_manifest() == document:
+        try:
+            stored: bytes | None = read_regular_file(
+                final, "manifest", max_bytes=MAX_MANIFEST_BYTES, follow_symlinks=False)[0]
+        except ConfigError:
+            stored = None
+        document = decide(stored)
+        if document == stored:
             return
         temp = os.path.join(self._dir_str, f"{_TEMP_PREFIX}{self._pid}-{next(_TEMP_COUNTER)}")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, _FILE_MODE)
