@@ -315,7 +315,7 @@ def test_a_writer_without_a_key_is_refused_at_open_on_a_keyed_tier(
         harness.open()
     assert OWNER_KEY not in str(caught.value)
     assert isinstance(caught.value, ConfigError)
-    harness.open(mode=OpenMode.INSPECT)  # looking only is fine
+    harness.open(mode=OpenMode.READ_ONLY)  # looking only is fine
     harness.open(auth_key=OTHER_KEY)  # keyed writers are never refused at open
 
 

@@ -89,7 +89,7 @@ def test_every_builtin_scheme_declares_its_options_in_a_table() -> None:
     for scheme in SCHEMES:
         table = backend_settings(scheme)
         assert isinstance(table, SettingsTable)
-        assert "auth_key" in table and table["auth_key"].kind is Kind.SECRET
+        assert "auth_key" in table and table["auth_key"].kind is Kind.SECRETS
         assert "auth_key_file" in table
     assert backend_settings("redis://")["password"].kind is Kind.SECRET
     assert "shared_dir" in backend_settings("file")

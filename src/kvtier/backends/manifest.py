@@ -22,7 +22,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.files import read_regular_file
 from kvtier.keys import NAMESPACE_DIGEST_BYTES, Namespace
+from kvtier.settings import ConfigError
 
 __all__ = [
     "DIGEST_HEX_CHARS",
@@ -35,6 +37,7 @@ __all__ = [
     "manifest_document",
     "namespace_fields",
     "parse_manifest",
+    "read_manifest_file",
 ]
 
 MANIFEST_FORMAT = 1
@@ -125,6 +128,16 @@ def manifest_auth(data: bytes | None, digest: str) -> TierAuth | None:
     document = _valid_document(data, digest)
     value = None if document is None else document.get("auth")
     return next((auth for auth in TierAuth if auth.value == value), None)
+
+
+def read_manifest_file(path: str) -> bytes | None:
+    """The bytes of a manifest file; None where absent or not one (a FIFO, a symlink, a
+    directory, larger than :data:`MAX_MANIFEST_BYTES`): never blocks, never follows a link."""
+    try:
+        return read_regular_file(path, "manifest", max_bytes=MAX_MANIFEST_BYTES,
+                                 follow_symlinks=False)[0]
+    except ConfigError:
+        return None
 
 
 def _valid_document(data: bytes | None, digest: str) -> dict[str, Any] | None:

@@ -76,8 +76,7 @@ from kvtier.backends.file.layout import (
     _Scratch,
     _write_all,
 )
-from kvtier.backends.manifest import MAX_MANIFEST_BYTES
-from kvtier.files import read_regular_file
+from kvtier.backends.manifest import read_manifest_file
 from kvtier.keys import MAX_KEY_BYTES, BlockKey, Namespace, check_key
 from kvtier.settings import ConfigError, Kind, Setting, SettingsTable
 
@@ -224,15 +223,10 @@ class FileBackend(Backend):
         return gauges
 
     def _m_update_manifest(self, decide: Callable[[bytes | None], bytes]) -> None:
-        """Replace ``<root>/<digest>/namespace.json`` with ``decide`` of what it holds (a FIFO
-        or symlink there holds nothing), unless unchanged (atomic: temp + rename)."""
+        """Replace ``<root>/<digest>/namespace.json`` with ``decide`` of what it holds, unless
+        unchanged (atomic: temp + rename)."""
         final = os.path.join(self._dir_str, MANIFEST_NAME)
-        try:
-            stored: bytes | None = read_regular_file(
-                final, "manifest", max_bytes=MAX_MANIFEST_BYTES, follow_symlinks=False)[0]
-        except ConfigError:
-            stored = None
-        document = decide(stored)
+        document = decide(stored := read_manifest_file(final))
         if document == stored:
             return
         temp = os.path.join(self._dir_str, f"{_TEMP_PREFIX}{self._pid}-{next(_TEMP_COUNTER)}")
