@@ -17,8 +17,10 @@ Each number sits next to a baseline measured in the same run, interleaved round 
 - file+direct: the file backend with ``o_direct=true`` on ``--direct-dir`` (a real disk, not
           tmpfs; default /var/tmp) against raw O_DIRECT write+rename / read of page-aligned
           buffers in the same directory: the disk, not the page cache.
-- memory+auth, file+auth: the same with ``auth_key`` set (HMAC-SHA256 over every frame)
-          against the same raw baseline: the price of authenticated frames.
+- memory+auth, file+auth: the same with ``auth_key`` set (keyed BLAKE3 over every frame)
+          against the same raw baseline, and in a second row against the same backend without
+          ``auth_key`` (``kvtier, no auth_key``), in the same rounds: the price of
+          authenticated frames.
 - redis:  raw redis-py pipelined SET / GET of the same bytes, same batch size; ``exists``: a raw
           pipelined EXISTS per key. The benchmark starts its own private valkey server.
 - s3:     raw obstore PUT (``If-None-Match: *``, as the backend) / GET (into the caller's buffer)
@@ -27,7 +29,8 @@ Each number sits next to a baseline measured in the same run, interleaved round 
           benchmark starts its own SeaweedFS (``weed mini``, loopback, private directory).
 
 Targets (issue 13): file get and put >= 90% of raw at 64 KiB and above, memory get >= 90% of a
-plain copy; redis ``exists`` >= 80% of raw (issue 3). Redis and S3 transfers have no target
+plain copy; redis ``exists`` >= 80% of raw (issue 3); an authenticated file get >= 60% of an
+unauthenticated one (issue 19). Redis and S3 transfers have no target
 beyond "as before or better" (their baselines share the network stack).
 This module owns no shared state; everything runs on the main thread (the S3 baseline's event
 loop runs on it too, inside ``run_until_complete``).
@@ -65,6 +68,8 @@ from kvtier.settings import parse_size
 
 _TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
 TARGETS = {("file", "put"): 0.90, ("file", "get"): 0.90, ("memory", "get"): 0.90}
+AUTH_TARGETS = {("file+auth", "get"): 0.60}
+"""Authenticated against unauthenticated kvtier, same medium, same run (issue 19)."""
 TARGET_MIN_BLOCK = 64 << 10
 EXISTS_TARGETS = {"redis": 0.80}
 AUTH_KEY = "benchmark-auth-key-0123456789abcdef"
@@ -332,6 +337,7 @@ class Subject:
     kind: str
     backend: Backend
     baseline: Any
+    unkeyed: Backend | None = None  # +auth kinds: the same medium without auth_key
 
 
 def _bench_transfer(subject: Subject, size: int, total: int, rounds: int, batch: int) -> list[Row]:
@@ -340,68 +346,80 @@ def _bench_transfer(subject: Subject, size: int, total: int, rounds: int, batch:
     out = np.empty(size, dtype=np.uint8)
     payload_view = payload.data
     out_views = [out.data] * batch
-    put_times: dict[str, list[float]] = {"backend": [], "baseline": []}
-    get_times: dict[str, list[float]] = {"backend": [], "baseline": []}
-    backend = subject.backend
-    for _round in range(rounds):
-        keys = _keys(count, "xfer")
-        raw_keys = _keys(count, "raw")
+    sides = ["baseline", "backend"] + (["unkeyed"] if subject.unkeyed is not None else [])
+    put_times: dict[str, list[float]] = {side: [] for side in sides}
+    get_times: dict[str, list[float]] = {side: [] for side in sides}
+    backends = {"backend": subject.backend}
+    if subject.unkeyed is not None:
+        backends["unkeyed"] = subject.unkeyed
 
-        def backend_put(keys: list[bytes] = keys) -> None:
+    def puts(backend: Backend, keys: list[bytes]) -> Callable[[], None]:
+        def run() -> None:
             for chunk in _batches(keys, batch):
                 answers = backend.put_many(chunk, [payload_view] * len(chunk))
                 if not all(answers):
                     raise RuntimeError(f"{subject.kind}: put_many failed: {answers}")
+        return run
 
-        def backend_get(keys: list[bytes] = keys) -> None:
+    def gets(backend: Backend, keys: list[bytes]) -> Callable[[], None]:
+        def run() -> None:
             for chunk in _batches(keys, batch):
                 answers = backend.get_many(chunk, out_views[: len(chunk)])
                 if not all(answers):
                     raise RuntimeError(f"{subject.kind}: get_many missed: {answers}")
+        return run
 
-        def baseline_put(raw_keys: list[bytes] = raw_keys) -> None:
-            subject.baseline.put(raw_keys, payload, batch)
-
-        def baseline_get(raw_keys: list[bytes] = raw_keys) -> None:
-            subject.baseline.get(raw_keys, out, batch)
-
-        # Alternate who goes first, and flush dirty pages between phases, so that neither side
-        # pays for the other's writeback.
-        pairs = [("baseline", baseline_put, baseline_get), ("backend", backend_put, backend_get)]
-        if _round % 2:
-            pairs.reverse()
-        for side, put, _get in pairs:
+    for _round in range(rounds):
+        keys = {side: _keys(count, side) for side in sides}
+        actions = []
+        for side in sides:
+            if side == "baseline":
+                raw_keys = keys[side]
+                actions.append((side,
+                                lambda raw_keys=raw_keys: subject.baseline.put(raw_keys, payload,
+                                                                               batch),
+                                lambda raw_keys=raw_keys: subject.baseline.get(raw_keys, out,
+                                                                               batch)))
+            else:
+                actions.append((side, puts(backends[side], keys[side]),
+                                gets(backends[side], keys[side])))
+        # Rotate who goes first, and flush dirty pages between phases, so that no side pays
+        # for another's writeback.
+        shift = _round % len(actions)
+        actions = actions[shift:] + actions[:shift]
+        for side, put, _get in actions:
             os.sync()
             put_times[side].append(_timed(put))
         os.sync()
-        for side, _put, get in pairs:
+        for side, _put, get in actions:
             get_times[side].append(_timed(get))
-        if not np.array_equal(out, payload):
-            raise RuntimeError(f"{subject.kind}: read back different bytes")
-        subject.baseline.cleanup(raw_keys)
-        for chunk in _batches(keys, 1000):
-            backend.delete(chunk)
+            if not np.array_equal(out, payload):
+                raise RuntimeError(f"{subject.kind} ({side}): read back different bytes")
+            out[:] = 0
+        subject.baseline.cleanup(keys["baseline"])
+        for side, backend in backends.items():
+            for chunk in _batches(keys[side], 1000):
+                backend.delete(chunk)
     volume = count * size / 1e9
     rows = []
     for operation, times in (("put", put_times), ("get", get_times)):
-        paired = [
-            base / ours for base, ours in zip(times["baseline"], times["backend"], strict=True)
-        ]
-        rows.append(
-            Row(
-                subject.kind,
-                operation,
-                _human(size),
-                "GB/s",
-                volume / statistics.median(times["backend"]),
-                subject.baseline.name,
-                volume / statistics.median(times["baseline"]),
-                TARGETS.get((subject.kind.removesuffix("+auth"), operation))
-                if size >= TARGET_MIN_BLOCK and not subject.kind.endswith("+auth") else None,
-                statistics.median(paired),
-            )
-        )
+        rows.append(_row(subject.kind, operation, size, volume, times["backend"],
+                         subject.baseline.name, times["baseline"],
+                         TARGETS.get((subject.kind, operation))
+                         if size >= TARGET_MIN_BLOCK else None))
+        if subject.unkeyed is not None:
+            rows.append(_row(subject.kind, operation, size, volume, times["backend"],
+                             "kvtier, no auth_key", times["unkeyed"],
+                             AUTH_TARGETS.get((subject.kind, operation))))
     return rows
+
+
+def _row(kind: str, operation: str, size: int, volume: float, ours: list[float],
+         baseline_name: str, base: list[float], target: float | None) -> Row:
+    paired = [b / o for b, o in zip(base, ours, strict=True)]
+    return Row(kind, operation, _human(size), "GB/s", volume / statistics.median(ours),
+               baseline_name, volume / statistics.median(base), target,
+               statistics.median(paired))
 
 
 def _bench_exists(subject: Subject, batch: int, total_keys: int, rounds: int) -> Row:
@@ -470,11 +488,15 @@ def _subjects(
             auth = {"auth_key": AUTH_KEY} if kind.endswith("+auth") else {}
             if kind in ("memory", "memory+auth"):
                 subjects.append(
-                    Subject(kind, open_backend("memory://", namespace, **auth), MemoryBaseline())
+                    Subject(kind, open_backend("memory://", namespace, **auth), MemoryBaseline(),
+                            open_backend("memory://", namespace) if auth else None)
                 )
             elif kind in ("file", "file+auth"):
                 backend = open_backend(f"file://{workdir / kind}", namespace, **auth)
-                subjects.append(Subject(kind, backend, FileBaseline(workdir / f"raw-{kind}")))
+                unkeyed = (open_backend(f"file://{workdir / 'unkeyed'}", namespace)
+                           if auth else None)
+                subjects.append(Subject(kind, backend, FileBaseline(workdir / f"raw-{kind}"),
+                                        unkeyed))
             elif kind == "file+direct":
                 direct_dir = Path(tempfile.mkdtemp(prefix="kvtier-bench-direct-", dir=direct_root))
                 cleanup_dirs.append(direct_dir)
@@ -531,6 +553,8 @@ def _subjects(
     finally:
         for subject in subjects:
             subject.backend.close()
+            if subject.unkeyed is not None:
+                subject.unkeyed.close()
         if client is not None:
             client.close()
         if server is not None:
