@@ -93,7 +93,7 @@ PARALLEL_MIN_BYTES = 16 << 20
 """Payloads at least this large are hashed by blake3 on several cores; smaller ones on the
 calling thread (blake3 releases the GIL either way, so a tier's I/O threads hash in parallel).
 Measured on the 2-core test machine (interleaved medians): hashing alone, ``max_threads=AUTO``
-against 1 is 0.35-0.5x at 64-256 KiB, 1.15x at 1 MiB, 1.6x at 4 MiB and 1.8x at 16 MiB; but in
+against 1 is 0.35-0.5x at 64-256 KiB, 1.15x at 1 MiB, 1.2-1.6x at 4 MiB and 1.8x at 16 MiB; but in
 a file-tier get (read, then verify) threads lose at 1 MiB (2.10 against 2.65 GB/s) and 4 MiB
 (2.26 against 2.97 GB/s)."""
 
