@@ -310,8 +310,8 @@ def test_a_writer_without_a_key_is_refused_at_open_on_a_keyed_tier(
     from kvtier.backends import OpenMode, UnkeyedWriterError
 
     harness.open(auth_key=OWNER_KEY)
-    with pytest.raises(UnkeyedWriterError, match="manifest .* says its frames are keyed, but "
-                       "this writer has no auth_key") as caught:
+    with pytest.raises(UnkeyedWriterError, match=r"manifest .* says its frames are keyed, but "
+                       r"this writer has no auth_key") as caught:
         harness.open()
     assert OWNER_KEY not in str(caught.value)
     assert isinstance(caught.value, ConfigError)

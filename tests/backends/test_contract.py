@@ -163,8 +163,20 @@ CORRUPTIONS: dict[str, Callable[[bytes, BlockKey], bytes]] = {
     "garbage": _garbage,
     "other_namespace": _other_namespace,
     "other_key": _other_key,
-    "future_version": _future_version,
 }
+
+
+def _unknown_algorithm(frame: bytes, _key: BlockKey) -> bytes:
+    corrupt = bytearray(frame)
+    corrupt[287] = 9
+    return bytes(corrupt)
+
+
+FOREIGN: dict[str, Callable[[bytes, BlockKey], bytes]] = {
+    "future_version": _future_version,
+    "unknown_algorithm": _unknown_algorithm,
+}
+"""Frames of a newer kvtier: refused and counted, but left for it (not proof of damage)."""
 
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
@@ -194,6 +206,34 @@ def test_corrupt_object_is_counted_deleted_and_never_served(
     assert backend.exists(keys) == [False, True], "a corrupt object must be deleted"
     assert raw.read(keys[0]) is None
     # The key can be stored again, and then it is served.
+    assert backend.put_many([keys[0]], [payloads[0]]) == [True]
+    assert backend.get_many([keys[0]], [memoryview(outs[0])]) == [True]
+    assert bytes(outs[0]) == payloads[0]
+
+
+@pytest.mark.parametrize("foreign", sorted(FOREIGN))
+def test_a_newer_kvtiers_frame_is_never_served_left_in_place_and_replaced_by_a_store(
+    harness: BackendHarness, backend: Backend, foreign: str
+) -> None:
+    """Before: a newer format version was removed at once (a rolling upgrade lost blocks)."""
+    keys = keys_for(2, f"foreign-{foreign}")
+    size = 8192
+    payloads = [payload_for(key, size) for key in keys]
+    assert backend.put_many(keys, payloads) == [True, True]
+    raw = harness.raw(backend)
+    stored = raw.read(keys[0])
+    assert stored is not None
+    planted = FOREIGN[foreign](stored[: codec.HEADER_BYTES + size], keys[0])
+    raw.write(keys[0], planted)
+    before = backend.stats()
+    outs = [sentinel_buffer(size), sentinel_buffer(size)]
+    assert backend.get_many(keys, [memoryview(out) for out in outs]) == [False, True]
+    after = backend.stats()
+    assert after["corrupt_objects"] == before["corrupt_objects"] + 1
+    assert after["hits"] == before["hits"] + 1
+    assert after["bytes_read"] == before["bytes_read"] + size
+    assert backend.exists(keys) == [True, True]
+    assert (raw.read(keys[0]) or b"")[: codec.HEADER_BYTES] == planted[: codec.HEADER_BYTES]
     assert backend.put_many([keys[0]], [payloads[0]]) == [True]
     assert backend.get_many([keys[0]], [memoryview(outs[0])]) == [True]
     assert bytes(outs[0]) == payloads[0]
