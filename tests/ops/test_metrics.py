@@ -261,5 +261,35 @@ def test_every_tier_metric_names_a_field_of_the_typed_snapshot() -> None:
     assert samples["lookup_tokens"] == {("1:t",): 32.0}
     assert samples["breaker_state"] == {("1:t",): 0.0}
     assert samples["capacity_bytes"] == {("1:t",): 5.0}
+    assert samples["backend_auth_old_key"] == {("1:t",): 7.0}
+    assert samples["backend_old_format"] == {("1:t",): 8.0}
     bare = tier_samples(TierStats(LookupStats(), TierCounters()), "1:t", 16)
     assert not {"backend_errors", "resident_blocks", "capacity_bytes"} & set(bare)
+
+
+def test_a_block_signed_by_an_older_key_is_counted_in_tier_stats_and_prometheus(
+        tmp_path: Path) -> None:
+    """Before: a block under another key was an auth failure (and removed); there was no key
+    list and no auth metric."""
+    old, new = "old-metrics-key-0123456789abcdef", "new-metrics-key-fedcba9876543210"
+    url = f"file://{tmp_path}/tier"
+    key = b"o" * 16
+    config = {**CONFIG, "namespace": {"model": "m", "block_size": 16},
+              "secondary_tiers": [{"url": url, "name": "disk", "auth_key": [new, old]}]}
+    with open_manager(config) as manager:
+        from kvtier.backends import open_backend
+
+        writer = open_backend(url, manager.namespace, auth_key=old)
+        assert writer.put_many([key], [b"x" * 64]) == [True]
+        writer.close()
+        ctx = RequestContext("a")
+        for _ in range(3):
+            manager.lookup(key, ctx)
+            manager.on_schedule_end()
+            manager.wait_idle(10)
+        manager.publish_metrics()
+        assert manager.get_stats()["tiers"]["disk"].backend["auth_old_key"] == 1
+        assert manager.metrics is not None
+        text = manager.metrics.render().decode()
+        assert 'kvtier_backend_auth_old_key_total{tier="1:disk"} 1.0' in text
+        assert 'kvtier_backend_auth_failures_total{tier="1:disk"} 0.0' in text

@@ -449,7 +449,9 @@ class Backend:
         return [outcome is Outcome.OK for outcome in outcomes]
 
     def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
-        """True where stored or already present (never overwritten); False where it failed."""
+        """True where stored or already present; False where it failed. A present block is
+        never overwritten, unless this backend's load found it replaceable (older key or
+        format, or foreign): then it is replaced."""
         key_list, views = check_put_args(keys, payloads)
         self._lifecycle.check_open()
         if not key_list:
