@@ -8,7 +8,8 @@ holds what they share.
 Exit codes: 0 success; 1 the run failed (a byte mismatch, a stuck request, a backend or
 validation failure, a tier that failed for most of the run, an ``inspect`` check that could not
 be answered); 2 bad arguments or bad input (message names the bad value); 128 + N when signal
-N (SIGINT 130, SIGTERM 143, SIGHUP 129) stopped the command after cleaning up (see
+N (SIGINT 130, SIGTERM 143, SIGHUP 129) stopped the command after cleaning up, or after a
+second signal stopped the cleanup, which then says what it left and how to remove it (see
 :mod:`kvtier.cli.signals`). No message ever shows a password or key given in a URL
 (:mod:`kvtier.cli.scrub`).
 
@@ -61,15 +62,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(raw)
     configure_cli_logging(args.log_level)
     args.scrub = scrub
+    guard = SignalGuard()
     try:
-        with scrub.in_logs(), SignalGuard():
+        with scrub.in_logs(), guard:
             code: int = args.run(args)
             return code
     except UsageError as exc:
         print(scrub(f"kvtier {args.command}: error: {exc}"), file=sys.stderr)
         return EXIT_USAGE
     except Terminated as stop:
-        print(f"kvtier {args.command}: stopped by {stop.name}; cleaned up", file=sys.stderr)
+        done = ("cleanup stopped, blocks left (see above)" if guard.incomplete
+                else "cleaned up")
+        print(f"kvtier {args.command}: stopped by {stop.name}; {done}", file=sys.stderr)
         return stop.exit_code
     except KeyboardInterrupt:
         print(f"kvtier {args.command}: interrupted", file=sys.stderr)

@@ -389,34 +389,92 @@ def _replay_namespaces(url: str, tag: str) -> list[Any]:
 
 
 def after_replay(options: Any, console: Any, keep: bool) -> None:
-    """Remove (or, with ``keep``, list) what the run stored in the given tiers."""
+    """Remove (or, with ``keep``, list) what the run stored in the given tiers. A signal during
+    the removal lets it finish; a second one stops it, and the run then says exactly what it
+    left and the commands that remove it (:func:`kvtier.cli.signals.cleanup_phase`)."""
+    from kvtier.cli.signals import CleanupAborted, cleanup_phase, cleanup_starts
+
+    urls = list(options.tier_urls)
+    if not urls:
+        return
+    with cleanup_phase():
+        done = 0
+        try:
+            cleanup_starts()  # a test hook, off unless its environment variable is set
+            for url in urls:
+                _after_replay_in(url, options.namespace_tag, console, keep)
+                done += 1
+        except CleanupAborted:
+            _report_left(urls[done:], options.namespace_tag)
+
+
+def _after_replay_in(url: str, tag: str, console: Any, keep: bool) -> None:
     from rich.markup import escape
 
+    from kvtier.cli.signals import cleanup_left
     from kvtier.ops.inventory import MediumError, delete
     from kvtier.ops.inventory import UsageError as InventoryError
     from kvtier.replay.report import format_bytes
     from kvtier.text import printable
 
-    for url in options.tier_urls:
+    shown = redact(url)
+    try:
+        found = _replay_namespaces(url, tag)
+        blocks, size = sum(i.blocks for i in found), format_bytes(sum(i.bytes for i in found))
+        if keep:
+            expiry = ("they expire after their ttl_s" if url.startswith("redis")
+                      else "they have no expiry")
+            console.print(
+                f"kept {blocks:,} blocks ({size}) in {shown} ({expiry}); remove them with "
+                f"`kvtier purge URL --namespace revision=REV` (revisions "
+                f"{escape(', '.join(printable(i.fields['revision']) for i in found))})",
+                soft_wrap=True)
+            return
+        delete(url, found)
+    except (InventoryError, MediumError) as exc:
+        cleanup_left()
+        print(f"kvtier: warning: could not remove the replay's blocks from {shown}: {exc}; "
+              f"remove them later with: {_purge_commands(url, tag)}", file=sys.stderr)
+        return
+    console.print(f"removed the {blocks:,} blocks ({size}) this run stored in {shown}",
+                  soft_wrap=True)
+
+
+def _purge_command(url: str, revision: str) -> str:
+    """The ``kvtier purge`` command line that removes one replayed revision from ``url``."""
+    import shlex
+
+    from kvtier.text import printable
+
+    words = ["kvtier", "purge", redact(url), "--namespace", f"model={REPLAY_MODEL}",
+             "--namespace", f"revision={revision}", "--yes"]
+    return printable(" ".join(shlex.quote(word) for word in words))
+
+
+def _purge_commands(url: str, tag: str) -> str:
+    return " ; ".join(_purge_command(url, revision) for revision in sorted(replay_revisions(tag)))
+
+
+def _report_left(urls: Sequence[str], tag: str) -> None:
+    """After a signal stopped the cleanup: what each tier still holds, counted again (a further
+    signal skips the count), and the commands that remove it."""
+    from kvtier.cli.signals import CleanupAborted
+    from kvtier.ops.inventory import MediumError
+    from kvtier.ops.inventory import UsageError as InventoryError
+    from kvtier.replay.report import format_bytes
+
+    for url in urls:
         shown = redact(url)
         try:
-            found = _replay_namespaces(url, options.namespace_tag)
-            blocks, size = sum(i.blocks for i in found), format_bytes(sum(i.bytes for i in found))
-            if keep:
-                expiry = ("they expire after their ttl_s" if url.startswith("redis")
-                          else "they have no expiry")
-                console.print(
-                    f"kept {blocks:,} blocks ({size}) in {shown} ({expiry}); remove them with "
-                    f"`kvtier purge URL --namespace revision=REV` (revisions "
-                    f"{escape(', '.join(printable(i.fields['revision']) for i in found))})",
-                    soft_wrap=True)
-                continue
-            delete(url, found)
-        except (InventoryError, MediumError) as exc:
-            print(f"kvtier: warning: could not remove the replay's blocks from {shown}: {exc}",
-                  file=sys.stderr)
+            found = _replay_namespaces(url, tag)
+        except (CleanupAborted, InventoryError, MediumError):
+            print(f"kvtier: cleanup stopped: the blocks left in {shown} were not counted; "
+                  f"remove them with: {_purge_commands(url, tag)}", file=sys.stderr)
             continue
-        console.print(f"removed the {blocks:,} blocks ({size}) this run stored in {shown}",
-                      soft_wrap=True)
-
-
+        if not found:
+            print(f"kvtier: cleanup stopped: nothing left in {shown}", file=sys.stderr)
+        for item in found:
+            revision = str(item.fields["revision"]) if item.fields else ""
+            print(f"kvtier: cleanup stopped: {item.blocks:,} blocks ({format_bytes(item.bytes)}) "
+                  f"left in {shown}; remove them with: {_purge_command(url, revision)}",
+                  file=sys.stderr)
