@@ -416,7 +416,7 @@ def test_relative_root_is_rejected(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("o_direct", [False, True])
 @pytest.mark.parametrize("out_size", [0, 10, 999, 1001, 5000, 9000])
-def test_wrong_size_out_keeps_buffered_and_padded_files(
+def test_wrong_size_out_leaves_out_untouched_in_buffered_and_padded_files(
     tmp_path: Path, o_direct: bool, out_size: int
 ) -> None:
     backend = FileBackend(tmp_path, fresh_namespace(), o_direct=o_direct)
@@ -425,8 +425,8 @@ def test_wrong_size_out_keeps_buffered_and_padded_files(
     out = sentinel_buffer(out_size)
     assert backend.get_many([key], [memoryview(out)]) == [False]
     assert out == sentinel_buffer(out_size)
-    assert backend.exists([key]) == [True]
-    assert backend.stats()["corrupt_objects"] == 0
+    assert backend.exists([key]) == [False]  # removed: the next store replaces it
+    assert (backend.stats()["corrupt_objects"], backend.stats()["size_mismatches"]) == (0, 1)
 
 
 def test_a_failed_stat_is_unknown_to_probe_and_false_to_exists(

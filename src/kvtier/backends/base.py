@@ -99,7 +99,8 @@ class Verdict(enum.Enum):
     VALID = "valid"
     CORRUPT = "corrupt"          # counted in corrupt_objects, removed
     UNAUTHENTIC = "unauthentic"  # counted in auth_failures, removed
-    WRONG_SIZE = "wrong_size"    # a valid frame, but not the caller's size: kept
+    WRONG_SIZE = "wrong_size"    # a valid frame, not the caller's size: counted in
+    #                              size_mismatches, removed (see _removed_when_read)
 
 
 class Fetched(NamedTuple):
@@ -397,6 +398,14 @@ def _read_key_file(path: str, where: str) -> bytes:
 # --------------------------------------------------------------------------- the template
 
 
+def _removed_when_read(verdict: Verdict) -> bool:
+    """Whether an object read with ``verdict`` is removed (conditionally: only the object that
+    was read), so that the owner's next store writes its key again. A valid frame of another
+    payload length (stored before ``block_bytes`` changed) is one: it can never be served to
+    this caller, and kept it would lock its key for good, since a store never overwrites."""
+    return verdict in (Verdict.CORRUPT, Verdict.UNAUTHENTIC, Verdict.WRONG_SIZE)
+
+
 class Backend:
     """A synchronous, thread-safe block store bound to one :class:`Namespace`.
 
@@ -495,6 +504,7 @@ class Backend:
             elif verdict is not None:
                 counts["auth_failures" if verdict is Verdict.UNAUTHENTIC
                        else "corrupt_objects"] += 1
+            if verdict is not None and _removed_when_read(verdict):
                 doomed.append((key, item))
         if len(results) != len(key_list):
             self._fail("fetch", len(key_list),
