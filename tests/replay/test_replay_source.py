@@ -8,7 +8,6 @@ import gzip
 import hashlib
 import json
 import lzma
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,21 +36,28 @@ def _gzip_with_zeros(path: Path, first: bytes, mib: int) -> Path:
     return path
 
 
+_LAUNCHER = """
+import os, subprocess, sys
+child = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)
+_pid, status, usage = os.wait4(child.pid, 0)
+print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)
+"""
+
+
 def _replay_rss(trace: Path, tmp_path: Path) -> tuple[int, str, float]:
-    """(exit code, stderr, peak RSS in MiB) of ``kvtier replay TRACE --max-requests 1``."""
+    """(exit code, stderr, peak RSS in MiB) of ``kvtier replay TRACE --max-requests 1``.
+
+    Measured by a small launcher process: Linux carries a process's peak RSS across fork and
+    exec, so a child of this (large) test process would report at least this one's size."""
     err = tmp_path / "stderr.txt"
     with err.open("w") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli", "replay", str(trace), "--max-requests", "1",
-             "--cpu-blocks", "64", "--block-bytes", "4KiB", "--step-ms", "0", "--no-progress",
-             "--scratch-dir", str(tmp_path)],
-            stdout=subprocess.DEVNULL, stderr=stderr)
-        try:
-            _pid, status, usage = os.wait4(process.pid, 0)
-        finally:
-            process.kill()
-    process.returncode = os.waitstatus_to_exitcode(status)
-    return process.returncode, err.read_text(), usage.ru_maxrss / 1024
+        done = subprocess.run(
+            [sys.executable, "-c", _LAUNCHER, sys.executable, "-m", "kvtier.cli", "replay",
+             str(trace), "--max-requests", "1", "--cpu-blocks", "64", "--block-bytes", "4KiB",
+             "--step-ms", "0", "--no-progress", "--scratch-dir", str(tmp_path)],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=60, check=True)
+    code, rss_kib = done.stdout.split()
+    return int(code), err.read_text(), int(rss_kib) / 1024
 
 
 def test_a_zero_run_after_the_first_request_is_never_held(tmp_path: Path) -> None:
