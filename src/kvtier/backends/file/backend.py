@@ -47,6 +47,7 @@ from kvtier.backends.base import (
     MISSING_FETCH,
     Backend,
     Fetched,
+    OpenMode,
     Outcome,
     StoredFrame,
     load_auth_key,
@@ -149,6 +150,7 @@ class FileBackend(Backend):
         o_direct: bool | str = False,
         shared_dir: bool | str = False,
         auth_key: bytes | None = None,
+        mode: OpenMode = OpenMode.READ_WRITE,
     ) -> None:
         root_path = Path(root)
         if not root_path.is_absolute():
@@ -179,12 +181,16 @@ class FileBackend(Backend):
         self._pid = os.getpid()
         self._uid = os.geteuid()
         self._scratch = _Scratch()
+        self._read_only = mode is OpenMode.READ_ONLY
         try:
-            self._make_root(self._root)
-            self._check_private(self._root, "root")
-            self._make_root(self._dir)
-            self._check_private(self._dir, "namespace directory")
-            self._scan()
+            for path, what in ((self._root, "root"), (self._dir, "namespace directory")):
+                if not self._read_only:
+                    self._make_root(path)
+                elif not os.path.lexists(path):  # READ_ONLY creates nothing: a namespace never
+                    break                        # written is empty (kind.py: a missing root)
+                self._check_private(path, what)
+            else:
+                self._scan()  # READ_ONLY: no temp-file removal, no eviction
         except OSError as exc:
             raise ValueError(
                 f"file backend root {str(root)!r} cannot be used: {exc.strerror or exc}"
@@ -572,7 +578,7 @@ class FileBackend(Backend):
             for name in files:
                 path = os.path.join(directory, name)
                 if name.startswith(_TEMP_PREFIX):
-                    if self._is_stray_temp(name):
+                    if not self._read_only and self._is_stray_temp(name):
                         self._unlink_quietly(path, None)
                         removed += 1
                     continue
@@ -590,7 +596,8 @@ class FileBackend(Backend):
         if removed:
             self._stats.add("stray_temp_files_removed", removed)
             _log.info("file backend: removed %d stray temp files under %s", removed, self._dir)
-        self._evict_files(victims)
+        if not self._read_only:
+            self._evict_files(victims)
 
     def _evict_files(self, victims: list[BlockKey]) -> None:
         for victim in victims:
@@ -650,7 +657,8 @@ class FileBackend(Backend):
                 self._fail("unlink", key if key is not None else path, exc)
 
 
-def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBackend:
+def from_url(url: str, namespace: Namespace, options: dict[str, Any],
+             mode: OpenMode = OpenMode.READ_WRITE) -> FileBackend:
     """Build a :class:`FileBackend` from ``file:///abs/path``.
 
     Options (keyword or query string): see :data:`SETTINGS` (``max_bytes``, ``fsync``,
@@ -683,4 +691,6 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBac
         o_direct=parsed["o_direct"],
         shared_dir=parsed["shared_dir"],
         auth_key=load_auth_key(parsed, "file"),
+        mode=mode,
     )
+
