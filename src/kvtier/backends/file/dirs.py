@@ -93,20 +93,19 @@ class DirRule:
             return "is not a directory"
         if self.sharing is Sharing.SHARED:
             return None
+        harm = ("could rename or replace the directories below it" if role is Role.ANCESTOR
+                else "could plant or swap blocks there")
         if info.st_uid not in (0, self.uid):
             return (f"is owned by uid {info.st_uid}, not by this user (uid {self.uid}) or root; "
-                    "another user could plant or swap blocks there")
+                    f"that user {harm}")
         mode = stat.S_IMODE(info.st_mode)
         sticky = bool(mode & stat.S_ISVTX) and role is not Role.NAMESPACE
+        unless = " without the sticky bit" if role is not Role.NAMESPACE else ""
         if mode & stat.S_IWOTH and not sticky:
-            return (f"is world-writable (mode {mode:o})"
-                    f"{' without the sticky bit' if role is not Role.NAMESPACE else ''}; "
-                    "anyone could rename it or plant or swap blocks there")
+            return f"is world-writable (mode {mode:o}){unless}; anyone {harm}"
         if mode & stat.S_IWGRP and not sticky:
-            return (f"is group-writable (mode {mode:o})"
-                    f"{' without the sticky bit' if role is not Role.NAMESPACE else ''}; "
-                    f"any member of group {info.st_gid} could rename it or plant or swap blocks "
-                    "there")
+            return (f"is group-writable (mode {mode:o}){unless}; any member of group "
+                    f"{info.st_gid} {harm}")
         return None
 
     def check(self, info: os.stat_result, path: str, role: Role, root: str) -> None:
