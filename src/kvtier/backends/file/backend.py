@@ -160,8 +160,7 @@ class FileBackend(Backend):
         self._scratch = _Scratch()
         rule = DirRule(os.geteuid(), Sharing.SHARED if shared else Sharing.PRIVATE)
         try:
-            self._dirs = TierDirs(str(root_path), digest_hex, rule,
-                                  on_swap=lambda: self._stats.add("namespace_dir_swaps"))
+            self._dirs = TierDirs(str(root_path), digest_hex, rule, on_swap=self._on_swap)
             self._publisher = Publisher(fsync=self._fsync, where=self._dirs.root_path)
             self._scan()
         except OSError as exc:
@@ -215,6 +214,13 @@ class FileBackend(Backend):
 
     def _m_close(self) -> None:
         self._dirs.close()
+
+    def _on_swap(self) -> None:
+        """The held namespace directory is no longer at its name (called by ``_dirs``)."""
+        self._stats.add("namespace_dir_swaps")
+        self._error_log.warning("file backend: the namespace directory %s was renamed, replaced "
+                                "or removed while open; it is no longer used",
+                                self._dirs.namespace_path)
 
     def _batch(self, operation: str, keys: list[BlockKey],
                run: Callable[[View], list[Outcome]], gone: Outcome) -> list[Outcome]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
-import logging
 import os
 import resource
 import stat
@@ -48,8 +47,6 @@ from kvtier.settings import ConfigError
 
 __all__ = ["DirRule", "DirectoryRefusedError", "NamespaceGoneError", "Sharing", "TierDirs",
            "View", "anchor", "walk"]
-
-_log = logging.getLogger(__name__)
 
 DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
 _FAN_TTL_S = 1.0
@@ -348,8 +345,6 @@ class TierDirs:
                 return view
             self._retire_current()
             self._on_swap()
-            _log.warning("file backend: the namespace directory %s was renamed, replaced or "
-                         "removed while open; it is no longer used", self.namespace_path)
         try:
             fd = os.open(self._name, DIR_FLAGS, dir_fd=held.root_fd)
         except FileNotFoundError:
