@@ -227,12 +227,15 @@ class FileBackend(Backend):
         """``run`` under the re-verified namespace directory; where it is gone every key
         answers ``gone``, where it is refused or unreadable every key fails (counted)."""
         try:
-            with self._dirs.use() as view:
-                return run(view)
+            view = self._dirs.acquire()
         except OSError as exc:
             if isinstance(exc, NamespaceGoneError) and gone is Outcome.MISSING:
                 return [Outcome.MISSING] * len(keys)
             return [self._fail(operation, key, exc) for key in keys]
+        try:
+            return run(view)
+        finally:
+            self._dirs.release(view)
 
     # ------------------------------------------------------------------ existence
 
@@ -367,18 +370,21 @@ class FileBackend(Backend):
     # ------------------------------------------------------------------ reads
 
     def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> Iterator[Fetched]:
-        done = 0
         try:
-            with self._dirs.use() as view:
-                for key, out in zip(keys, outs, strict=True):
-                    yield self._fetch_one(view, key, out)
-                    done += 1
+            view = self._dirs.acquire()
         except NamespaceGoneError:
-            yield from (MISSING_FETCH for _key in keys[done:])
+            yield from (MISSING_FETCH for _key in keys)
+            return
         except OSError as exc:
-            for key in keys[done:]:
+            for key in keys:
                 self._fail("get", key, exc)
                 yield FAILED_FETCH
+            return
+        try:
+            for key, out in zip(keys, outs, strict=True):
+                yield self._fetch_one(view, key, out)
+        finally:
+            self._dirs.release(view)
 
     def _fetch_one(self, view: View, key: BlockKey, out: memoryview) -> Fetched:
         parts, name = locate(key)

@@ -193,13 +193,15 @@ _FAN_BUDGET = _FanBudget()
 class View:
     """One held namespace descriptor and its fan-out cache (see module docstring)."""
 
-    __slots__ = ("born", "fans", "fd", "identity", "retired", "stale", "stamp", "users")
+    __slots__ = ("dev", "expires", "fans", "fd", "ino", "retired", "stale", "stamp", "trusted",
+                 "users")
 
     def __init__(self, fd: int, info: os.stat_result) -> None:
         self.fd = fd
-        self.identity = (info.st_dev, info.st_ino)
+        self.dev, self.ino = info.st_dev, info.st_ino
         self.stamp = (info.st_mtime_ns, info.st_ctime_ns)
-        self.born = time.monotonic()
+        self.trusted = (info.st_mode, info.st_uid)  # the owner and mode last checked
+        self.expires = time.monotonic() + _FAN_TTL_S
         self.fans: dict[str, int] = {}
         self.users = 0
         self.retired = False
@@ -302,22 +304,31 @@ class TierDirs:
         self._held = _Held(root_fd, View(fd, info))
         self._finalizer = weakref.finalize(self, self._held.close)
 
-    @contextlib.contextmanager
-    def use(self) -> Iterator[View]:
-        """The namespace directory, re-verified (see module docstring), for one batch call.
+    def acquire(self) -> View:
+        """The namespace directory, re-verified (see module docstring), for one batch call;
+        hand it back with :meth:`release`.
 
         Raises NamespaceGoneError when nothing stands at its name, DirectoryRefusedError when
         what stands there fails the checks, OSError for an I/O error."""
         with self._lock:
             view = self._current()
             view.users += 1
+            return view
+
+    def release(self, view: View) -> None:
+        with self._lock:
+            view.users -= 1
+            if view.retired and view.users == 0:
+                view.close()
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[View]:
+        """:meth:`acquire` and :meth:`release` around a block (the paths off the hot one)."""
+        view = self.acquire()
         try:
             yield view
         finally:
-            with self._lock:
-                view.users -= 1
-                if view.retired and view.users == 0:
-                    view.close()
+            self.release(view)
 
     def close(self) -> None:
         with self._lock:
@@ -337,10 +348,12 @@ class TierDirs:
                 named = os.stat(self._name, dir_fd=held.root_fd, follow_symlinks=False)
             except FileNotFoundError:
                 named = None
-            if named is not None and (named.st_dev, named.st_ino) == view.identity:
-                self._refuse_if_bad(info)
+            if named is not None and named.st_ino == view.ino and named.st_dev == view.dev:
+                if (info.st_mode, info.st_uid) != view.trusted:
+                    self._refuse_if_bad(info)
+                    view.trusted = (info.st_mode, info.st_uid)
                 if view.stale or (info.st_mtime_ns, info.st_ctime_ns) != view.stamp or \
-                        time.monotonic() - view.born > _FAN_TTL_S:
+                        time.monotonic() > view.expires:
                     view = self._install(View(os.dup(view.fd), info))
                 return view
             self._retire_current()
