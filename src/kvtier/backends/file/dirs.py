@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from kvtier.backends.file.layout import _DIR_MODE, _MAX_DEPTH, _O_CLOEXEC, _O_NOFOLLOW
 from kvtier.settings import ConfigError
 
-__all__ = ["DirRule", "DirectoryRefusedError", "NamespaceGoneError", "Sharing", "TierDirs",
-           "View", "anchor", "walk"]
+__all__ = ["DIR_FLAGS", "DirRule", "DirectoryRefusedError", "NamespaceGoneError", "Sharing",
+           "TierDirs", "View", "anchor", "walk"]
 
 DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
 _FAN_TTL_S = 1.0
