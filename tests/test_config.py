@@ -400,3 +400,48 @@ def test_tier_config_holds_one_record_and_reads_through_it() -> None:
     assert tier.settings.io_threads == tier.io_threads == 3
     assert "hunter2" not in repr(tier)
     assert load_config(cfg.to_dict()) == cfg
+
+
+# ---- typos get "did you mean" (issue 20), as the KVTIER_* variables always did ---------------
+
+@pytest.mark.parametrize(("values", "hint"), [
+    (with_(primary_byte="4MiB"), "unknown key(s) ['primary_byte']; expected some of"),
+    (with_(namespace={"modle": "m"}), "['namespace.modle']"),
+    (with_(secondary_tiers=[{"url": "file:///tmp/x", "io_thread": 2}]),
+     "['secondary_tiers[0].io_thread']"),
+    (with_(secondary_tiers=[{"url": "file:///tmp/x", "max_byte": "1MiB"}]),
+     "['secondary_tiers[0].max_byte']"),
+    (with_(secondary_tiers=[{"url": "file:///tmp/x", "lookup": {"quarantine": 1}}]),
+     "['secondary_tiers[0].lookup.quarantine']"),
+])
+def test_a_misspelt_key_names_the_closest_one(values: dict[str, Any], hint: str) -> None:
+    expected = {"primary_byte": "primary_bytes", "modle": "model", "io_thread": "io_threads",
+                "max_byte": "max_bytes", "quarantine": "quarantine_s"}
+    with pytest.raises(ConfigError) as caught:
+        KvtierConfig.from_dict(values)
+    message = str(caught.value)
+    typo = next(name for name in expected if name in message)
+    assert hint in message and message.endswith(f"; did you mean {expected[typo]}?"), message
+
+
+def test_a_yaml_typo_names_the_file_and_the_closest_key(tmp_path: Path) -> None:
+    path = tmp_path / "kv.yaml"
+    path.write_text("block_bytes: 64KiB\nprimary_bytes: 1MiB\nnamespace: {model: m}\n"
+                    "evicton_policy: arc\n")
+    with pytest.raises(ConfigError, match=r"kv\.yaml.*\['evicton_policy'\].*did you mean "
+                                          r"eviction_policy\?$"):
+        KvtierConfig.from_yaml(path)
+
+
+def test_several_typos_each_get_their_closest_key() -> None:
+    with pytest.raises(ConfigError, match=r"did you mean: evicton_policy -> eviction_policy, "
+                                          r"primary_byte -> primary_bytes\?$"):
+        KvtierConfig.from_dict(with_(evicton_policy="arc", primary_byte=1, zzz=1))
+
+
+def test_choice_values_take_the_dashed_spelling_too() -> None:
+    """One spelling shown (write_through), the dashed one still read."""
+    cfg = KvtierConfig.from_dict(with_(write_policy="Write-Back", primary_backing="heap"))
+    assert cfg.write_policy is WritePolicy.WRITE_BACK
+    with pytest.raises(ConfigError, match="expected one of 'write_through', 'write_back'"):
+        KvtierConfig.from_dict(with_(write_policy="sometimes"))

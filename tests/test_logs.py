@@ -106,3 +106,28 @@ def test_under_vllm_kvtier_info_lines_use_vllm_format() -> None:
                 if "namespace digest ab12" in line)
     # vLLM's format: "(MainProcess pid=1) INFO 12-01 21:30:56 [file:line] message".
     assert re.search(r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d \[", line), line
+
+
+def test_the_host_format_is_used_not_pythons_default(clean_kvtier_logger: logging.Logger,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The handler selection without vLLM: a host logger set up as vLLM sets up ``vllm`` (its
+    own stream handler and formatter, no propagation) formats kvtier's records; none reaches
+    the root logger or Python's last-resort handler (a bare "message" line on stderr)."""
+    import io
+
+    host = logging.getLogger(f"vllm-like-{os.getpid()}")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] "
+                                           "%(message)s", datefmt="%m-%d %H:%M:%S"))
+    host.addHandler(handler)
+    host.setLevel(logging.INFO)
+    host.propagate = False
+    try:
+        assert follow_host_logger(host.name)
+        logging.getLogger("kvtier.tiering.manager").warning("tier %s is slow", "redis")
+    finally:
+        host.removeHandler(handler)
+    assert re.fullmatch(r"WARNING \d\d-\d\d \d\d:\d\d:\d\d \[test_logs\.py:\d+\] tier redis is "
+                        r"slow\n", stream.getvalue()), stream.getvalue()
+    assert capsys.readouterr().err == ""

@@ -153,3 +153,84 @@ def test_every_option_has_help() -> None:
     missing = [f"{path}: {action.option_strings or action.dest}" for path, action in actions
                if not action.help or action.help == argparse.SUPPRESS]
     assert missing == []
+
+
+def _small_result() -> ReplayResult:
+    """A short run: short numbers, so the headers are what must wrap."""
+    return ReplayResult(
+        strategy="kvtier", trace_name="builtin:conversation", requests=200, skipped_lines=0,
+        instances=1, block_bytes=16_384, block_refs=5_537, total_tokens=2_782_179,
+        ideal_block_hits=322, ideal_token_hits=164_864,
+        tiers=[TierResult("GPU", TierKind.GPU, 199, 101_888),
+               TierResult("CPU", TierKind.PRIMARY, 123, 62_976, 2_015_232, 85_442_560),
+               TierResult("file", TierKind.SECONDARY, 0, 0, 0, 85_442_560, io_seconds=1.0)],
+        steps=76, steps_waited=1_348, requests_waited=200, verified_blocks=123,
+        store_plans_refused=0, step_time_p50_s=0.0028, step_time_p99_s=0.0106, wall_s=0.9,
+    )
+
+
+@pytest.mark.parametrize("width", [80, 72])
+def test_a_short_runs_tier_table_is_never_cropped(width: int) -> None:
+    """Before: rich shrank every column evenly, below their minimum widths, and cut the
+    table's right edge (the MB/s column lost its last digit and its border) at 80 columns."""
+    text = _render(tier_table(_small_result(), width), width)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= width
+    boxed = [line for line in lines if line[:1] in "┏┃┡│├└"]
+    assert boxed and all(line[-1] in "┓┃┩│┤┘" for line in boxed), text
+    assert "99.9" in text or "97.2" in text or "95.0" in text  # the MB/s column is whole
+
+
+def test_the_report_opens_with_the_verdict_and_ends_with_its_terms() -> None:
+    from kvtier.replay.report import report_tables
+
+    report = _report("kvtier", "per-request", "no-reuse")
+    shown = report_tables(report, 80)
+    first, last = str(shown[0]), str(shown[-1])
+    result = report.results[0]
+    assert first.startswith(f"block hit {result.block_hit_ratio:.4f} > ideal ")  # made-up hits
+    assert "validation n/a" in first
+    assert first.endswith(f"· {sum(r.wall_s for r in report.results):.1f} s")
+    assert last.startswith("terms: GPU = the simulated engine's own prefix cache")
+    assert sum("terms:" in str(item) for item in shown) == 1  # once, however many strategies
+
+
+def test_the_verdict_line_compares_with_the_ideal_and_names_the_validation() -> None:
+    from kvtier.replay.summary import Verdict
+
+    below = Verdict("kvtier", 0.31416, 0.36640, "PASSED", 8.94)
+    assert below.line() == ("block hit 0.3142 < ideal 0.3664 (0.857 of ideal) · validation "
+                            "PASSED · 8.9 s")
+    same = Verdict("kvtier", 0.314159, 0.314161, "FAILED", 1.0)
+    assert same.line().startswith("block hit 0.3142 = ideal 0.3142 (1.000 of ideal) · "
+                                  "validation FAILED")
+    nothing = Verdict("kvtier", 0.0, 0.0, "n/a", 0.25)
+    assert "(no block repeats: nothing to hit)" in nothing.line() and nothing.of_ideal is None
+    assert below.to_json()["of_ideal"] == pytest.approx(0.31416 / 0.36640)
+
+
+def test_the_json_report_keeps_every_key_and_adds_the_verdict() -> None:
+    import dataclasses
+
+    from kvtier.replay.report import report_json
+
+    data = report_json(_report("kvtier", "per-request"))
+    assert set(data) == {"schema_version", "trace", "settings", "validation", "validation_note",
+                         "results", "verdict"}
+    fields = {field.name for field in dataclasses.fields(ReplayResult)}
+    assert set(data["results"][0]) >= fields | {"block_hit_ratio", "ideal_block_hit_ratio",
+                                                "backend_calls", "prefill_tokens_saved"}
+    assert data["verdict"]["strategy"] == "kvtier"
+    assert data["verdict"]["block_hit_ratio"] == data["results"][0]["block_hit_ratio"]
+    assert data["verdict"]["validation"] == "n/a"
+
+
+def test_plain_tables_of_a_report_have_one_row_per_tier_and_strategy() -> None:
+    from kvtier.replay.summary import report_sheets
+
+    tiers, lookups, run, sources = report_sheets(_report("kvtier", "per-request"))
+    assert sources.columns == ("strategy", "outcome", "source", "blocks")
+    assert len(tiers.rows) == 2 * (5 + 2)  # GPU, CPU, 3 secondaries, total, ideal
+    assert len(lookups.rows) == 2 * 3 and len(run.rows) == 2
+    row = dict(zip(run.columns, run.rows[1], strict=True))
+    assert row["strategy"] == "per-request" and row["requests_waited"] == 11_945

@@ -20,7 +20,6 @@ tier and lookup variables are defaults for every tier) and a full YAML example a
 
 from __future__ import annotations
 
-import difflib
 import enum
 import json
 import logging
@@ -47,11 +46,13 @@ from kvtier.settings import (
     Kind,
     Setting,
     SettingsTable,
+    did_you_mean,
     env_layer,
     mapping_of,
     parse_size,
     registered_tables,
     shown_value,
+    unknown_names_text,
 )
 from kvtier.tiering.plans import WritePolicy
 from kvtier.tiering.tier_settings import TIER_SETTINGS, LookupConfig, TierSettings
@@ -156,9 +157,8 @@ def warn_unknown_env(environ: Mapping[str, str]) -> list[str]:
     unknown = sorted(name for name in environ if name.startswith(ENV_PREFIX)
                      and name not in known)
     for name in unknown:
-        close = difflib.get_close_matches(name, sorted(known), n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        _log.warning("unknown environment variable %s ignored%s", name, hint)
+        _log.warning("unknown environment variable %s ignored%s", name,
+                     did_you_mean(name, known))
     return unknown
 
 
@@ -237,6 +237,9 @@ def _check_url(url: object, path: str) -> str:
 def _backend_options(scheme: str, values: Mapping[str, Any], path: str) -> dict[str, Any]:
     table = backend_table(scheme)
     if table is not None:
+        # A misspelt tier setting lands here (every other key is a backend option): the hint
+        # looks among the tier's own settings too.
+        table.reject_unknown(values, path, nearby=(*TIER_SETTINGS.names, "lookup"))
         return table.parse(values, path, fill_defaults=False)
     options: dict[str, Any] = {}
     for key, option in values.items():
@@ -322,9 +325,10 @@ class KvtierConfig:
     def _from_values(cls, values: Mapping[str, Any], tier_defaults: Mapping[str, Any],
                      lookup_defaults: Mapping[str, Any]) -> KvtierConfig:
         mapping = mapping_of(values, "config")
-        unknown = sorted(set(mapping) - _TOP_KEYS)
+        unknown = sorted(set(mapping) - _TOP_KEYS, key=str)
         if unknown:
-            raise ConfigError(f"unknown key(s) {unknown}; expected some of {sorted(_TOP_KEYS)}")
+            raise ConfigError(f"unknown key(s) {unknown}; expected some of {sorted(_TOP_KEYS)}"
+                              f"{unknown_names_text([str(n) for n in unknown], _TOP_KEYS)}")
         if mapping.get("namespace") is None:
             raise ConfigError("namespace: missing; it is required (at least {model: ...})")
         scalars = {key: value for key, value in mapping.items()

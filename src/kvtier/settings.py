@@ -45,6 +45,8 @@ __all__ = [
     "Setting",
     "SettingsTable",
     "check_record",
+    "choice_spelling",
+    "did_you_mean",
     "env_layer",
     "format_size",
     "mapping_of",
@@ -55,6 +57,7 @@ __all__ = [
     "registered_tables",
     "setting_field",
     "shown_value",
+    "unknown_names_text",
 ]
 
 _SETTING_KEY = "kvtier_setting"
@@ -291,12 +294,39 @@ def _parse_str(setting: Setting, value: object, where: str) -> str:
     return value
 
 
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean X?"`` naming the known name closest to a misspelt ``name``, or ``""``
+    (the one rule for config keys, table settings and ``KVTIER_*`` variables)."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def unknown_names_text(unknown: Sequence[str], known: Iterable[str]) -> str:
+    """The hint for several unknown names: each one's closest known name."""
+    names = sorted(known)
+    hints = [f"{name} -> {hint.removeprefix('; did you mean ').removesuffix('?')}"
+             for name in unknown if (hint := did_you_mean(name, names))]
+    if not hints:
+        return ""
+    return f"; did you mean {hints[0].partition(' -> ')[2]}?" if len(unknown) == 1 else (
+        f"; did you mean: {', '.join(hints)}?")
+
+
+def choice_spelling(text: str) -> str:
+    """The one spelling of a choice value: lower case, words joined by ``_`` (``write_through``,
+    ``round_robin``). ``Write-Through`` and ``round-robin`` are read as those, so older
+    spellings keep working; help, docs and errors show this one."""
+    return text.strip().lower().replace("-", "_")
+
+
 def _parse_choice(setting: Setting, value: object, where: str) -> str:
     if isinstance(value, enum.Enum):
         value = value.value
-    if not isinstance(value, str) or value.strip().lower() not in setting.choices:
+    if not isinstance(value, str) or choice_spelling(value) not in setting.choices:
         raise ConfigError(f"{where}: expected {setting.expected()}, got {value!r}")
-    return value.strip().lower()
+    return choice_spelling(value)
 
 
 def _parse_secret(setting: Setting, value: object, where: str) -> Secret:
@@ -372,13 +402,17 @@ class SettingsTable:
             parsed[name] = setting.parse(raw, f"{setting.env} ({path}{name})")
         return parsed
 
-    def reject_unknown(self, values: Iterable[str], path: str = "") -> None:
-        unknown = sorted(set(values) - set(self._by_name))
+    def reject_unknown(self, values: Iterable[str], path: str = "", *,
+                       nearby: Iterable[str] = ()) -> None:
+        """:class:`ConfigError` naming each unknown name and the closest known one (of this
+        table, or of ``nearby``: the other settings a mapping at ``path`` may hold)."""
+        unknown = sorted(set(values) - set(self._by_name), key=str)
         if unknown:
             where = f"{path}." if path else ""
             raise ConfigError(
-                f"unknown {self.component} setting(s) {[where + name for name in unknown]}; "
+                f"unknown {self.component} setting(s) {[where + str(n) for n in unknown]}; "
                 f"expected some of {sorted(self._by_name)}"
+                f"{unknown_names_text([str(n) for n in unknown], [*self._by_name, *nearby])}"
             )
 
     def from_env(self, environ: Mapping[str, str]) -> dict[str, str]:

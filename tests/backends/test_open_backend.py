@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +14,8 @@ from kvtier.backends import (
     SCHEMES,
     STANDARD_COUNTERS,
     Backend,
+    NoTierError,
+    OpenMode,
     RateLimitedLog,
     backend_settings,
     open_backend,
@@ -157,3 +160,83 @@ def test_rate_limited_log_counts_what_it_suppresses(caplog: pytest.LogCaptureFix
         "down: a",
         "down: d (2 similar messages suppressed)",
     ]
+
+
+# ---- read-only opens (issue 20: inspect and usage never create anything) -------------------
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*"))
+
+
+def test_a_read_only_open_of_a_missing_file_tier_creates_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "typo"
+    with pytest.raises(NoTierError, match=r"no kvtier tier at file://.*/typo: .* does not exist"):
+        open_backend(root.as_uri(), fresh_namespace(), mode=OpenMode.READ_ONLY)
+    assert not root.exists()
+    (tmp_path / "a-file").write_text("not a tier")
+    with pytest.raises(NoTierError, match="is not a directory"):
+        open_backend((tmp_path / "a-file").as_uri(), fresh_namespace(), mode=OpenMode.READ_ONLY)
+
+
+def test_a_read_only_open_writes_no_namespace_directory_nor_manifest(tmp_path: Path) -> None:
+    namespace = fresh_namespace()
+    backend = open_backend(tmp_path.as_uri(), namespace, mode=OpenMode.READ_ONLY)
+    try:
+        assert backend.probe([b"\x01" * 16]) == [False]
+        assert backend.stats()["blocks"] == 0
+    finally:
+        backend.close()
+    assert _tree(tmp_path) == []  # not even <root>/<digest>/
+    assert OpenMode.INSPECT is OpenMode.READ_ONLY  # the old name still works
+
+
+def test_a_read_only_open_leaves_stray_temp_files_and_counts_blocks(tmp_path: Path) -> None:
+    namespace = fresh_namespace()
+    writer = open_backend(tmp_path.as_uri(), namespace)
+    assert writer.put_many([b"\x02" * 16], [b"x" * 64]) == [True]
+    writer.close()
+    stray = tmp_path / namespace.digest_hex / ".tmp-999999999-1"  # a pid that cannot be alive
+    stray.write_bytes(b"half a block")
+    before = _tree(tmp_path)
+    backend = open_backend(tmp_path.as_uri(), namespace, mode=OpenMode.READ_ONLY)
+    try:
+        assert backend.stats()["blocks"] == 1
+        assert backend.probe([b"\x02" * 16]) == [True]
+    finally:
+        backend.close()
+    assert _tree(tmp_path) == before and stray.exists()  # a write-mode open removes it
+
+
+def test_read_only_opens_write_no_manifest_on_redis(redis_server: Any) -> None:
+    namespace = fresh_namespace()
+    client = redis_server.client()
+    try:
+        pattern = f"kvtier:{namespace.digest_hex}*"
+        open_backend(redis_server.url, namespace, mode=OpenMode.READ_ONLY).close()
+        assert client.keys(pattern) == []
+        open_backend(redis_server.url, namespace).close()  # the write mode does write one
+        assert client.keys(pattern) == [f"kvtier:{namespace.digest_hex}:namespace".encode()]
+    finally:
+        client.delete(*client.keys(f"kvtier:{namespace.digest_hex}*"))
+        client.close()
+
+
+def test_read_only_opens_write_no_manifest_on_s3(s3_server: Any) -> None:
+    namespace = fresh_namespace()
+    prefix = f"readonly-{namespace.digest_hex[:12]}"
+    raw = s3_server.raw_client()
+
+    def objects() -> list[str]:
+        listed = raw.list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)
+        return [item["Key"] for item in listed.get("Contents", [])]
+
+    open_backend(s3_server.url(prefix), namespace, mode=OpenMode.READ_ONLY).close()
+    assert objects() == []
+    open_backend(s3_server.url(prefix), namespace).close()
+    assert [name.rsplit("/", 1)[-1] for name in objects()] == ["namespace.json"]
+
+
+def test_a_bare_path_suggests_a_file_url() -> None:
+    with pytest.raises(ValueError, match=r"has no scheme; .*did you mean file:///tmp/my%20dir\?"):
+        open_backend("/tmp/my dir", fresh_namespace())

@@ -127,7 +127,7 @@ def test_options_as_keywords(s3_server: SeaweedServer) -> None:
         ("s3://bucket/p?timeout_s=0", {},
          "timeout_s: expected a finite number > 0 and <= 3600.0 (s), got '0'"),
         ("s3://bucket/p?put_mode=sometimes", {},
-         "put_mode: expected one of 'if-none-match', 'head-then-put', got 'sometimes'"),
+         "put_mode: expected one of 'if_none_match', 'head_then_put', got 'sometimes'"),
         ("s3://bucket/p?region=eu%20west", {}, "region='eu west'"),
         ("s3://bucket/a/../b", {}, "'..'"),
         ("s3://bucket/a//b", {}, "empty"),

@@ -708,6 +708,43 @@ def test_probe_timeout_detected_at_flush(make: Callable[..., SetTier], clock: Fa
     assert tier.stats.probe_timeouts == 1
 
 
+def test_a_probe_queued_behind_a_slow_call_waits_instead_of_timing_out(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    """Overload is back-pressure, not a fault: a batch past its deadline while the worker is in
+    a call that started less than probe_timeout_s ago answers None (wait), never False, and
+    feeds no breaker; it times out only once that call itself runs past the timeout."""
+    hold = threading.Event()
+    second_entered, release_second = threading.Event(), threading.Event()
+
+    def slow_second(keys: list[BlockKey]) -> list[bool]:
+        second_entered.set()
+        release_second.wait(WAIT_S)
+        return [True] * len(keys)
+
+    tier = make(hold=hold, probe_timeout_s=5.0, breaker_threshold=1)
+    tier.script = [lambda keys: [False] * len(keys), slow_second]
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)  # t=0: the first call starts and is held
+    clock.advance(1.0)
+    tier.lookup(key(2), ctx("r2"))
+    tier.flush()  # t=1: the second batch is queued behind it, deadline t=6
+    clock.advance(3.0)
+    hold.set()  # t=4: the first call ends; the worker starts the second one
+    assert second_entered.wait(WAIT_S)
+    clock.advance(3.0)  # t=7: past the second batch's deadline, its call 3 s old
+    assert tier.lookup(key(2), ctx("r2")) is None
+    tier.flush()
+    stats = tier.stats
+    assert (stats.probe_timeouts, stats.failed_calls) == (0, 0) and stats.probes_delayed >= 1
+    assert stats.breaker_state is BreakerState.CLOSED
+    release_second.set()
+    settle(tier)
+    assert tier.lookup(key(2), ctx("r2")) is True
+    assert tier.stats.probe_timeouts == 0
+
+
 def test_answer_posted_before_the_deadline_is_not_a_timeout_at_lookup(
     make: Callable[..., SetTier], clock: FakeClock
 ) -> None:
@@ -817,6 +854,7 @@ def test_timeouts_feed_the_breaker(make: Callable[..., SetTier], clock: FakeCloc
     for index in range(2):
         tier.lookup(key(index), ctx("r1"))
         tier.flush()
+        assert tier.entered.wait(WAIT_S)  # the first call is stuck from now on
         clock.advance(1.0)
     tier.flush()
     assert tier.stats.probe_timeouts == 2

@@ -96,6 +96,33 @@ def test_usage_counts_blocks_and_bytes_per_namespace_from_the_medium(
         assert item.oldest <= item.newest
 
 
+def _du(directory: Path) -> int:
+    """Bytes allocated under ``directory``, itself included (what ``du -s -B1`` prints)."""
+    import os
+
+    total = os.lstat(directory).st_blocks * 512
+    for parent, subdirs, files in os.walk(directory):
+        total += sum(os.lstat(os.path.join(parent, name)).st_blocks * 512
+                     for name in (*subdirs, *files))
+    return total
+
+
+def test_usage_counts_bytes_on_disk_where_the_medium_can_tell(
+    medium: Medium, two_namespaces: tuple[Namespace, Namespace, list[bytes]]
+) -> None:
+    """Before: usage gave frame bytes only while du read far more (a directory per block)."""
+    first, second, _keys = two_namespaces
+    found = _mine(kvtier.usage(medium.url), first, second)
+    for namespace in (first, second):
+        item = found[namespace.digest_hex]
+        if medium.kind != "file":  # Redis and S3 do not say what they allocate
+            assert item.disk_bytes is None and item.to_json()["disk_bytes"] is None
+            continue
+        assert item.disk_bytes is not None and item.disk_bytes >= item.bytes
+        assert item.disk_bytes == _du(Path(medium.url.removeprefix("file://"))
+                                      / namespace.digest_hex)
+
+
 def test_the_manifest_is_never_served_or_indexed_as_a_block(
     medium: Medium, two_namespaces: tuple[Namespace, Namespace, list[bytes]]
 ) -> None:
@@ -180,8 +207,10 @@ def test_bad_selectors_and_urls_are_named(tmp_path: Path) -> None:
         kvtier.purge(url, fields={"colour": "red"})
     with pytest.raises(UsageError, match="unknown backend URL scheme"):
         kvtier.usage("ftp://host/x")
-    with pytest.raises(UsageError, match="not a directory"):
+    # A root that is not there is a medium with no tier (exit 1), not a bad argument.
+    with pytest.raises(MediumError, match=r"no kvtier tier at file://.*/missing.* does not exist"):
         kvtier.usage(f"file://{tmp_path}/missing")
+    assert not (tmp_path / "missing").exists()
 
 
 def test_an_unreachable_server_is_a_medium_error() -> None:
@@ -201,8 +230,8 @@ def test_inspect_opens_without_writing_a_manifest(tmp_path: Path) -> None:
     url = f"file://{tmp_path}"
     backend: Backend = open_backend(url, _namespace(), mode=OpenMode.INSPECT)
     backend.close()
-    (item,) = kvtier.usage(url)
-    assert item.fields is None and item.blocks == 0
+    assert kvtier.usage(url) == []  # not even a namespace directory
+    assert list(tmp_path.iterdir()) == []
 
 
 # --------------------------------------------------------------------------- the commands
@@ -216,9 +245,10 @@ def _cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
 
 def test_usage_command_shows_digest_model_blocks_and_bytes(
     medium: Medium, two_namespaces: tuple[Namespace, Namespace, list[bytes]],
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     first, second, _keys = two_namespaces
+    monkeypatch.setenv("COLUMNS", "200")  # one line per namespace
     code, out, _err = _cli(["usage", medium.url], capsys)
     assert code == 0
     row = next(line for line in out.splitlines() if first.digest_hex[:12] in line)

@@ -37,14 +37,16 @@ def _usage_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().err
 
 
-def test_replay_a_trace_file(small_trace: Path, tmp_path: Path,
+def test_replay_a_trace_file(small_trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # whole cells: the validation note on one line
     out_json = tmp_path / "r.json"
     out_png = tmp_path / "r.png"
     code, out, err = _run(["replay", str(small_trace), "--tier", (tmp_path / "t").as_uri(),
                            "--json", str(out_json), "--plot", str(out_png), *FAST], capsys)
     assert code == 0, err
-    assert "ideal (infinite cache)" in out and "file" in out
+    assert "│ ideal " in out and "file" in out
+    assert "ideal = an infinite cache" in " ".join(out.split())  # the terms, below the tables
     assert "n/a: no published numbers for this trace" in out
     data = json.loads(out_json.read_text())
     result = data["results"][0]
@@ -58,6 +60,7 @@ def test_default_replay_uses_the_bundled_trace_and_validates(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(cli.replay, "DEFAULT_TRACE_REQUESTS", 40)
+    monkeypatch.setenv("COLUMNS", "200")  # whole cells: the validation note on one line
     code, out, err = _run(["replay", "--scratch-dir", str(tmp_path), *FAST], capsys)
     assert code == 0, err
     assert "builtin:conversation" in out
@@ -119,9 +122,11 @@ def test_bad_arguments_exit_2_with_a_clear_message(
 
 def test_bad_tier_url_detail_exits_2(small_trace: Path, capsys: pytest.CaptureFixture[str]
                                      ) -> None:
-    code, _, err = _run(["replay", str(small_trace), "--tier", "file://relative", *FAST], capsys)
-    assert code == 2
-    assert "secondary_tiers[0]" in err and "Traceback" not in err
+    # Refused while parsing, before the run: one line, no usage dump, no cleanup warning.
+    err = _usage_error(["replay", str(small_trace), "--tier", "file://relative", *FAST], capsys)
+    assert err.splitlines() == [
+        "kvtier replay: error: argument --tier: file backend URL 'file://relative': expected "
+        "file:///absolute/path (see `kvtier replay --help`)"]
 
 
 def test_missing_matplotlib_is_a_usage_error(small_trace: Path, monkeypatch: pytest.MonkeyPatch,
@@ -185,7 +190,8 @@ def test_console_script_entry_point(small_trace: Path, tmp_path: Path) -> None:
                            str(tmp_path), *FAST], capture_output=True, text=True, timeout=60,
                           check=False, env=env)
     assert done.returncode == 0, done.stderr
-    assert "ideal (infinite cache)" in done.stdout
+    assert "│ ideal " in done.stdout
+    assert "ideal = an infinite cache" in " ".join(done.stdout.split())
 
 
 
@@ -221,3 +227,34 @@ def test_hash_convention_flag(write_trace: TraceWriter, tmp_path: Path,
                            "--hash-convention", "floor", *FAST], capsys)
     assert code == 0, err
     assert "arrival order" in out
+
+
+def test_the_plot_of_a_short_replay_reads_right(write_trace: TraceWriter) -> None:
+    """Issue 20: "one window of 1 requests", and the legend over the lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvtier.cli.replay import replay_all, replay_options
+    from kvtier.replay.reader import read_trace
+    from kvtier.replay.report import plot_figure
+    from kvtier.replay.results import ReplayReport
+    from kvtier.replay.strategies import Strategy
+
+    trace = read_trace(str(write_trace([full([0, 1]), full([0, 1, 2])])))
+    args = cli._build_parser().parse_args(["replay", *FAST])
+    options = replay_options(args)
+    results = replay_all(trace, options, [Strategy.KVTIER], False, None)
+    report = ReplayReport(trace_source="t", trace_sha256="0" * 64, results=results,
+                          validation=None, validation_note="n/a", settings={})
+    figure = plot_figure(report, plt)
+    try:
+        axis = figure.axes[0]
+        label = axis.get_xlabel()
+        assert "1 requests" not in label and "1 windows" not in label, label
+        figure.canvas.draw()
+        legend = axis.get_legend().get_window_extent()
+        assert not legend.overlaps(axis.get_window_extent())  # beside the lines, never on them
+    finally:
+        plt.close(figure)

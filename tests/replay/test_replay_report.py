@@ -66,7 +66,7 @@ def _render(report: ReplayReport) -> str:
 
 def test_tables_show_every_tier_next_to_the_ideal() -> None:
     text = _render(_report(_result()))
-    for expected in ("GPU", "CPU", "redis", "all tiers", "ideal (infinite cache)",
+    for expected in ("GPU", "CPU", "redis", "all tiers", "│ ideal ",
                      "0.6000",  # all tiers: 6 / 10
                      "0.3000",  # redis block hit ratio
                      "0.000106",  # redis GB/s over its I/O time: 53248 B / 0.5 s

@@ -5,7 +5,15 @@ from __future__ import annotations
 import time
 
 from kvtier.primary import PrimaryPool
-from kvtier.tiering.events import PRIMARY, BlockRemoved, BlockStored, Counters, EventLog, StoreShed
+from kvtier.tiering.events import (
+    PRIMARY,
+    BlockReadmitted,
+    BlockRemoved,
+    BlockStored,
+    Counters,
+    EventLog,
+    StoreShed,
+)
 from kvtier.tiering.pins import PinLedger
 from kvtier.tiering.tier import JobKind
 from kvtier.tiering.writeback import Backlog, WriteBack
@@ -70,7 +78,7 @@ def test_readmit_restores_the_copy_into_a_slot() -> None:
     writeback.readmit(k(1), reservation.slot, bytes([3]) * BLOCK)
     assert pool.is_resident(k(1)) and bytes(pool.view(reservation.slot)) == bytes([3]) * BLOCK
     assert counters.copies_readmitted == 1 and counters.hits == 1
-    assert events.take() == [BlockStored((k(1),), PRIMARY)]
+    assert events.take() == [BlockStored((k(1),), PRIMARY), BlockReadmitted((k(1),), PRIMARY)]
 
 
 def test_evicting_a_written_block_only_counts_it() -> None:

@@ -16,7 +16,6 @@ Options come from keyword arguments or from the URL's query string (not both for
 
 from __future__ import annotations
 
-import enum
 import logging
 import urllib.parse
 from collections.abc import Mapping
@@ -30,6 +29,8 @@ from kvtier.backends.base import (
     BackendUnavailableError,
     Buffer,
     Fetched,
+    NoTierError,
+    OpenMode,
     Outcome,
     RateLimitedLog,
     StoredFrame,
@@ -68,6 +69,7 @@ __all__ = [
     "Fetched",
     "FunctionKind",
     "InventoryUnsupportedError",
+    "NoTierError",
     "OpenMode",
     "Outcome",
     "RateLimitedLog",
@@ -109,9 +111,17 @@ def _scheme_of(url: str) -> str:
     if not separator or not scheme:
         raise ValueError(
             f"backend URL {redact_url(url)!r} has no scheme; expected one of "
-            f"{[s + '://' for s in registered_schemes()]}"
+            f"{[s + '://' for s in registered_schemes()]}{path_hint(url)}"
         )
     return scheme.lower()
+
+
+def path_hint(url: str) -> str:
+    """``"; did you mean file:///abs/dir?"`` for a URL that is a bare absolute path (a file
+    tier meant), else ``""``."""
+    if not url.startswith("/") or "://" in url:
+        return ""
+    return f"; did you mean {redact_url('file://' + urllib.parse.quote(url))}?"
 
 
 def kind_of(url: str) -> BackendKind:
@@ -126,22 +136,15 @@ def kind_of(url: str) -> BackendKind:
         ) from None
 
 
-class OpenMode(enum.Enum):
-    """What an opened backend is for."""
-
-    READ_WRITE = "read-write"
-    """Storing blocks: the namespace manifest is written next to them (see kvtier.ops.inventory)."""
-    INSPECT = "inspect"
-    """Looking only (``kvtier inspect``): nothing is written to the medium at open."""
-
-
 def open_backend(
     url: str, namespace: Namespace, *, mode: OpenMode = OpenMode.READ_WRITE, **options: Any
 ) -> Backend:
     """Open the backend named by ``url`` for blocks of ``namespace``.
 
     With ``mode=OpenMode.READ_WRITE`` (the default) the namespace manifest is written to the
-    medium, so that ``kvtier usage`` can name the model of every stored digest.
+    medium, so that ``kvtier usage`` can name the model of every stored digest. With
+    ``OpenMode.READ_ONLY`` nothing is created or written at open (no directory, no manifest),
+    and a medium that is not there raises :class:`NoTierError`.
 
     Raises ``ValueError`` naming the bad part of the URL or the unknown option, and
     ``TypeError`` for arguments of the wrong type.
@@ -151,7 +154,8 @@ def open_backend(
     if not isinstance(namespace, Namespace):
         raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
     kind = kind_of(url)
-    backend = kind.open(url, namespace, dict(options))
+    backend = (kind.open(url, namespace, dict(options)) if mode is OpenMode.READ_WRITE
+               else kind.open_read_only(url, namespace, dict(options)))
     if not isinstance(backend, Backend):
         raise TypeError(f"the {_scheme_of(url)}:// kind returned {type(backend).__name__}, "
                         "not a kvtier Backend")

@@ -60,6 +60,8 @@ __all__ = [
     "Buffer",
     "Fetched",
     "Lifecycle",
+    "NoTierError",
+    "OpenMode",
     "Outcome",
     "RateLimitedLog",
     "StoredFrame",
@@ -81,6 +83,22 @@ class BackendUnavailableError(KvtierError, RuntimeError):
     ``exists`` turns such keys into False; ``probe`` raises instead, so that a lookup manager can
     tell "absent" from "unknown": unknown answers are never cached and feed its circuit breaker.
     """
+
+
+class OpenMode(enum.Enum):
+    """What an opened backend is for."""
+
+    READ_WRITE = "read_write"
+    """Storing blocks: the namespace manifest is written next to them (see kvtier.ops.inventory)."""
+    READ_ONLY = "read_only"
+    """Looking only (``kvtier inspect``): nothing is created or written on the medium at open,
+    and a medium that is not there raises :class:`NoTierError` instead of being created."""
+    INSPECT = "read_only"  # the old name of READ_ONLY (an alias: the same member)
+
+
+class NoTierError(KvtierError, LookupError):
+    """A read-only open or listing found no tier at the URL (a file tier's root directory is
+    missing or not a directory): nothing there was ever stored, and nothing was created."""
 
 
 class Outcome(enum.Enum):

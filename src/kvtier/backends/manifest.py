@@ -44,6 +44,11 @@ class NamespaceUsage:
     modification time; S3: ``LastModified``). Redis keeps no write time, so there they are the
     least and most recent *access* times (``OBJECT IDLETIME``), or None where the server's
     eviction policy does not track idle time.
+
+    ``bytes`` are the stored frames (payload and frame header: what the backend reads back).
+    ``disk_bytes`` is what the medium allocates for the namespace where its kind can tell (file:
+    the allocated blocks of every file and directory under the namespace directory, as ``du``
+    counts them), None where it cannot (Redis, S3).
     """
 
     digest: str
@@ -52,6 +57,7 @@ class NamespaceUsage:
     bytes: int = 0
     oldest: float | None = None
     newest: float | None = None
+    disk_bytes: int | None = None
 
     @property
     def model(self) -> str:
@@ -64,6 +70,10 @@ class NamespaceUsage:
         if when is not None:
             self.oldest = when if self.oldest is None else min(self.oldest, when)
             self.newest = when if self.newest is None else max(self.newest, when)
+
+    def add_disk(self, allocated: int) -> None:
+        """Count ``allocated`` bytes of the medium (a file's or directory's blocks)."""
+        self.disk_bytes = (self.disk_bytes or 0) + allocated
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "model": self.model}

@@ -62,6 +62,13 @@ class BackendKind(abc.ABC):
     def open(self, url: str, namespace: Namespace, options: dict[str, Any]) -> Backend:
         """A backend for ``namespace`` at ``url``; ``ValueError`` names a bad URL or option."""
 
+    def open_read_only(self, url: str, namespace: Namespace, options: dict[str, Any]) -> Backend:
+        """Like :meth:`open`, but creating nothing on the medium (``OpenMode.READ_ONLY``);
+        raises :class:`~kvtier.backends.base.NoTierError` when there is no tier at ``url``.
+        The default is :meth:`open`, for media whose open creates nothing (the manifest is
+        written by ``open_backend``, and only for writing)."""
+        return self.open(url, namespace, options)
+
     def parse_url(self, url: str, options: Mapping[str, Any]) -> dict[str, Any]:
         """Validate ``url`` and ``options`` without touching the medium: the parsed options."""
         from kvtier.backends import split_url_options
@@ -93,11 +100,13 @@ UrlCheck = Callable[[str, dict[str, Any]], object]
 class FunctionKind(BackendKind):
     """A kind declared from functions: how each built-in medium declares its kind in one
     statement. ``url_check(url, options)`` validates without touching the medium (it raises
-    ``ValueError``); without it the settings table does."""
+    ``ValueError``); without it the settings table does. ``read_only_opener`` opens without
+    creating anything (a medium whose ``opener`` creates directories needs one)."""
 
     def __init__(self, schemes: tuple[str, ...], settings: SettingsTable, opener: BackendFactory,
                  *, remote: bool, lister: Lister | None = None, deleter: Deleter | None = None,
-                 url_check: UrlCheck | None = None) -> None:
+                 url_check: UrlCheck | None = None,
+                 read_only_opener: BackendFactory | None = None) -> None:
         self.schemes = schemes
         self.remote = remote
         self._settings = settings
@@ -105,6 +114,7 @@ class FunctionKind(BackendKind):
         self._lister = lister
         self._deleter = deleter
         self._url_check = url_check
+        self._read_only_opener = read_only_opener
 
     @property
     def settings(self) -> SettingsTable:
@@ -112,6 +122,10 @@ class FunctionKind(BackendKind):
 
     def open(self, url: str, namespace: Namespace, options: dict[str, Any]) -> Backend:
         return self._opener(url, namespace, options)
+
+    def open_read_only(self, url: str, namespace: Namespace, options: dict[str, Any]) -> Backend:
+        opener = self._read_only_opener or self._opener
+        return opener(url, namespace, options)
 
     def parse_url(self, url: str, options: Mapping[str, Any]) -> dict[str, Any]:
         if self._url_check is None:

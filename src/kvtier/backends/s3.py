@@ -16,9 +16,9 @@ Threads and the state they own:
 - ``_stats`` (:class:`BackendStats`), ``_warn`` (:class:`RateLimitedLog`) and ``_lifecycle``
   carry their own locks and are shared by both.
 
-Put-if-absent: by default every PUT carries ``If-None-Match: *`` (``put_mode=if-none-match``);
+Put-if-absent: by default every PUT carries ``If-None-Match: *`` (``put_mode=if_none_match``);
 the store answers 412 when the object exists, so an existing block is never overwritten, even
-by two writers racing. For stores without conditional writes, ``put_mode=head-then-put`` does a
+by two writers racing. For stores without conditional writes, ``put_mode=head_then_put`` does a
 HEAD and PUTs only on 404. That leaves a window in which two writers can both see 404 and both
 PUT; the later PUT replaces the earlier one. Keys are content hashes, so both carry the same
 block and a reader sees one whole frame or the other (S3 PUTs are atomic); nothing corrupt can
@@ -104,10 +104,10 @@ _ALREADY_EXISTS = (AlreadyExistsError, PreconditionError)
 class PutMode(enum.Enum):
     """How ``put_many`` keeps an existing object from being overwritten."""
 
-    IF_NONE_MATCH = "if-none-match"
+    IF_NONE_MATCH = "if_none_match"
     """One conditional PUT (``If-None-Match: *``); race-free. Needs store support."""
 
-    HEAD_THEN_PUT = "head-then-put"
+    HEAD_THEN_PUT = "head_then_put"
     """HEAD, then a plain PUT on 404; a racing writer may replace an identical block."""
 
 
@@ -121,7 +121,7 @@ SETTINGS = SettingsTable("s3 backend", (
             maximum=MAX_TIMEOUT_S, help="per request, retries included"),
     Setting("put_mode", Kind.CHOICE, PutMode.IF_NONE_MATCH.value,
             choices=tuple(mode.value for mode in PutMode),
-            help="if-none-match (conditional PUT, race-free) or head-then-put"),
+            help="if_none_match (conditional PUT, race-free) or head_then_put"),
     *COMMON_SETTINGS,
 ))
 
@@ -638,7 +638,7 @@ def parse_s3_url(url: str, options: dict[str, Any]) -> S3Settings:
     Options (query string or keyword, not both): ``endpoint_url`` (``http(s)://host[:port]``,
     default AWS), ``region``, ``max_concurrency`` (requests in flight, default 32),
     ``timeout_s`` (per request, retries included, default 5), ``put_mode``
-    (``if-none-match`` or ``head-then-put``).
+    (``if_none_match`` or ``head_then_put``; the older ``if-none-match`` spellings work too).
     """
     try:
         parts, merged = split_url_options(url, options)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
@@ -76,6 +75,8 @@ from kvtier.bench.serve_report import (
     kvtier_loaded_blocks,
     kvtier_stored_blocks,
     metrics_delta,
+    outcome_lines,
+    outcome_sheets,
     outputs_match,
     plot_cdf,
     summarize,
@@ -367,6 +368,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the report gives per-config medians (default 1)")
     parser.add_argument("--json", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, help="write a TTFT CDF per config (PNG)")
+    from kvtier.cli.output import add_format_option
+
+    add_format_option(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
@@ -418,6 +422,18 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def print_outcome(args: argparse.Namespace, report: Mapping[str, Any],
+                  results: Mapping[str, ConfigResult]) -> None:
+    """The results on stdout in ``--format`` (the JSON is what ``--json FILE`` writes)."""
+    from kvtier.cli.output import Output
+
+    Output.for_args(args).emit(
+        tables=lambda: [format_table(results), *outcome_lines(report)],
+        sheets=lambda: outcome_sheets(report, results),
+        document=lambda: report,
+    )
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
@@ -427,16 +443,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"kvtier bench serve: {exc}", file=sys.stderr)
         return 1
     results: dict[str, ConfigResult] = report.pop("_results")
-    print(format_table(results))
-    for row in report["targets"]:
-        if math.isnan(row["measured"]):
-            print(f"target {row['target']}: not measured (a configuration was not run)")
-            continue
-        verdict = "met" if row["met"] else "MISSED"
-        print(f"target {row['target']}: {row['measured']:.3f} (<= {row['limit']}) {verdict}")
-    for pair, same in report["outputs_match"].items():
-        if same is not None:
-            print(f"outputs {pair}: {'identical' if same else 'DIFFERENT'}")
+    print_outcome(args, report, results)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
     if args.plot:

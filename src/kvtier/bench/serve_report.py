@@ -19,6 +19,7 @@ from kvtier.bench.serve_config import (
     ServeBenchError,
 )
 from kvtier.replay.stats import Interpolation, percentile
+from kvtier.text import Sheet
 
 # -- summary -------------------------------------------------------------------------------
 
@@ -85,6 +86,40 @@ def format_table(results: Mapping[str, ConfigResult]) -> str:
     lines.append("TTFT p50 ratios: /pc vs prefix-cache-only, /fs vs vllm-fs; cached = prompt "
                  "tokens from any cache; kvtier = blocks kvtier loaded (measured pass)")
     return "\n".join(lines)
+
+
+def outcome_lines(report: Mapping[str, Any]) -> list[str]:
+    """Each target met or missed, and whether the outputs matched (below the table)."""
+    lines = []
+    for row in report["targets"]:
+        if math.isnan(row["measured"]):
+            lines.append(f"target {row['target']}: not measured (a configuration was not run)")
+            continue
+        verdict = "met" if row["met"] else "MISSED"
+        lines.append(f"target {row['target']}: {row['measured']:.3f} (<= {row['limit']}) "
+                     f"{verdict}")
+    for pair, same in report["outputs_match"].items():
+        if same is not None:
+            lines.append(f"outputs {pair}: {'identical' if same else 'DIFFERENT'}")
+    return lines
+
+
+_CONFIG_COLUMNS = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "throughput_req_s",
+                   "requests", "failed", "cached_prompt_tokens", "prompt_tokens", "startup_s")
+
+
+def outcome_sheets(report: Mapping[str, Any],
+                   results: Mapping[str, ConfigResult]) -> list[Sheet]:
+    """The ``--format plain`` tables: configurations, targets, output comparisons."""
+    configs = Sheet(("config", *_CONFIG_COLUMNS, "kvtier_loaded_blocks", "kvtier_stored_blocks"),
+                    tuple((name, *(getattr(result, column) for column in _CONFIG_COLUMNS),
+                           kvtier_loaded_blocks(result), kvtier_stored_blocks(result))
+                          for name, result in results.items()))
+    goals = Sheet(("target", "measured", "limit", "met"),
+                  tuple((row["target"], None if math.isnan(row["measured"]) else row["measured"],
+                         row["limit"], row["met"]) for row in report["targets"]))
+    outputs = Sheet(("pair", "identical"), tuple(report["outputs_match"].items()))
+    return [configs, goals, outputs]
 
 
 def targets(results: Mapping[str, ConfigResult]) -> list[dict[str, Any]]:

@@ -5,9 +5,11 @@ One module per command (:mod:`~kvtier.cli.replay`, :mod:`~kvtier.cli.inspect`,
 ``register(commands)`` that adds its sub-parser (and sets ``run``); :mod:`~kvtier.cli.common`
 holds what they share.
 
-Exit codes: 0 success; 1 the run failed (a byte mismatch, a stuck request, a backend or
-validation failure, a tier that failed for most of the run, an ``inspect`` check that could not
-be answered); 2 bad arguments or bad input (message names the bad value); 128 + N when signal
+Exit codes: 0 success (a purge declined at its prompt too: nothing removed); 1 the run failed (a
+byte mismatch, a stuck request, a backend or validation failure, a tier that failed for most of
+the run, an ``inspect`` check that could not be answered, no tier at the URL given to
+``inspect``, ``usage`` or ``purge``); 2 bad arguments or bad input (one line naming the bad
+value, then where the usage is); 128 + N when signal
 N (SIGINT 130, SIGTERM 143, SIGHUP 129) stopped the command after cleaning up (see
 :mod:`kvtier.cli.signals`). No message ever shows a password or key given in a URL
 (:mod:`kvtier.cli.scrub`).

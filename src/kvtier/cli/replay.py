@@ -22,12 +22,15 @@ from kvtier.cli.common import (
     REPLAY_MODEL,
     UsageError,
     add_stack_options,
+    choice,
+    generated_sessions,
     int_at_least,
     redact,
     speed_factor,
     step_ms,
     ttl_seconds,
 )
+from kvtier.cli.output import Output, add_format_option
 
 DEFAULT_TRACE_REQUESTS = 3_000
 """Requests of the bundled conversation trace replayed when no trace is given."""
@@ -54,8 +57,9 @@ def register(commands: Any) -> None:
     add_stack_options(replay)
     replay.add_argument("--instances", type=int_at_least(1), default=1, metavar="N",
                         help="engines sharing the secondary tiers (default 1)")
-    replay.add_argument("--route", choices=("round-robin", "hash"), default="round-robin",
-                        help="how requests are spread over instances (default round-robin)")
+    replay.add_argument("--route", type=choice, choices=("round_robin", "hash"),
+                        default="round_robin",
+                        help="how requests are spread over instances (default round_robin)")
     replay.add_argument("--speed", type=speed_factor, default=None, metavar="X",
                         help="replay arrivals at X times real time (default: as fast as "
                              "possible, in arrival order)")
@@ -70,21 +74,24 @@ def register(commands: Any) -> None:
                              "0 = no pause)")
     replay.add_argument("--trace-block-tokens", type=int_at_least(1), default=512, metavar="N",
                         help="tokens per hash id in the trace (default 512)")
-    replay.add_argument("--hash-convention", choices=("auto", "ceil", "floor"), default="auto",
+    replay.add_argument("--hash-convention", type=choice, choices=("auto", "ceil", "floor"),
+                        default="auto",
                         help="hash ids per prompt: ceil = the partial last block is hashed "
                              "(Mooncake), floor = only full blocks (vLLM), auto = either, line "
                              "by line (default auto; the report says which it found)")
     replay.add_argument("--seed", type=int_at_least(0), default=0, metavar="N",
                         help="seed of builtin:agentic and of the session interleaving of a "
                              "directory of session files (default 0)")
+    replay.add_argument("--sessions", type=generated_sessions, default=None, metavar="N",
+                        help="sessions of builtin:agentic (default 8; 1 to 10,000)")
     replay.add_argument("--max-requests", type=int_at_least(1), default=None, metavar="N",
                         help="replay only the first N requests")
     replay.add_argument("--skip-bad-lines", action="store_true",
                         help="skip malformed trace lines (counted in the report) instead of "
                              "failing")
-    replay.add_argument("--eviction-policy", choices=("lru", "arc"), default="lru",
+    replay.add_argument("--eviction-policy", type=choice, choices=("lru", "arc"), default="lru",
                         help="eviction policy of the CPU pool (default lru)")
-    replay.add_argument("--write-policy", choices=("write_through", "write_back"),
+    replay.add_argument("--write-policy", type=choice, choices=("write_through", "write_back"),
                         default="write_through",
                         help="write each stored block to the secondary tiers at once "
                              "(write_through, the default) or when the CPU pool evicts it")
@@ -97,8 +104,10 @@ def register(commands: Any) -> None:
     replay.add_argument("--scratch-dir", default=None, metavar="DIR",
                         help="parent of the default file tier's temporary directory (default: "
                              "/dev/shm when it has room, else the system temporary directory)")
+    add_format_option(replay)
     replay.add_argument("--json", type=Path, default=None, metavar="FILE",
-                        help="write every number as JSON")
+                        help="also write every number as JSON to FILE (the document --format "
+                             "json prints)")
     replay.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                         help="plot hit ratio over time per tier (needs kvtier[plot])")
     replay.add_argument("--no-progress", action="store_true", help="no live progress bar")
@@ -116,10 +125,13 @@ def register(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvtier.config import ConfigError
     from kvtier.replay.errors import ReplayError
-    from kvtier.replay.report import ReportError, print_report, write_json, write_plot
+    from kvtier.replay.report import ReportError, report_json, report_tables, write_json, write_plot
     from kvtier.replay.results import ReplayReport
     from kvtier.replay.strategies import Strategy
+    from kvtier.replay.summary import report_sheets
 
+    common.check_output_file("--json", args.json)
+    common.check_output_file("--plot", args.plot)
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -130,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
             ) from None
     common.check_memory(args)
     trace = _load_trace(args)
-    console = common.console()
+    out = Output.for_args(args)
+    console = out.notes  # progress and messages; the report goes to stdout in every format
     strategies = list(Strategy) if args.compare else [Strategy.KVTIER]
     validation, note = _validation_for(trace)
     with _scratch_for(args, trace) as scratch:
@@ -154,14 +167,15 @@ def run(args: argparse.Namespace) -> int:
         validation_note=note,
         settings=_settings(args, options),
     )
-    print_report(report, console)
+    out.emit(tables=lambda: report_tables(report, out.console.width),
+             sheets=lambda: report_sheets(report), document=lambda: report_json(report))
     try:
         if args.json is not None:
             write_json(report, args.json)
-            console.print(f"JSON report written to {args.json}")
+            out.note(f"JSON report written to {args.json}")
         if args.plot is not None:
             write_plot(report, args.plot)
-            console.print(f"plot written to {args.plot}")
+            out.note(f"plot written to {args.plot}")
     except ReportError as exc:
         print(f"kvtier replay: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -235,6 +249,7 @@ def _settings(args: argparse.Namespace, options: Any) -> dict[str, Any]:
     settings["max_requests"] = args.max_requests
     settings["hash_convention"] = getattr(args, "hash_convention", "auto")
     settings["seed"] = getattr(args, "seed", 0)
+    settings["sessions"] = getattr(args, "sessions", None)
     return settings
 
 
@@ -243,6 +258,10 @@ def _load_trace(args: argparse.Namespace) -> Any:
     from kvtier.replay.trace import TraceFormatError
 
     source = args.trace or DEFAULT_TRACE
+    sessions = getattr(args, "sessions", None)
+    if sessions is not None and source != "builtin:agentic":
+        raise UsageError(f"--sessions {sessions} applies to builtin:agentic only (a generated "
+                         f"trace); {source!r} has its own sessions")
     max_requests = args.max_requests
     if args.trace is None and max_requests is None:
         max_requests = DEFAULT_TRACE_REQUESTS
@@ -254,9 +273,12 @@ def _load_trace(args: argparse.Namespace) -> Any:
             max_requests=max_requests,
             hash_convention=getattr(args, "hash_convention", "auto"),
             seed=getattr(args, "seed", 0),
+            sessions=sessions,
         )
     except TraceFormatError as exc:
-        hint = "" if args.skip_bad_lines or exc.line is None else (
+        from kvtier.replay.trace import EXPECTED_FORMAT
+
+        hint = "" if args.skip_bad_lines or exc.line is None or EXPECTED_FORMAT in str(exc) else (
             " (use --skip-bad-lines to skip malformed lines)"
         )
         raise UsageError(f"bad trace: {exc}{hint}") from None
@@ -295,7 +317,7 @@ def replay_options(args: argparse.Namespace, **extra: Any) -> Any:
                 _with_ttl(url, getattr(args, "ttl_s", DEFAULT_REPLAY_TTL_S)) for url in args.tiers
             ),
             instances=getattr(args, "instances", 1),
-            route=Route(getattr(args, "route", "round-robin")),
+            route=Route(choice(getattr(args, "route", "round_robin"))),
             speed=getattr(args, "speed", None),
             max_running=getattr(args, "max_running", 32),
             gpu_blocks=args.gpu_blocks,
@@ -341,7 +363,9 @@ def _replay_each(trace: Any, options: Any, strategies: Sequence[Any], show_progr
 
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=console, disable=not show_progress, transient=True,
+        # Off when its console is not a terminal: a pipe or a log would get a stray empty line.
+        TimeElapsedColumn(), console=console, transient=True,
+        disable=not show_progress or not console.is_terminal,
     ) as progress:
         for strategy in strategies:
             task = progress.add_task(f"replay ({strategy.value})", total=len(trace.requests))
@@ -405,12 +429,14 @@ def after_replay(options: Any, console: Any, keep: bool) -> None:
             if keep:
                 expiry = ("they expire after their ttl_s" if url.startswith("redis")
                           else "they have no expiry")
-                console.print(
-                    f"kept {blocks:,} blocks ({size}) in {shown} ({expiry}); remove them with "
-                    f"`kvtier purge URL --namespace revision=REV` (revisions "
-                    f"{escape(', '.join(printable(i.fields['revision']) for i in found))})",
-                    soft_wrap=True)
+                revisions = sorted(printable(i.fields["revision"]) for i in found)
+                console.print(escape(
+                    f"kept {blocks:,} blocks ({size}) in {shown} ({expiry})"
+                    + ("; remove them with:\n  " + "\n  ".join(common.purge_commands(
+                        url, revisions)) if revisions else "")), soft_wrap=True)
                 continue
+            if not found:
+                continue  # nothing stored (a run that failed at open): nothing to report
             delete(url, found)
         except (InventoryError, MediumError) as exc:
             print(f"kvtier: warning: could not remove the replay's blocks from {shown}: {exc}",

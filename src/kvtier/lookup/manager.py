@@ -609,9 +609,16 @@ class AsyncLookupManager(abc.ABC):
                 self._keys.release(state)
 
     def _expire_timed_out(self, now: float) -> None:
-        """Resolve False every probe whose batch passed its deadline (batches are in order)."""
+        """Resolve False every probe whose batch passed its deadline (batches are in order) -
+        unless the worker is still making progress: a backend call started less than
+        ``probe_timeout_s`` ago means the batches behind it are queued, not lost, and they wait
+        (back-pressure, counted in ``probes_delayed``); only a call that runs past the timeout
+        (a stuck or dead backend) times them out and feeds the breaker."""
         inflight = self._inflight_batches
         if not inflight or next(iter(inflight.values())).deadline > now:
+            return
+        if self._worker.is_progressing(now, self._probe_timeout_s):
+            self._counters.probes_delayed += 1
             return
         expired: list[int] = []
         for batch_id, batch in inflight.items():

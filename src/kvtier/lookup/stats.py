@@ -24,7 +24,9 @@ class LookupStats:
     ``stale_results_dropped``: answers for a superseded generation or a timed-out batch.
     ``orphans_reclaimed``: answers nobody waited for any more (state deleted, verdict cached).
     ``probe_errors`` / ``probe_timeouts``: keys (not calls) resolved False by a fault / a
-    timeout. ``failed_calls``: failed calls plus timed-out batches. ``breaker_short_circuits``:
+    timeout. ``probes_delayed``: checks that found batches past their deadline behind a worker
+    still making progress (a slow queue waits; only a call stuck past the timeout times out).
+    ``failed_calls``: failed calls plus timed-out batches. ``breaker_short_circuits``:
     keys answered False because the breaker was open. ``breaker_opens``: transitions to OPEN.
     ``invariant_violations``: broken internal invariants (each also logged; the safe verdict is
     kept). ``cached_verdicts``, ``quarantined_keys``, ``inflight_batches``: current sizes.
@@ -40,6 +42,7 @@ class LookupStats:
     orphans_reclaimed: int = 0
     probe_errors: int = 0
     probe_timeouts: int = 0
+    probes_delayed: int = 0
     failed_calls: int = 0
     breaker_short_circuits: int = 0
     breaker_opens: int = 0

@@ -1,6 +1,9 @@
 """The lookup manager's probe worker: one daemon thread that calls ``batch_lookup``.
 
 Owner threads: the worker thread owns only its local variables and its rate-limited error logs.
+``busy_since`` (the clock reading when the batch in progress started, None while idle) is
+written only by the worker and read by the scheduler thread, which uses it to tell a slow queue
+(back-pressure: probes wait their turn) from a stuck backend call (a fault: they time out).
 The scheduler thread puts :class:`ProbeBatch` items on ``_requests`` (via :meth:`submit`) and
 reads :class:`ProbeResult` items from ``results``; both are ``queue.SimpleQueue``, one producer
 and one consumer each. ``_posted`` (results posted so far) is guarded by ``_posted_cond``: the
@@ -72,7 +75,8 @@ class ProbeWorker:
     ``max_batch_keys``; every batch gets exactly one result, whatever the backend does."""
 
     __slots__ = ("_batch_lookup", "_clock", "_lookup_scope", "_max_batch_keys", "_posted",
-                 "_posted_cond", "_requests", "_stop", "_tier", "results", "thread")
+                 "_posted_cond", "_requests", "_stop", "_tier", "busy_since", "results",
+                 "thread")
 
     def __init__(self, tier_name: str, batch_lookup: BatchLookup, lookup_scope: LookupScope,
                  max_batch_keys: int, clock: Callable[[], float]) -> None:
@@ -86,6 +90,7 @@ class ProbeWorker:
         self._stop = threading.Event()
         self._posted_cond = threading.Condition()
         self._posted = 0
+        self.busy_since: float | None = None
         self.thread = threading.Thread(target=self._run, name=f"kvtier-lookup-{tier_name}",
                                        daemon=True)
         self.thread.start()
@@ -97,6 +102,14 @@ class ProbeWorker:
         """Block at most ``timeout`` s until ``count`` results were posted in all."""
         with self._posted_cond:
             return self._posted_cond.wait_for(lambda: self._posted >= count, timeout)
+
+    def is_progressing(self, now: float, timeout_s: float) -> bool:
+        """Alive and not inside a backend call older than ``timeout_s``: batches past their
+        deadline are waiting their turn (or for the interpreter lock), not lost."""
+        busy_since = self.busy_since
+        if busy_since is not None:
+            return now - busy_since < timeout_s
+        return self.thread.is_alive()
 
     def stop(self, timeout: float | None) -> bool:
         """Stop after the call in progress (waiting up to ``timeout`` s); True when it stopped."""
@@ -111,6 +124,7 @@ class ProbeWorker:
             batch = self._requests.get()
             if batch is None or self._stop.is_set():
                 return
+            self.busy_since = self._safe_now()
             try:
                 result = self._probe(batch, logs)
             except BaseException as exc:  # the worker survives everything, even odd scopes
@@ -121,6 +135,7 @@ class ProbeWorker:
                     [(key, generation, False, False) for key, generation, _ in batch.entries],
                     [False], len(batch.entries), self._safe_now())
             self.results.put(result)
+            self.busy_since = None
             with self._posted_cond:
                 self._posted += 1
                 self._posted_cond.notify_all()

@@ -105,13 +105,15 @@ def usage(url: str, **options: Any) -> list[NamespaceUsage]:
     :class:`UsageError` for a bad URL or option, :class:`MediumError` when the medium cannot be
     listed.
     """
-    from kvtier.backends import redact_url
+    from kvtier.backends import NoTierError, redact_url
 
     module = _medium(url)
     try:
         found: list[NamespaceUsage] = module.list_namespaces(url, dict(options))
     except UsageError:
         raise
+    except NoTierError as exc:  # nothing there to list: the medium failed, not the arguments
+        raise MediumError(str(exc)) from None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     except Exception as exc:

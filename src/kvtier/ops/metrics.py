@@ -152,6 +152,9 @@ VOCABULARY: tuple[MetricSpec, ...] = (
              "lookup.probe_errors"),
     _counter("probe_timeout_keys", "Keys resolved absent because a probe timed out",
              "lookup.probe_timeouts"),
+    _counter("probe_delays", "Checks that found probes past their deadline queued behind a "
+             "probe call still in progress (back-pressure, not a fault)",
+             "lookup.probes_delayed"),
     _counter("breaker_opens", "Times the tier's circuit breaker opened", "lookup.breaker_opens"),
     # transfers
     _counter("load_jobs", "Load (promotion) jobs submitted", "counters.loads_submitted"),

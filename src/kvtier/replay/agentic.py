@@ -30,6 +30,7 @@ from kvtier.replay.trace import HashConvention, Trace, TraceRequest
 
 BLOCK_TOKENS = 64
 DEFAULT_SESSIONS = 8
+MAX_GENERATED_SESSIONS = 10_000  # about 600k requests: beyond it a run would not end today
 MAX_CONTEXT_TOKENS = 900_000
 TURNS = (45, 80)
 

@@ -59,6 +59,7 @@ from kvtier.replay.options import (
     CAUSAL_RULE,
     DEFAULT_GPU_BLOCKS,
     STORE_PATIENCE_STEPS,
+    PrefixLoading,
     ProgressCallback,
     ReplayOptions,
     Route,
@@ -77,6 +78,7 @@ __all__ = [
     "CAUSAL_RULE",
     "DEFAULT_GPU_BLOCKS",
     "STORE_PATIENCE_STEPS",
+    "PrefixLoading",
     "ReplayOptions",
     "Route",
     "default_scratch_dir",
@@ -254,6 +256,7 @@ class _Loop:
         self._window_ideal = 0
         self._started = time.monotonic()
         self._key_cache: dict[int, BlockKey] = {}
+        self.lost_hits: dict[str, int] = {}
 
     def _keys_for(self, record: TraceRequest) -> list[BlockKey]:
         cache = self._key_cache
@@ -328,6 +331,11 @@ class _Loop:
 
     def _on_scheduled(self, request: _Request, hits: dict[str, int]) -> None:
         self.scheduled += 1
+        got = sum(hits.values())
+        ideal = self.ideal[request.index][0]
+        if got < ideal:  # the prefix ended before the ideal's: say why
+            cause = self._route(request.index, request.record).loss_cause(request.keys[got])
+            self.lost_hits[cause] = self.lost_hits.get(cause, 0) + ideal - got
         window_hits = self._window_hits
         for tier, count in hits.items():
             window_hits[tier] = window_hits.get(tier, 0) + count
@@ -456,4 +464,14 @@ class _Loop:
             cascades_shed=sum(int(stats["manager"].get("cascades_shed", 0))
                               for stats in manager_stats),
             scheduler_s=sum(step_times),
+            hit_sources=_merged([c.hit_sources for c in counters]),
+            lost_hits=dict(sorted(self.lost_hits.items())),
         )
+
+
+def _merged(tables: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for table in tables:
+        for name, count in table.items():
+            total[name] = total.get(name, 0) + count
+    return dict(sorted(total.items()))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,11 +17,14 @@ import numpy as np
 
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.replay.errors import ReplayError, ReplayIntegrityError, ReplayStuckError
-from kvtier.replay.options import _KEY_PREFIX_BYTES, _PAYLOAD_SEED, ReplayOptions
+from kvtier.replay.options import _KEY_PREFIX_BYTES, _PAYLOAD_SEED, PrefixLoading, ReplayOptions
 from kvtier.replay.trace import TraceRequest
+from kvtier.tiering.plans import PrefixPiece
 
 if TYPE_CHECKING:
     from kvtier.tiering.manager import TieringManager
+
+_PIECES_PER_STEP = 4  # lookup_piece calls per request per step (a loaded piece makes room)
 
 
 class _Payloads:
@@ -63,7 +66,12 @@ class _Request:
     keys: list[BlockKey]
     arrival_s: float
     first_wait_wall: float | None = None
-    resident_at_first_ask: int | None = None
+    first_ask_seq: int | None = None  # the instance's event count at its first lookup
+    gpu_run: int | None = None  # its GPU prefix, fixed once it started loading in pieces
+    loaded: int = 0             # keys after the GPU prefix loaded so far (piece by piece)
+    sources: dict[str, int] = field(default_factory=dict)  # loaded blocks by cause
+    rows: dict[str, int] = field(default_factory=dict)     # loaded blocks by report row
+    row_tokens: dict[str, int] = field(default_factory=dict)
     steps_left: int = 0
     store_backlog: list[BlockKey] = field(default_factory=list)
     store_stalled_steps: int = 0
@@ -85,24 +93,74 @@ class _Counters:
     store_plans_refused: int = 0
     store_blocks_deferred: int = 0
     store_blocks_shed: int = 0
+    hit_sources: dict[str, int] = field(default_factory=dict)
 
 
-def _note_promotions(
-    events: Sequence[Any], tier_index: Mapping[str, int], promoted_from: dict[BlockKey, int]
-) -> None:
-    """Apply the manager's events, oldest first, to ``promoted_from``: ``key -> index of the
-    tier its latest promotion came from``, kept while the block stays in the primary pool."""
-    from kvtier.tiering.manager import PRIMARY, BlockPromoted, BlockRemoved
+GPU_SOURCE = "gpu"
+CPU_RESIDENT = "cpu_resident"
+COPY_READMITTED = "copy_readmitted"
+STORED_MEANWHILE = "stored_meanwhile"
+PROMOTED_PREFIX = "promoted."
+"""Where a hit block came from (``hit_sources``): the GPU prefix cache; the CPU pool, resident
+when the request first asked; a write-back copy re-admitted; a block another request stored
+after the first ask; a real load from a secondary tier (``promoted.<tier>``)."""
+
+
+def _apply_events(events: Sequence[Any], seq: int,
+                  sources: dict[BlockKey, tuple[str, int]]) -> None:
+    """Apply the manager's events, oldest first, to ``sources``: resident key -> (how it
+    entered the primary pool, the instance's event count then)."""
+    from kvtier.tiering.manager import (
+        PRIMARY,
+        BlockPromoted,
+        BlockReadmitted,
+        BlockRemoved,
+        BlockStored,
+    )
 
     for event in events:
         if isinstance(event, BlockPromoted):
-            index = tier_index.get(event.tier)
-            if index is not None:
+            cause = PROMOTED_PREFIX + event.tier
+        elif isinstance(event, BlockReadmitted):
+            cause = COPY_READMITTED
+        elif isinstance(event, BlockStored) and event.tier == PRIMARY:
+            cause = STORED_MEANWHILE
+        else:
+            if isinstance(event, BlockRemoved) and event.tier == PRIMARY:
                 for key in event.keys:
-                    promoted_from[key] = index
-        elif isinstance(event, BlockRemoved) and event.tier == PRIMARY:
-            for key in event.keys:
-                promoted_from.pop(key, None)
+                    sources.pop(key, None)
+            continue
+        for key in event.keys:
+            sources[key] = (cause, seq)
+
+
+NOT_FOUND = "not_found"
+NO_ROOM = "no_room"
+STORE_SHED = "store_shed"
+
+
+def _note_losses(events: Sequence[Any], lost: dict[BlockKey, str]) -> None:
+    """Remember the blocks a shed cascade or a failed load may have left in no tier."""
+    from kvtier.tiering.manager import PromotionFailed, StoreShed
+
+    for event in events:
+        if isinstance(event, StoreShed):
+            cause = "cascade_shed"
+        elif isinstance(event, PromotionFailed):
+            cause = "load_failed"
+        else:
+            continue
+        for key in event.keys:
+            lost[key] = cause
+
+
+def _row_of(cause: str) -> str:
+    """The report row a cause is counted in: the GPU, the CPU pool, or the tier it loaded."""
+    if cause == GPU_SOURCE:
+        return "GPU"
+    if cause.startswith(PROMOTED_PREFIX):
+        return cause[len(PROMOTED_PREFIX):]
+    return "CPU"
 
 
 class _Instance:
@@ -129,7 +187,10 @@ class _Instance:
         self.payloads = payloads
         self.tier_names = list(tier_names) or ["(none)"]
         self.tier_index = {name: index for index, name in enumerate(manager.tier_names)}
-        self.promoted_from: dict[BlockKey, int] = {}  # from the manager's BlockPromoted events
+        # resident key -> (cause, event count when it entered the pool), from the events
+        self.sources: dict[BlockKey, tuple[str, int]] = {}
+        self.event_seq = 0
+        self.lost_causes: dict[BlockKey, str] = {}  # why a block may be in no tier
         self.gpu: OrderedDict[BlockKey, None] = OrderedDict()
         self.waiting: list[_Request] = []
         self.running: list[_Request] = []
@@ -181,93 +242,168 @@ class _Instance:
                     did_work = True
             self.running = keep
         manager.on_schedule_end()
-        promoted_from = self.promoted_from
-        _note_promotions(manager.take_events(), self.tier_index, promoted_from)
-        if len(promoted_from) > manager.num_slots:  # only after dropped events: forget the gone
+        self._take_events()
+        sources = self.sources
+        if len(sources) > manager.num_slots:  # only after dropped events: forget the gone
             is_resident = manager.pool.is_resident
-            for key in [key for key in promoted_from if not is_resident(key)]:
-                del promoted_from[key]
+            for key in [key for key in sources if not is_resident(key)]:
+                del sources[key]
         self.step_times.append(time.perf_counter() - started - engine_time)
         return did_work
 
-    def _try_schedule(self, request: _Request) -> tuple[bool, float, dict[str, int]]:
-        """Schedule ``request`` if its lookups are answered; returns engine-side time spent."""
+    def _take_events(self) -> None:
+        events = self.manager.take_events()
+        if events:
+            self.event_seq += 1
+            _apply_events(events, self.event_seq, self.sources)
+            _note_losses(events, self.lost_causes)
+
+    def loss_cause(self, key: BlockKey) -> str:
+        """Why the prefix ended at ``key``, which the ideal cache holds: a shed store or
+        cascade, a failed load, no room to bring it in although a tier has it (``no_room``:
+        whole-prefix loading), or ``not_found`` (in no tier: evicted from a bounded one)."""
+        cause = self.lost_causes.get(key)
+        if cause is not None:
+            return cause
         manager = self.manager
-        counters = self.counters
-        keys = request.keys
+        if manager.pool.slot_of(key) is not None or any(
+                tier.backend.exists([key])[0] for tier in manager.tiers):
+            return NO_ROOM
+        return NOT_FOUND
+
+    def _gpu_run(self, request: _Request) -> int:
+        if request.gpu_run is not None:
+            return request.gpu_run
         gpu = self.gpu
-        gpu_run = 0
-        for key in keys:
+        run = 0
+        for key in request.keys:
             if key not in gpu:
                 break
-            gpu_run += 1
-        rest = keys[gpu_run:]
-        loadable = manager.lookup_prefix(rest, request.ctx) if rest else 0
-        if loadable is None:
-            now = time.monotonic()
-            if request.first_wait_wall is None:
-                request.first_wait_wall = now
-                request.resident_at_first_ask = manager.pool.resident_prefix_length(rest)
-                counters.requests_waited += 1
-            elif now - request.first_wait_wall > self.options.max_wait_s:
-                raise ReplayStuckError(
-                    f"request on trace line {request.record.line} waited "
-                    f"{now - request.first_wait_wall:.1f} s for lookups (max_wait_s "
-                    f"{self.options.max_wait_s}); the manager never answered"
-                )
-            counters.steps_waited += 1
-            return False, 0.0, {}
+            run += 1
+        return run
+
+    def _try_schedule(self, request: _Request) -> tuple[bool, float, dict[str, int]]:
+        """Schedule ``request`` once its prefix is loaded (piece by piece: each ready piece is
+        loaded into the request's GPU blocks at once); returns engine-side time spent."""
+        gpu_run = self._gpu_run(request)
+        if request.first_ask_seq is None:
+            request.first_ask_seq = self.event_seq
         engine_time = 0.0
-        record = request.record
-        block_tokens = self.block_tokens
-        hits: dict[str, int] = {"GPU": gpu_run}
-        counters.gpu_hits += gpu_run
-        counters.gpu_tokens += record.tokens_in_blocks(0, gpu_run, block_tokens)
-        if loadable:
-            resident = request.resident_at_first_ask
-            from_cpu = loadable if resident is None else min(resident, loadable)
-            loaded = rest[:loadable]
-            plan = manager.prepare_load(loaded, request.ctx)
-            if len(plan.slots) != len(loaded):
-                raise ReplayError(
-                    f"prepare_load returned {len(plan.slots)} slots for {len(loaded)} keys "
-                    f"(trace line {record.line})"
-                )
-            verify_started = time.perf_counter()
-            for position, (key, slot) in enumerate(zip(loaded, plan.slots, strict=True)):
-                if not self.payloads.matches(key, manager.primary_view(slot)):
-                    raise ReplayIntegrityError(
-                        f"instance {self.number}: block {gpu_run + position} "
-                        f"(hash id {record.hash_ids[gpu_run + position]}) of the request on "
-                        f"trace line {record.line} loaded from primary slot {slot} does not "
-                        f"hold the bytes stored under key {key.hex()}"
-                    )
-            engine_time += time.perf_counter() - verify_started
-            counters.verified_blocks += loadable
-            manager.touch(loaded, request.ctx)  # a use, for the primary's LRU / ARC
-            manager.complete_load(loaded, request.ctx)
-            counters.cpu_hits += from_cpu
-            hits["CPU"] = from_cpu
-            counters.cpu_tokens += record.tokens_in_blocks(
-                gpu_run, gpu_run + from_cpu, block_tokens
+        more = False
+        for _ in range(_PIECES_PER_STEP):
+            start = gpu_run + request.loaded
+            if start >= len(request.keys):
+                more = False
+                break
+            piece = self._next_piece(request.keys[start:], request.ctx)
+            self._take_events()
+            if piece.ready:
+                engine_time += self._load(request, start, piece.ready)
+            more = piece.more
+            if not (more and piece.ready):
+                break
+        if more:
+            if request.loaded:  # loading started: its GPU blocks, prefix hits included, are
+                request.gpu_run = gpu_run  # allocated to it from now on (as in vLLM)
+            self._note_wait(request)
+            return False, engine_time, {}
+        return True, engine_time + self._schedule(request, gpu_run), self._hits_of(request,
+                                                                                      gpu_run)
+
+    def _next_piece(self, keys: list[BlockKey], ctx: RequestContext) -> PrefixPiece:
+        if self.options.prefix_loading is PrefixLoading.PIECES:
+            return self.manager.lookup_piece(keys, ctx)
+        loadable = self.manager.lookup_prefix(keys, ctx)  # the whole prefix at once
+        return PrefixPiece(0, True) if loadable is None else PrefixPiece(loadable, False)
+
+    def _note_wait(self, request: _Request) -> None:
+        counters = self.counters
+        now = time.monotonic()
+        if request.first_wait_wall is None:
+            request.first_wait_wall = now
+            counters.requests_waited += 1
+        elif now - request.first_wait_wall > self.options.max_wait_s:
+            raise ReplayStuckError(
+                f"request on trace line {request.record.line} waited "
+                f"{now - request.first_wait_wall:.1f} s for lookups (max_wait_s "
+                f"{self.options.max_wait_s}); the manager never answered"
             )
-            counters.cpu_bytes_loaded += loadable * self.options.block_bytes
-            for position in range(from_cpu, loadable):
-                tier = self.tier_names[self.promoted_from.get(rest[position], 0)]
-                counters.secondary_hits[tier] += 1
-                hits[tier] = hits.get(tier, 0) + 1
-                absolute = gpu_run + position
-                counters.secondary_tokens[tier] += record.tokens_in_blocks(
-                    absolute, absolute + 1, block_tokens
+        counters.steps_waited += 1
+
+    def _load(self, request: _Request, start: int, count: int) -> float:
+        """Load ``count`` resident keys from position ``start`` (every byte verified), count
+        each by where it came from; returns the engine-side time spent verifying."""
+        manager = self.manager
+        record = request.record
+        loaded = request.keys[start : start + count]
+        plan = manager.prepare_load(loaded, request.ctx)
+        if len(plan.slots) != len(loaded):
+            raise ReplayError(
+                f"prepare_load returned {len(plan.slots)} slots for {len(loaded)} keys "
+                f"(trace line {record.line})"
+            )
+        verify_started = time.perf_counter()
+        for position, (key, slot) in enumerate(zip(loaded, plan.slots, strict=True)):
+            if not self.payloads.matches(key, manager.primary_view(slot)):
+                raise ReplayIntegrityError(
+                    f"instance {self.number}: block {start + position} "
+                    f"(hash id {record.hash_ids[start + position]}) of the request on "
+                    f"trace line {record.line} loaded from primary slot {slot} does not "
+                    f"hold the bytes stored under key {key.hex()}"
                 )
-        computed = rest[loadable:]
+        engine_time = time.perf_counter() - verify_started
+        manager.touch(loaded, request.ctx)  # a use, for the primary's LRU / ARC
+        manager.complete_load(loaded, request.ctx)
+        self.counters.verified_blocks += count
+        self.counters.cpu_bytes_loaded += count * self.options.block_bytes
+        first_seq = request.first_ask_seq or 0
+        sources = self.sources
+        for position, key in enumerate(loaded, start):
+            source = sources.get(key)
+            cause = CPU_RESIDENT if source is None or source[1] <= first_seq else source[0]
+            request.sources[cause] = request.sources.get(cause, 0) + 1
+            row = _row_of(cause)
+            request.rows[row] = request.rows.get(row, 0) + 1
+            request.row_tokens[row] = request.row_tokens.get(row, 0) + record.tokens_in_blocks(
+                position, position + 1, self.block_tokens)
+        request.loaded += count
+        return engine_time
+
+    def _hits_of(self, request: _Request, gpu_run: int) -> dict[str, int]:
+        hits = {"GPU": gpu_run}
+        hits.update(request.rows)
+        return hits
+
+    def _schedule(self, request: _Request, gpu_run: int) -> float:
+        """The request's prefix is loaded: count its hits, compute and store the rest, and
+        give it its GPU blocks; returns the engine-side time spent storing."""
+        counters = self.counters
+        record = request.record
+        counters.gpu_hits += gpu_run
+        counters.gpu_tokens += record.tokens_in_blocks(0, gpu_run, self.block_tokens)
+        sources = counters.hit_sources
+        if gpu_run:
+            sources[GPU_SOURCE] = sources.get(GPU_SOURCE, 0) + gpu_run
+        for cause, count in request.sources.items():
+            sources[cause] = sources.get(cause, 0) + count
+        for row, count in request.rows.items():
+            tokens = request.row_tokens.get(row, 0)
+            if row == "CPU":
+                counters.cpu_hits += count
+                counters.cpu_tokens += tokens
+            else:
+                counters.secondary_hits[row] = counters.secondary_hits.get(row, 0) + count
+                counters.secondary_tokens[row] = counters.secondary_tokens.get(row, 0) + tokens
+        engine_time = 0.0
+        computed = request.keys[gpu_run + request.loaded:]
         if computed:
             request.store_backlog = computed
             engine_time += self._store(request)
             counters.store_blocks_deferred += len(request.store_backlog)  # wait for slots
         capacity = self.gpu_blocks
         if capacity:
-            for key in keys:
+            gpu = self.gpu
+            for key in request.keys:
                 if key in gpu:
                     gpu.move_to_end(key)
                 else:
@@ -275,7 +411,7 @@ class _Instance:
                     if len(gpu) > capacity:
                         gpu.popitem(last=False)
         request.steps_left = 1 + -(-record.output_length // self.options.decode_tokens_per_step)
-        return True, engine_time, hits
+        return engine_time
 
     def _store(self, request: _Request) -> float:
         """Store what the pool can take of the request's computed blocks now (the rest stays in
@@ -299,5 +435,7 @@ class _Instance:
         request.store_backlog = deferred
         if deferred and request.store_stalled_steps >= self.options.store_patience_steps:
             counters.store_blocks_shed += len(deferred)  # really shed: counted and shown
+            for key in deferred:
+                self.lost_causes[key] = STORE_SHED
             request.store_backlog = []
         return engine_time

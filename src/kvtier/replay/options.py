@@ -24,8 +24,15 @@ _MAX_SPEED_SLEEP_S = 0.005
 class Route(enum.Enum):
     """How requests are spread over instances."""
 
-    ROUND_ROBIN = "round-robin"
+    ROUND_ROBIN = "round_robin"
     FIRST_BLOCK_HASH = "hash"
+
+
+class PrefixLoading(enum.Enum):
+    """How the simulated engine loads a request's prefix from the manager."""
+
+    PIECES = "pieces"  # lookup_piece: any length, a piece at a time (the default)
+    WHOLE = "whole"    # lookup_prefix: all at once, or up to where the pool's room ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +56,7 @@ class ReplayOptions:
     max_wait_s: float = 120.0
     timeline_windows: int = 100
     store_patience_steps: int = STORE_PATIENCE_STEPS
+    prefix_loading: PrefixLoading = PrefixLoading.PIECES
 
     def __post_init__(self) -> None:
         _require_int("instances", self.instances, 1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from kvtier.replay.agentic import generate_trace
+from kvtier.replay.agentic import DEFAULT_SESSIONS, MAX_GENERATED_SESSIONS, generate_trace
 from kvtier.replay.sessions import read_session_dir, session_document, sessions_to_trace
 from kvtier.replay.trace import (
     BUILTIN_GENERATED,
@@ -33,10 +33,13 @@ def read_trace(
     max_requests: int | None = None,
     hash_convention: HashConvention | str = HashConvention.AUTO,
     seed: int = 0,
+    sessions: int | None = None,
 ) -> Trace:
     """Read and validate a trace: Mooncake JSONL (plain, ``.gz`` or ``.xz``, or
     ``builtin:NAME``), a per-session JSON document, a directory of them, or ``builtin:agentic``
-    (generated with ``seed``; ``seed`` also orders the sessions of a directory).
+    (generated with ``seed`` and ``sessions``, default
+    :data:`~kvtier.replay.agentic.DEFAULT_SESSIONS`; ``seed`` also orders the sessions of a
+    directory; ``sessions`` applies to ``builtin:agentic`` only).
 
     A malformed line raises :class:`TraceFormatError` naming its line and field, or with
     ``skip_bad_lines`` is skipped and counted in ``Trace.skipped_lines``. Requests must be sorted
@@ -54,9 +57,18 @@ def read_trace(
             f"hash_convention must be one of {[c.value for c in HashConvention]}, "
             f"got {hash_convention!r}"
         ) from None
-    if source_name.startswith(BUILTIN_PREFIX) and source_name[len(BUILTIN_PREFIX):] in (
-            BUILTIN_GENERATED):
-        return _cut(generate_trace(seed=seed), max_requests)
+    generated = source_name.startswith(BUILTIN_PREFIX) and source_name[
+        len(BUILTIN_PREFIX):] in BUILTIN_GENERATED
+    if sessions is not None:
+        if not _is_int(sessions) or not 1 <= sessions <= MAX_GENERATED_SESSIONS:
+            raise ValueError(f"sessions must be an integer from 1 to "
+                             f"{MAX_GENERATED_SESSIONS:,}, got {sessions!r}")
+        if not generated:
+            raise ValueError(f"sessions applies to builtin:agentic only (a generated trace), "
+                             f"not to {source_name!r}, whose sessions are its own")
+    if generated:
+        return _cut(generate_trace(seed=seed, sessions=sessions or DEFAULT_SESSIONS),
+                    max_requests)
     if not source_name.startswith(BUILTIN_PREFIX) and Path(source_name).is_dir():
         return _cut(read_session_dir(Path(source_name), convention, seed), max_requests)
     data = read_source_bytes(source_name)

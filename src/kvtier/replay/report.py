@@ -1,4 +1,5 @@
-"""Presenting a replay: rich tables, a JSON document and a hit-ratio-over-time plot.
+"""Presenting a replay: rich tables (opened by the verdict line and followed by the terms
+they use, :mod:`kvtier.replay.summary`), a JSON document and a hit-ratio-over-time plot.
 
 Pure presentation; this module owns no state.
 """
@@ -6,7 +7,6 @@ Pure presentation; this module owns no state.
 from __future__ import annotations
 
 import io
-import json
 import os
 import stat
 from collections.abc import Sequence
@@ -19,6 +19,8 @@ from rich.table import Table
 
 from kvtier.errors import KvtierError
 from kvtier.replay.results import ReplayReport, ReplayResult, TierKind, TierResult
+from kvtier.replay.summary import terms_text, verdict
+from kvtier.text import json_document
 
 JSON_SCHEMA_VERSION = 1
 
@@ -75,6 +77,32 @@ def _fit_numbers(table: Table, rows: Sequence[Sequence[str]]) -> None:
         column.justify = "right"
 
 
+def _share_width(table: Table, width: int | None) -> None:
+    """Fit ``table`` into ``width`` columns. Rich shrinks every column evenly when a table is
+    too wide, below the minimum widths :func:`_fit_numbers` set, then crops the table's right
+    edge; instead each column gets its minimum plus a share of the rest in proportion to how
+    much more it would take."""
+    if width is None:
+        return
+    least: list[int] = []
+    most: list[int] = []
+    for column in table.columns:
+        texts = [str(column.header), *(str(cell) for cell in column.cells)]
+        header_word = max((len(word) for word in str(column.header).split()), default=0)
+        least.append(max(column.min_width or 0, header_word, 1))
+        most.append(max(len(text) for text in texts))
+    count = len(table.columns)
+    available = width - (count + 1) - 2 * count  # borders, and one space each side of a cell
+    spare = available - sum(least)
+    if sum(most) <= available or spare < 0:
+        return
+    wants = [max(0, high - low) for low, high in zip(least, most, strict=True)]
+    shares = [spare * want // sum(wants) for want in wants]
+    shares[wants.index(max(wants))] += spare - sum(shares)
+    for column, low, share in zip(table.columns, least, shares, strict=True):
+        column.width = low + share
+
+
 def _min_width(table: Table) -> int:
     measuring = Console(width=10_000, file=io.StringIO())
     return measuring.measure(table).minimum
@@ -82,15 +110,19 @@ def _min_width(table: Table) -> int:
 
 def tier_table(result: ReplayResult, width: int | None = None) -> Table:
     """Hits and traffic per tier, next to the ideal (infinite cache). When the table cannot fit
-    ``width`` columns without cutting numbers, the token hit ratio column is dropped (the run
-    table still gives the overall token figure)."""
-    table = _tier_table(result, token_ratio=True)
-    if width is not None and _min_width(table) > width:
-        table = _tier_table(result, token_ratio=False)
+    ``width`` columns without cutting numbers or tier labels, the token hit ratio column is
+    dropped (the run table still gives the overall token figure), then labels wrap."""
+    layouts = ((True, True), (False, True), (False, False)) if width is not None \
+        else ((True, False),)
+    for token_ratio, whole_labels in layouts:
+        table = _tier_table(result, token_ratio=token_ratio, whole_labels=whole_labels)
+        if width is None or _min_width(table) <= width:
+            break
+    _share_width(table, width)
     return table
 
 
-def _tier_table(result: ReplayResult, *, token_ratio: bool) -> Table:
+def _tier_table(result: ReplayResult, *, token_ratio: bool, whole_labels: bool) -> Table:
     table = Table(
         title=(
             f"kvtier replay: {result.trace_name}, {result.requests:,} requests, "
@@ -116,7 +148,7 @@ def _tier_table(result: ReplayResult, *, token_ratio: bool) -> Table:
     totals = [
         ["all tiers", f"{result.block_hits:,}", _ratio(result.block_hit_ratio),
          _ratio(result.token_hit_ratio), "", "", ""],
-        ["ideal (infinite cache)", f"{result.ideal_block_hits:,}",
+        ["ideal", f"{result.ideal_block_hits:,}",  # explained below the report (terms)
          _ratio(result.ideal_block_hit_ratio),
          _ratio(result.ideal_token_hit_ratio), "", "", ""],
     ]
@@ -128,6 +160,8 @@ def _tier_table(result: ReplayResult, *, token_ratio: bool) -> Table:
     for row in rows:
         table.add_row(*row)
     _fit_numbers(table, [*rows, *totals])
+    if whole_labels:
+        table.columns[0].min_width = max(len(row[0]) for row in (*rows, *totals))
     table.add_section()
     table.add_row(*totals[0], style="bold")
     table.add_row(*totals[1], style="dim")
@@ -170,6 +204,10 @@ def lookup_table(result: ReplayResult) -> Table:
     return table
 
 
+def _table_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} {count:,}" for name, count in counts.items()) or "none"
+
+
 def summary_table(report: ReplayReport, result: ReplayResult) -> Table:
     table = Table(show_header=False, title="run", title_justify="left")
     table.add_column("what", ratio=2)
@@ -195,6 +233,8 @@ def summary_table(report: ReplayReport, result: ReplayResult) -> Table:
         ("hash convention (hashed blocks per prompt)", result.hash_convention),
         ("stored blocks deferred (streamed) / shed", f"{result.store_blocks_deferred:,} / "
                                                      f"{result.store_blocks_shed:,}"),
+        ("hit sources (blocks)", _table_text(result.hit_sources)),
+        ("hits lost against the ideal (blocks, by cause)", _table_text(result.lost_hits)),
         ("cascades shed / promoted blocks lost before load",
          f"{result.cascades_shed:,} / {result.promotions_lost:,}"),
         ("scheduler time per step p50 / p99", f"{_ms(result.step_time_p50_s)} / "
@@ -236,6 +276,7 @@ def compare_table(results: Sequence[ReplayResult], width: int | None = None) -> 
     table = _compare_table(results, by_row=True)
     if width is not None and _min_width(table) > width:
         table = _compare_table(results, by_row=False)
+    _share_width(table, width)
     return table
 
 
@@ -265,13 +306,24 @@ def _compare_table(results: Sequence[ReplayResult], *, by_row: bool) -> Table:
     return table
 
 
-def print_report(report: ReplayReport, console: Console) -> None:
+def report_tables(report: ReplayReport, width: int | None = None) -> list[Any]:
+    """What ``kvtier replay`` prints for people: the verdict line, the tables, the terms."""
+    from rich.text import Text
+
+    shown: list[Any] = [verdict(report).line()]  # one line, never wrapped
     for result in report.results:
-        console.print(tier_table(result, console.width))
-        console.print(lookup_table(result))
-    console.print(summary_table(report, report.results[0]))
+        shown += [tier_table(result, width), lookup_table(result)]
+    shown.append(summary_table(report, report.results[0]))
     if len(report.results) > 1:
-        console.print(compare_table(report.results, console.width))
+        shown.append(compare_table(report.results, width))
+    shown.append(Text(terms_text(), style="dim"))
+    return shown
+
+
+def print_report(report: ReplayReport, console: Console) -> None:
+    for renderable in report_tables(report, console.width):  # a str: a line, as written
+        console.print(renderable, soft_wrap=isinstance(renderable, str), markup=False,
+                      highlight=False)
 
 
 def _tier_json(tier: TierResult, result: ReplayResult) -> dict[str, Any]:
@@ -283,7 +335,7 @@ def _tier_json(tier: TierResult, result: ReplayResult) -> dict[str, Any]:
     return data
 
 
-def _result_json(result: ReplayResult) -> dict[str, Any]:
+def result_json(result: ReplayResult) -> dict[str, Any]:
     data: dict[str, Any] = {
         key: value for key, value in asdict(result).items() if key not in {"tiers", "timeline"}
     }
@@ -307,7 +359,8 @@ def _result_json(result: ReplayResult) -> dict[str, Any]:
 
 
 def report_json(report: ReplayReport) -> dict[str, Any]:
-    """Everything the tables show, and more (timeline, raw manager stats), as plain JSON types."""
+    """Everything the tables show, and more (timeline, raw manager stats), as plain JSON types;
+    ``verdict`` is the report's first line (:class:`kvtier.replay.summary.Verdict`)."""
     validation: dict[str, Any] | None = None
     if report.validation is not None:
         validation = {
@@ -325,12 +378,13 @@ def report_json(report: ReplayReport) -> dict[str, Any]:
         "settings": report.settings,
         "validation": validation,
         "validation_note": report.validation_note,
-        "results": [_result_json(result) for result in report.results],
+        "verdict": verdict(report).to_json(),
+        "results": [result_json(result) for result in report.results],
     }
 
 
 def write_json(report: ReplayReport, path: Path) -> None:
-    text = json.dumps(report_json(report), indent=2, default=str) + "\n"
+    text = json_document(report_json(report))
     try:  # 0600: a report names hosts, buckets and settings; it is nobody else's business
         # O_NONBLOCK: a FIFO with no reader fails at once (ENXIO) instead of hanging the run.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
@@ -361,6 +415,18 @@ def write_plot(report: ReplayReport, path: Path) -> None:
             "--plot needs matplotlib, which is not installed; install it with "
             "`pip install 'kvtier[plot]'`"
         ) from exc
+    figure = plot_figure(report, plt)
+    try:
+        # "tight": the legends sit outside the axes (never over the lines) and must be kept.
+        figure.savefig(path, dpi=110, bbox_inches="tight")
+    except OSError as exc:
+        raise ReportError(f"could not write plot to {path}: {exc.strerror}") from exc
+    finally:
+        plt.close(figure)
+
+
+def plot_figure(report: ReplayReport, plt: Any) -> Any:
+    """The figure :func:`write_plot` saves (``plt``: ``matplotlib.pyplot``)."""
     results = report.results
     if len(results) == 1:
         figure, axis = plt.subplots(figsize=(10, 4.8))
@@ -368,19 +434,25 @@ def write_plot(report: ReplayReport, path: Path) -> None:
     else:
         figure = _plot_compare(plt, results)
     figure.tight_layout()
-    try:
-        figure.savefig(path, dpi=110)
-    except OSError as exc:
-        raise ReportError(f"could not write plot to {path}: {exc.strerror}") from exc
-    finally:
-        plt.close(figure)
+    return figure
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
 
 
 def _window_label(result: ReplayResult) -> str:
     points = result.timeline
     size = points[0].requests_done if points else 0
-    return (f"requests scheduled (each point: one window of {size:,} requests, "
-            f"{len(points)} windows)")
+    if len(points) <= 1:
+        return f"requests scheduled (one point: all {_plural(size, 'request')})"
+    return (f"requests scheduled (each point: a window of {_plural(size, 'request')}, "
+            f"{_plural(len(points), 'window')})")
+
+
+_OUTSIDE_RIGHT: dict[str, Any] = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0),
+                                  "borderaxespad": 0.0, "fontsize": "small"}
+"""Legends go right of the axes: inside, they covered the lines of a short replay."""
 
 
 def _ratios(result: ReplayResult, hits: Any) -> list[float]:
@@ -406,7 +478,7 @@ def _plot_tiers(axis: Any, result: ReplayResult) -> None:
                    f"{result.strategy} (overall {result.block_hit_ratio:.4f}, ideal "
                    f"{result.ideal_block_hit_ratio:.4f})")
     axis.grid(True, alpha=0.3)
-    axis.legend(loc="upper left", fontsize="small", ncol=3)
+    axis.legend(**_OUTSIDE_RIGHT)
 
 
 def _plot_compare(plt: Any, results: Sequence[ReplayResult]) -> Any:
@@ -429,7 +501,7 @@ def _plot_compare(plt: Any, results: Sequence[ReplayResult]) -> Any:
     hits.set_title(f"{first.trace_name}: the strategies reach the same hits; what differs is "
                    f"below")
     hits.grid(True, alpha=0.3)
-    hits.legend(loc="upper left", fontsize="small", ncol=2)
+    hits.legend(**_OUTSIDE_RIGHT)
     names = [result.strategy for result in results]
     panels: list[tuple[str, list[float], str]] = [
         ("backend calls (secondary tiers)",

@@ -24,8 +24,9 @@ class TierResult:
     """Hits served by one tier and the traffic it carried.
 
     A block counts as a hit of the tier it came from for that request: GPU if the simulated GPU
-    prefix cache held it, CPU if the primary pool held it when the request first asked, else the
-    secondary tier that promoted it.
+    prefix cache held it; CPU if the primary pool held it when the request first asked, or it
+    came back from a write-back copy, or another request stored it meanwhile; else the
+    secondary tier whose load promoted it (so a tier row never counts hits it did not read).
     """
 
     name: str
@@ -103,6 +104,13 @@ class ReplayResult:
     promotions_lost: int = 0        # promoted blocks evicted before their request came back
     cascades_shed: int = 0          # cascades dropped for a backlogged tier
     scheduler_s: float = 0.0        # scheduler-thread time of every step, summed
+    # Block hits by where each block came from (adds up to block_hits): gpu, cpu_resident,
+    # copy_readmitted, stored_meanwhile, promoted.<tier>; see kvtier.replay.instance.
+    hit_sources: dict[str, int] = field(default_factory=dict)
+    # Blocks the ideal hit but this run recomputed, by why the prefix ended early: store_shed,
+    # cascade_shed, load_failed, no_room (a tier has it; whole-prefix loading ran out of pool
+    # room), not_found (in no tier: evicted from a bounded tier, expired).
+    lost_hits: dict[str, int] = field(default_factory=dict)
 
     @property
     def block_hits(self) -> int:

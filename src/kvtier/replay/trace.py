@@ -53,6 +53,9 @@ MAX_TIMESTAMP_MS = 366 * 86_400_000.0
 MAX_HASH_ID = (1 << 64) - 1
 _MAX_REASONS_KEPT = 20
 _REQUIRED_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+EXPECTED_FORMAT = ("expected Mooncake JSON Lines: one JSON object per line with timestamp (ms), "
+                   "input_length, output_length and hash_ids (see docs/replay.md)")
+"""What a trace file must look like, named when its first line is something else."""
 
 
 class TraceFormatError(KvtierError, ValueError):
@@ -344,6 +347,28 @@ def convention_label(found: dict[HashConvention | None, int]) -> str:
     return "whole blocks (ceil = floor)"
 
 
+def _format_error(exc: TraceFormatError, text: str) -> TraceFormatError:
+    """``exc`` for the first line of a file; when that line is not a trace record at all (a CSV
+    row, a chat log), the error names what the file looks like and the format expected."""
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError):
+        record = None
+    if isinstance(record, dict) and all(name in record for name in _REQUIRED_FIELDS):
+        return exc  # a trace record with a bad value: the error names it
+    if isinstance(record, dict) and ("messages" in record or "prompt" in record):
+        looks = "an OpenAI-style chat log (messages/prompt, no hash_ids), not a request trace"
+    elif isinstance(record, dict):
+        what = exc.problem if exc.field is None else f"field {exc.field!r}: {exc.problem}"
+        looks = f"a JSON object without the trace fields ({what})"
+    elif record is None and "," in text and not text.lstrip().startswith(("{", "[")):
+        looks = "CSV, not JSON Lines"
+    else:
+        looks = exc.problem
+    return TraceFormatError(exc.source, exc.line, None,
+                            f"this does not look like a trace: {looks}; {EXPECTED_FORMAT}")
+
+
 def _read_jsonl(data: bytes, source_name: str, digest: str, block_tokens: int,
                 skip_bad_lines: bool, max_requests: int | None,
                 convention: HashConvention) -> Trace:
@@ -371,6 +396,8 @@ def _read_jsonl(data: bytes, source_name: str, digest: str, block_tokens: int,
             session, subagent = _thread_of(record, source_name, number)
         except TraceFormatError as exc:
             if not skip_bad_lines:
+                if not requests:
+                    raise _format_error(exc, text) from None
                 raise
             skipped += 1
             if len(reasons) < _MAX_REASONS_KEPT:

@@ -15,6 +15,7 @@ from kvtier.keys import BlockKey
 __all__ = [
     "PRIMARY",
     "BlockPromoted",
+    "BlockReadmitted",
     "BlockRemoved",
     "BlockStored",
     "Counters",
@@ -52,6 +53,14 @@ class BlockPromoted(_TierEvent):
     __slots__ = ()
 
 
+class BlockReadmitted(_TierEvent):
+    """``keys`` came back into the primary pool from the in-memory copy kept while their write
+    to the secondary tiers was pending (no tier read; ``tier`` is "primary"; each also emits
+    ``BlockStored(keys, "primary")`` just before this event)."""
+
+    __slots__ = ()
+
+
 class PromotionFailed(_TierEvent):
     """Loading ``keys`` from ``tier`` failed (missing, I/O error or corrupt); they recompute."""
 
@@ -64,7 +73,8 @@ class StoreShed(_TierEvent):
     __slots__ = ()
 
 
-ManagerEvent = BlockStored | BlockRemoved | BlockPromoted | PromotionFailed | StoreShed
+ManagerEvent = (BlockStored | BlockRemoved | BlockPromoted | BlockReadmitted | PromotionFailed
+                | StoreShed)
 
 
 @dataclass(slots=True)
@@ -92,6 +102,8 @@ class Counters:
     cascades_shed: int = 0
     write_backs: int = 0
     copies_readmitted: int = 0
+    pieces_served: int = 0
+    piece_waits: int = 0
     evictions: int = 0
     unexpected_completions: int = 0
     pins_released_at_finish: int = 0

@@ -40,6 +40,7 @@ from kvtier.primary import PrimaryPool
 from kvtier.tiering.events import (
     PRIMARY,
     BlockPromoted,
+    BlockReadmitted,
     BlockRemoved,
     BlockStored,
     Counters,
@@ -48,16 +49,18 @@ from kvtier.tiering.events import (
     PromotionFailed,
     StoreShed,
 )
+from kvtier.tiering.finder import KeyFinder, ScanMode
 from kvtier.tiering.pins import PinLedger
 from kvtier.tiering.plans import (
     KeyNotResidentError,
     KeyStatus,
     LoadPlan,
+    PrefixPiece,
     StoreMode,
     StorePlan,
     WritePolicy,
 )
-from kvtier.tiering.promotions import MAX_PROMOTION_ROUNDS, PromotionTable
+from kvtier.tiering.promotions import PromotionTable
 from kvtier.tiering.tier import SecondaryTier
 from kvtier.tiering.transfers import Transfers
 from kvtier.tiering.writeback import Backlog, WriteBack
@@ -65,6 +68,7 @@ from kvtier.tiering.writeback import Backlog, WriteBack
 __all__ = [
     "PRIMARY",
     "BlockPromoted",
+    "BlockReadmitted",
     "BlockRemoved",
     "BlockStored",
     "KeyNotResidentError",
@@ -72,6 +76,7 @@ __all__ = [
     "LoadPlan",
     "ManagerClosedError",
     "ManagerEvent",
+    "PrefixPiece",
     "PromotionFailed",
     "StoreMode",
     "StorePlan",
@@ -132,6 +137,8 @@ class TieringManager:
         self._writeback = WriteBack(pool, len(self._tiers), self._pins, self._counters,
                                     self._events)
         self._transfers = Transfers(self._tiers, self._promotions, self._writeback)
+        self._finder = KeyFinder(pool, self._tiers, self._pins, self._promotions,
+                                 self._writeback, self._counters)
         self._store_filling: set[BlockKey] = set()
         if metrics is not None:
             metrics.bind_tiers(names)
@@ -185,117 +192,50 @@ class TieringManager:
     def lookup(self, key: BlockKey, ctx: RequestContext) -> KeyStatus:
         """Where ``key`` stands now (see :class:`KeyStatus`). Never blocks."""
         self._require_running("lookup")
-        return self._lookup(check_key(key), ctx, ())
+        status = self._finder.find(check_key(key), ctx, ())
+        return KeyStatus.MISS if status is None else status
 
     def lookup_prefix(self, keys: Sequence[BlockKey], ctx: RequestContext) -> int | None:
         """How many leading ``keys`` are loadable now; None while a needed answer is pending.
 
         Counts leading HITs and stops at the first MISS; a RETRY or HIT_PENDING before that
         makes the answer None (ask again next step). Keys after a pending one are still looked
-        up, so a whole prefix is probed and promoted in the same step.
+        up, so a whole prefix is probed and promoted in the same step. The whole prefix must
+        fit in the pool at once: where room ends, the prefix ends (see :meth:`lookup_piece`).
         """
         self._require_running("lookup_prefix")
         # The request's hold (from its last answer None) stays pinned through this call and is
         # settled at the end: kept for what it found again, released for the rest.
         previous = self._pins.take_hold(ctx.req_id)
-        try:
-            resident = self._pool.resident_prefix_length(keys)
-        except TypeError:  # an unhashable key: say which one
-            validate_keys(keys)
-            raise
-        counters = self._counters
-        counters.lookups += resident
-        counters.hits += resident
-        if resident == len(keys):  # the steady-state fast path: everything is in the pool
+        scan = self._finder.scan(keys, ctx, ScanMode.WHOLE)
+        if not scan.pending:
             if previous is not None:
                 self._pins.unpin_held(previous.keys)
-            return resident
-        hits: set[BlockKey] = set(keys[:resident])
-        count = resident
-        pending = False
-        req_id = ctx.req_id
-        # Past its last promotion round, what is not resident or in flight ends the prefix.
-        rounds = self._promotions.rounds(req_id)
-        round_over = rounds >= MAX_PROMOTION_ROUNDS
-        started = counters.promotions_started
-        promotions = self._promotions
-        for index in range(resident, len(keys)):
-            key = keys[index]
-            check_key(key, f"keys[{index}]")
-            if (round_over and key not in promotions and not self._pool.is_resident(key)
-                    and self._writeback.copy_of(key) is None):
-                counters.lookups += 1
-                counters.misses += 1
-                counters.promotions_lost += 1
-                break
-            result = self._lookup(key, ctx, hits)
-            if result is KeyStatus.HIT:
-                hits.add(key)  # promotions later in this prefix must not evict it
-                if not pending:
-                    count += 1
-            elif result is KeyStatus.MISS:
-                break
-            else:
-                pending = True
-        if counters.promotions_started != started:
-            promotions.set_rounds(req_id, rounds + 1)
-        if not pending:
-            if previous is not None:
-                self._pins.unpin_held(previous.keys)
-            return count
-        self._pins.hold_many(req_id, hits, previous)  # it comes back next step: keep its finds
+            return scan.count
+        self._pins.hold_many(ctx.req_id, scan.found, previous)  # back next step: keep finds
         return None
 
-    def _lookup(self, key: BlockKey, ctx: RequestContext,
-                protect: set[BlockKey] | tuple[()]) -> KeyStatus:
-        counters = self._counters
-        counters.lookups += 1
-        pool = self._pool
-        if pool.is_resident(key):
-            counters.hits += 1
-            return KeyStatus.HIT
-        promotion = self._promotions.get(key)
-        if promotion is not None:
-            counters.promotions_joined += 1
-            counters.hit_pending += 1
-            self._promotions.join(promotion, key, ctx.req_id)
-            return KeyStatus.HIT_PENDING
-        if pool.slot_of(key) is not None:  # the engine is storing it right now
-            counters.misses += 1
-            return KeyStatus.MISS
-        payload = self._writeback.copy_of(key)
-        if payload is not None:  # evicted, its write pending: re-admitted from its copy
-            slot = self._reserve_for(key, protect)
-            if slot is None:
-                return KeyStatus.MISS
-            self._writeback.readmit(key, slot, payload)
-            return KeyStatus.HIT
-        for index, tier in enumerate(self._tiers):
-            verdict = tier.lookup(key, ctx)
-            if verdict is None:
-                counters.retries += 1
-                return KeyStatus.RETRY
-            if verdict:
-                slot = self._reserve_for(key, protect)
-                if slot is None:
-                    return KeyStatus.MISS
-                self._promotions.start(key, index, slot, ctx.req_id)
-                counters.hit_pending += 1
-                return KeyStatus.HIT_PENDING
-        counters.misses += 1
-        return KeyStatus.MISS
+    def lookup_piece(self, keys: Sequence[BlockKey], ctx: RequestContext) -> PrefixPiece:
+        """The next piece of a prefix of any length: ``ready`` leading keys are resident now
+        (load them with :meth:`prepare_load` this step); ``more`` says keys after them may be
+        loadable (promotions in flight, or waiting for room or for this request's turn): load
+        the piece, then call again with the keys after it. Never blocks.
 
-    def _reserve_for(self, key: BlockKey, protect: set[BlockKey] | tuple[()]) -> int | None:
-        """A slot for bringing ``key`` into the pool (evicting a victim), or None (counted as
-        a miss for want of a slot)."""
-        reservation = self._pool.reserve(key, protect)
-        if reservation is None:
-            self._counters.promotions_no_slot += 1
-            self._counters.misses += 1
-            return None
-        if reservation.evicted is not None:
-            self._writeback.on_evicted(reservation.evicted, reservation.slot)
-        return reservation.slot
+        A request may stage one piece (:data:`~kvtier.tiering.finder.PIECE_FRACTION` of the
+        pool) beyond its resident run at a time, and long requests take turns, so a prefix
+        longer than the pool costs steps, not hits.
+        """
+        self._require_running("lookup_piece")
+        previous = self._pins.take_hold(ctx.req_id)
+        scan = self._finder.scan(keys, ctx, ScanMode.PIECES)
+        more = scan.pending or scan.waiting
+        if not more:
+            if previous is not None:
+                self._pins.unpin_held(previous.keys)
+            return PrefixPiece(scan.count, False)
+        self._pins.hold_many(ctx.req_id, scan.found, previous)
+        self._counters.pieces_served += scan.count > 0
+        return PrefixPiece(scan.count, True)
 
     # ---- loads ------------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[BlockKey], ctx: RequestContext) -> LoadPlan:
@@ -311,7 +251,9 @@ class TieringManager:
                     f"loaded"
                 )
         slots = self._pins.pin_for_request(ctx.req_id, checked)
-        self._pins.release_hold(ctx.req_id)
+        # The loaded keys leave the request's hold; the rest (a piece's next blocks) stays
+        # held until its next lookup settles it, it finishes, or the hold expires.
+        self._pins.release_held(ctx.req_id, checked)
         return LoadPlan(tuple(checked), tuple(slots))
 
     def touch(self, keys: Sequence[BlockKey], ctx: RequestContext) -> None:
@@ -424,6 +366,7 @@ class TieringManager:
         for tier in self._tiers:
             tier.cleanup(ctx.req_id)
         self._promotions.forget_request(ctx.req_id)
+        self._finder.leave(ctx.req_id)
         self._pins.release_request(ctx.req_id)
 
     # ---- events, stats, metrics -------------------------------------------------------------

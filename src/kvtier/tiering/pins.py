@@ -151,6 +151,16 @@ class PinLedger:
         if hold is not None and hold.keys:
             self.unpin_held(hold.keys)
 
+    def release_held(self, req_id: str, keys: Iterable[BlockKey]) -> None:
+        """Unpin ``keys`` from ``req_id``'s hold (a loaded piece); the rest stays held."""
+        hold = self._holds.get(req_id) if self._holds else None
+        if hold is None or not hold.keys:
+            return
+        loaded = hold.keys.intersection(keys)
+        if loaded:
+            hold.keys -= loaded
+            self.unpin_held(loaded)
+
     def advance_step(self) -> None:
         """One engine step passed: release every hold that expires at it."""
         self._step += 1

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvtier.errors import KvtierError
 from kvtier.keys import BlockKey
 
-__all__ = ["KeyNotResidentError", "KeyStatus", "LoadPlan", "StoreMode", "StorePlan"]
+__all__ = ["KeyNotResidentError", "KeyStatus", "LoadPlan", "PrefixPiece", "StoreMode", "StorePlan"]
 
 
 class KeyStatus(enum.Enum):
@@ -27,6 +27,17 @@ class LoadPlan:
 
     keys: tuple[BlockKey, ...]
     slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPiece:
+    """``lookup_piece``'s answer: the leading ``ready`` keys are resident now (load them with
+    ``prepare_load`` this step); ``more``: keys after them may still be loadable (their
+    promotions are in flight or waiting for room): load the piece, then ask again with the keys
+    after it. ``more`` False: the loadable prefix ends after the ``ready`` keys."""
+
+    ready: int
+    more: bool
 
 
 class StoreMode(enum.Enum):

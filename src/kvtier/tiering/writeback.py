@@ -26,6 +26,7 @@ from kvtier.lru import BoundedLRU
 from kvtier.primary import PrimaryPool
 from kvtier.tiering.events import (
     PRIMARY,
+    BlockReadmitted,
     BlockRemoved,
     BlockStored,
     Counters,
@@ -156,6 +157,7 @@ class WriteBack:
         self._counters.copies_readmitted += 1
         self._counters.hits += 1
         self._events.emit(BlockStored((key,), PRIMARY))
+        self._events.emit(BlockReadmitted((key,), PRIMARY))
 
     def _release(self, key: BlockKey, pinned: bool) -> None:
         """One tier is done with (or gave up on) a queued cascade of ``key``."""

@@ -52,6 +52,7 @@ from kvtier.backends.base import (
     MISSING_FETCH,
     Backend,
     Fetched,
+    OpenMode,
     Outcome,
     StoredFrame,
     load_auth_key,
@@ -129,6 +130,7 @@ class FileBackend(Backend):
         o_direct: bool | str = False,
         shared_dir: bool | str = False,
         auth_key: bytes | None = None,
+        mode: OpenMode = OpenMode.READ_WRITE,
     ) -> None:
         root_path = Path(root)
         if not root_path.is_absolute():
@@ -158,11 +160,15 @@ class FileBackend(Backend):
         self._temp_counter = _TEMP_COUNTER
         self._pid = os.getpid()
         self._scratch = _Scratch()
+        self._read_only = mode is OpenMode.READ_ONLY
         rule = DirRule(os.geteuid(), Sharing.SHARED if shared else Sharing.PRIVATE)
         try:
-            self._dirs = TierDirs(str(root_path), digest_hex, rule, on_swap=self._on_swap)
+            # READ_ONLY creates nothing: a namespace never written is empty (and a missing root
+            # is kind.py's NoTierError before this)
+            self._dirs = TierDirs(str(root_path), digest_hex, rule, on_swap=self._on_swap,
+                                  create=not self._read_only)
             self._publisher = Publisher(fsync=self._fsync, where=self._dirs.root_path)
-            self._scan()
+            self._scan()  # READ_ONLY: no temp-file removal, no move, no eviction
         except OSError as exc:
             raise ValueError(
                 f"file backend root {str(root)!r} cannot be used: {exc.strerror or exc}"
@@ -549,11 +555,16 @@ class FileBackend(Backend):
         directories away)."""
         found: list[tuple[int, BlockKey, int]] = []
         removed = moved = 0
-        with self._dirs.use() as view:
+        writing = not self._read_only
+        try:
+            view = self._dirs.acquire()
+        except NamespaceGoneError:
+            return  # READ_ONLY, and the namespace was never written: nothing to index
+        try:
             for parts, dir_fd, files, subdirs in walk(view.fd):
                 for name in files:
                     if name.startswith(_TEMP_PREFIX):
-                        if is_stray_temp(name, self._pid):
+                        if writing and is_stray_temp(name, self._pid):
                             self._unlink_quietly(dir_fd, name, None)
                             removed += 1
                         continue
@@ -568,20 +579,23 @@ class FileBackend(Backend):
                         continue
                     key, layout = located
                     if layout is Layout.TWO_LEVEL:
-                        if not self._move_to_current(view, key, dir_fd, name):
+                        if not writing or not self._move_to_current(view, key, dir_fd, name):
                             continue
                         moved += 1
                     found.append((info.st_mtime_ns, key, info.st_size))
-                for subdir in subdirs:  # the two-level layout's, once emptied
+                for subdir in subdirs if writing else ():  # the two-level layout's, emptied
                     if len(parts) + 1 >= 2 and len((*parts, subdir)[1]) == 2:
                         # not empty: a live writer's temp file, or not ours
                         with contextlib.suppress(OSError):
                             os.rmdir(subdir, dir_fd=dir_fd)
             found.sort(key=lambda entry: entry[0])
             victims = self._capacity.load((key, size) for _mtime, key, size in found)
-            self._evict_files(view, victims)
-        counts = {"stray_temp_files_removed": removed, "old_layout_blocks_moved": moved}
-        self._stats.add_many(counts)
+            if writing:
+                self._evict_files(view, victims)
+        finally:
+            self._dirs.release(view)
+        self._stats.add_many({"stray_temp_files_removed": removed,
+                              "old_layout_blocks_moved": moved})
         if removed or moved:
             _log.info("file backend: removed %d stray temp files, moved %d blocks of the "
                       "two-level layout under %s", removed, moved, self._dirs.namespace_path)
@@ -638,7 +652,8 @@ class FileBackend(Backend):
                 self._fail("unlink", key if key is not None else name, exc)
 
 
-def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBackend:
+def from_url(url: str, namespace: Namespace, options: dict[str, Any],
+             mode: OpenMode = OpenMode.READ_WRITE) -> FileBackend:
     """Build a :class:`FileBackend` from ``file:///abs/path``.
 
     Options (keyword or query string): see :data:`SETTINGS` (``max_bytes``, ``fsync``,
@@ -671,4 +686,6 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any]) -> FileBac
         o_direct=parsed["o_direct"],
         shared_dir=parsed["shared_dir"],
         auth_key=load_auth_key(parsed, "file"),
+        mode=mode,
     )
+

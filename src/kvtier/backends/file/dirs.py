@@ -257,9 +257,9 @@ class _Held:
 
     __slots__ = ("closed", "root_fd", "view")
 
-    def __init__(self, root_fd: int, view: View) -> None:
+    def __init__(self, root_fd: int, view: View | None) -> None:
         self.root_fd = root_fd
-        self.view: View | None = view
+        self.view = view
         self.closed = False
 
     def close(self) -> None:
@@ -277,31 +277,38 @@ class TierDirs:
     """The root and namespace directory of one file tier, held by descriptor."""
 
     def __init__(self, root: str, namespace_name: str, rule: DirRule, *,
-                 on_swap: Callable[[], None]) -> None:
+                 on_swap: Callable[[], None], create: bool = True) -> None:
+        """``create``: make the root and namespace directory where missing; without it, a
+        missing namespace directory reads as empty (``NamespaceGoneError`` on use)."""
         self._rule = rule
         self._name = namespace_name
         self._on_swap = on_swap
         self._lock = threading.Lock()
-        root_fd, self.root_path = anchor(root, rule, create=True)
+        root_fd, self.root_path = anchor(root, rule, create=create)
         self.namespace_path = os.path.join(self.root_path, namespace_name)
+        view: View | None = None
         try:
             try:
-                fd, _created = _open_dir(namespace_name, root_fd, create=True)
+                fd, _created = _open_dir(namespace_name, root_fd, create=create)
+            except FileNotFoundError:
+                fd = -1  # not created (create=False): looked up again on every use
             except OSError as exc:
                 if exc.errno in _NOT_A_DIRECTORY_ERRNOS:
                     raise ConfigError(f"file backend namespace directory "
                                       f"{self.namespace_path!r} is not a directory") from None
                 raise
-            info = os.fstat(fd)
-            try:
-                rule.check(info, self.namespace_path, Role.NAMESPACE, self.root_path)
-            except ConfigError:
-                os.close(fd)
-                raise
+            if fd >= 0:
+                info = os.fstat(fd)
+                try:
+                    rule.check(info, self.namespace_path, Role.NAMESPACE, self.root_path)
+                except ConfigError:
+                    os.close(fd)
+                    raise
+                view = View(fd, info)
         except BaseException:
             os.close(root_fd)
             raise
-        self._held = _Held(root_fd, View(fd, info))
+        self._held = _Held(root_fd, view)
         self._finalizer = weakref.finalize(self, self._held.close)
 
     def acquire(self) -> View:

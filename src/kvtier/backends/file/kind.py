@@ -15,7 +15,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.backends import split_url_options
+from kvtier.backends import redact_url, split_url_options
+from kvtier.backends.base import Backend, NoTierError, OpenMode
 from kvtier.backends.file.backend import SETTINGS, from_url
 from kvtier.backends.file.dirs import DIR_FLAGS, DirRule, Sharing, anchor, walk
 from kvtier.backends.file.layout import _READ_FLAGS, _TEMP_PREFIX, MANIFEST_NAME, key_from_location
@@ -32,18 +33,35 @@ def _parse(url: str, options: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
     parsed = SETTINGS.parse(merged, "file")  # unknown or bad options fail as they do at open
     path = urllib.parse.unquote(parts.path)
     if parts.scheme != "file" or parts.netloc or not path.startswith("/"):
-        raise ValueError(f"file backend URL {url!r}: expected file:///absolute/path")
+        raise ValueError(f"file backend URL {redact_url(url)!r}: expected file:///absolute/path")
     return Path(path), parsed
+
+
+def _check_tier(root: Path) -> None:
+    """:class:`NoTierError` unless ``root`` is a directory (a look never creates it)."""
+    if not root.is_dir():
+        problem = "does not exist" if not os.path.lexists(root) else "is not a directory"
+        raise NoTierError(f"no kvtier tier at {root.as_uri()}: {str(root)!r} {problem}")
+
+
+def _open_read_only(url: str, namespace: Any, options: dict[str, Any]) -> Backend:
+    """``OpenMode.READ_ONLY``: no root, namespace directory or manifest is created, no stray
+    temp file removed, nothing evicted; a missing root is :class:`NoTierError`."""
+    root, _options = _parse(url, options)  # a bad URL or option: ValueError, before the look
+    _check_tier(root)
+    return from_url(url, namespace, options, OpenMode.READ_ONLY)
 
 
 def _open_root(url: str, options: Mapping[str, Any]) -> int:
     """The root's descriptor, reached like the tier reaches it (``O_NOFOLLOW`` from ``/``).
     No owner or mode check: listing and purging read and remove only kvtier's own names."""
     root = _parse(url, options)[0]
+    _check_tier(root)
     try:
         return anchor(str(root), DirRule(os.geteuid(), Sharing.SHARED), create=False)[0]
-    except (OSError, ConfigError):
-        raise ValueError(f"file tier root {str(root)!r} is not a directory") from None
+    except (OSError, ConfigError):  # replaced meanwhile
+        raise NoTierError(f"no kvtier tier at {root.as_uri()}: {str(root)!r} is not a "
+                          "directory") from None
 
 
 def _namespace_dirs(root_fd: int) -> Iterator[tuple[str, int]]:
@@ -90,14 +108,16 @@ def _list_namespaces(url: str, options: dict[str, Any]) -> list[NamespaceUsage]:
             item = NamespaceUsage(digest=digest,
                                   fields=parse_manifest(_read_manifest(ns_fd), digest))
             for parts, dir_fd, files, _subdirs in walk(ns_fd):
+                with contextlib.suppress(OSError):
+                    # st_blocks is in 512-byte units (POSIX); every directory walked, files below
+                    item.add_disk(os.fstat(dir_fd).st_blocks * 512)
                 for name in files:
-                    if key_from_location(parts, name) is None:
-                        continue
                     try:
                         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                     except FileNotFoundError:
                         continue  # removed while we walked
-                    if stat.S_ISREG(info.st_mode):
+                    item.add_disk(info.st_blocks * 512)
+                    if stat.S_ISREG(info.st_mode) and key_from_location(parts, name) is not None:
                         item.add_block(info.st_size, info.st_mtime)
             found.append(item)
     finally:
@@ -139,5 +159,6 @@ def _delete_namespaces(url: str, options: dict[str, Any], digests: Sequence[str]
 
 
 KIND = FunctionKind(("file",), SETTINGS, from_url, remote=False, lister=_list_namespaces,
-                    deleter=_delete_namespaces, url_check=_parse)
+                    deleter=_delete_namespaces, url_check=_parse,
+                    read_only_opener=_open_read_only)
 """``file:///absolute/path``: one framed file per block under the directory."""

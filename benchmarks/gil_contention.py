@@ -1,0 +1,104 @@
+"""What a scheduler thread that never sleeps does to the tier's I/O threads, and what helps.
+
+A file tier (``/dev/shm``, so the medium is not the limit) stores and probes 16 KiB blocks from
+its I/O threads while the main thread either sleeps (an idle scheduler: the baseline, measured in
+the same run) or runs pure-Python work without a pause (the engine's scheduler, or the replay as
+fast as possible). Every configuration runs ``--rounds`` times, interleaved; medians. The
+variable is the interpreter's switch interval (``sys.setswitchinterval``): how long a thread that
+comes back from a system call waits for the interpreter lock before the running thread is asked
+to drop it. kvtier's tier setting ``switch_interval_s`` sets it when a tier starts. Run::
+
+    .venv/bin/python benchmarks/gil_contention.py [--blocks 2000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from kvtier.backends.file.backend import FileBackend
+from kvtier.keys import Namespace
+
+BLOCK = 16 * 1024
+THREADS = 4
+CHUNK = 64
+
+
+def _spin(stop: threading.Event) -> None:
+    """A scheduler that never sleeps: pure-Python work holding the interpreter lock."""
+    table: dict[int, int] = {}
+    count = 0
+    while not stop.is_set():
+        for index in range(1000):
+            table[index] = table.get(index, 0) + 1
+        count += 1
+
+
+def _one_run(root: str, blocks: int, busy: bool) -> tuple[float, float]:
+    """(puts per second, probes per second) with the main thread idle or busy."""
+    namespace = Namespace.from_mapping({"model": f"gil-{uuid.uuid4().hex[:8]}"})
+    backend = FileBackend(root, namespace)
+    keys = [uuid.uuid4().bytes for _ in range(blocks)]
+    payload = bytes(BLOCK)
+    chunks = [keys[i : i + CHUNK] for i in range(0, blocks, CHUNK)]
+    stop = threading.Event()
+    spinner = threading.Thread(target=_spin, args=(stop,)) if busy else None
+    try:
+        with ThreadPoolExecutor(THREADS) as pool:
+            if spinner is not None:
+                spinner.start()
+            started = time.perf_counter()
+            list(pool.map(lambda chunk: backend.put_many(chunk, [payload] * len(chunk)),
+                          chunks))
+            put_s = time.perf_counter() - started
+            started = time.perf_counter()
+            list(pool.map(backend.exists, chunks))
+            probe_s = time.perf_counter() - started
+    finally:
+        stop.set()
+        if spinner is not None:
+            spinner.join()
+        backend.close()
+    return blocks / put_s, blocks / probe_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--blocks", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--intervals", default="0.005,0.0005,0.0001",
+                        help="switch intervals in seconds (0.005 is CPython's default)")
+    args = parser.parse_args()
+    intervals = [float(v) for v in args.intervals.split(",")]
+    original = sys.getswitchinterval()
+    results: dict[tuple[float, bool], list[tuple[float, float]]] = {}
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as root:
+        for _ in range(args.rounds):
+            for interval in intervals:
+                sys.setswitchinterval(interval)
+                for busy in (False, True):
+                    results.setdefault((interval, busy), []).append(
+                        _one_run(root, args.blocks, busy))
+    sys.setswitchinterval(original)
+    print(f"file tier in /dev/shm, {THREADS} I/O threads, {args.blocks} blocks of 16 KiB, "
+          f"medians of {args.rounds} rounds")
+    print(f"{'switch ms':>9} {'scheduler':>9} {'puts/s':>8} {'vs idle':>7} {'probes/s':>9} "
+          f"{'vs idle':>7}")
+    for interval in intervals:
+        idle_put = statistics.median(r[0] for r in results[(interval, False)])
+        idle_probe = statistics.median(r[1] for r in results[(interval, False)])
+        for busy in (False, True):
+            put = statistics.median(r[0] for r in results[(interval, busy)])
+            probe = statistics.median(r[1] for r in results[(interval, busy)])
+            print(f"{interval * 1e3:>9.2f} {'busy' if busy else 'idle':>9} {put:>8.0f} "
+                  f"{put / idle_put:>7.2f} {probe:>9.0f} {probe / idle_probe:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
