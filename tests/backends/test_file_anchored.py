@@ -26,7 +26,7 @@ import pytest
 import kvtier
 from backends.test_contract import keys_for, payload_for, sentinel_buffer
 from kvtier import codec
-from kvtier.backends import open_backend
+from kvtier.backends import OpenMode, open_backend
 from kvtier.backends.file import FileBackend
 from kvtier.keys import Namespace
 from kvtier.settings import ConfigError
@@ -396,3 +396,20 @@ def test_symlinked_fan_out_directory_is_never_followed(tmp_path: Path) -> None:
     assert stat.S_ISLNK(os.lstat(fan).st_mode)
     assert [path.name for path in _files(elsewhere)] == [f"{key.hex()}.kvb"]
     backend.close()
+
+
+def test_a_read_only_open_moves_and_removes_nothing(tmp_path: Path) -> None:
+    """``OpenMode.READ_ONLY`` (``kvtier inspect``) goes through the same anchored directories
+    but never writes: old-layout blocks and stray temp files stay where they are."""
+    namespace = _namespace()
+    keys, directory = _plant_old_layout(tmp_path, namespace)
+    before = sorted(str(path) for path in _files(directory))
+    backend = open_backend(f"file://{tmp_path}", namespace, mode=OpenMode.READ_ONLY)
+    assert backend.stats()["old_layout_blocks_moved"] == 0
+    assert backend.exists(keys[:1]) == [False]  # read in the current layout only
+    backend.close()
+    assert sorted(str(path) for path in _files(directory)) == before
+    missing = open_backend(f"file://{tmp_path}", _namespace(), mode=OpenMode.READ_ONLY)
+    assert missing.exists(keys[:1]) == [False]
+    missing.close()
+    assert [path.name for path in tmp_path.iterdir()] == [namespace.digest_hex]
