@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from kvtier.cli import bench, inspect, purge, replay, usage
 from kvtier.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Parser, UsageError
@@ -50,6 +52,25 @@ def _build_parser() -> argparse.ArgumentParser:
     for command in (replay, inspect, bench, usage, purge):  # the order of --help
         command.register(commands)
     return parser
+
+
+def run_command() -> NoReturn:
+    """The ``kvtier`` executable: :func:`main`, then exit with its code.
+
+    When the S3 client was used, the process ends without the interpreter's finalization
+    (``os._exit`` after flushing the streams and the logs): obstore's native runtime threads may
+    still be calling back into asyncio then, and a thread that re-takes the interpreter lock
+    during finalization aborts the whole process (SIGABRT, exit 134 instead of the real code)
+    because it cannot unwind through Rust frames. Everything kvtier writes is flushed or
+    closed by then (the backends are closed by the commands themselves)."""
+    code = main()
+    if "obstore" in sys.modules:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
