@@ -32,7 +32,6 @@ unsupported, read without it (a stale read costs one more EINVAL fallback); ``_p
 from __future__ import annotations
 
 import contextlib
-import enum
 import errno
 import logging
 import os
@@ -78,6 +77,7 @@ from kvtier.backends.file.layout import (
     _TEMP_COUNTER,
     _TEMP_PREFIX,
     MANIFEST_NAME,
+    DirectIO,
     Layout,
     _claimed_length,
     _round_up,
@@ -105,11 +105,6 @@ SETTINGS = SettingsTable("file backend", (
                  "group or others (requires auth_key)"),
     *COMMON_SETTINGS,
 ))
-class DirectIO(enum.Enum):
-    OFF = "off"  # not requested
-    ACTIVE = "active"  # requested and working
-    UNSUPPORTED = "unsupported"  # requested, the filesystem refused it: buffered I/O instead
-
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW
 
@@ -293,43 +288,57 @@ class FileBackend(Backend):
             return self._fail("put", frame.key, exc)
 
     def _put_in(self, view: View, dir_fd: int, name: str, frame: StoredFrame) -> Outcome | None:
-        """Store ``frame`` as ``name`` under ``dir_fd``; None if that directory was removed."""
+        """Store ``frame`` as ``name`` under ``dir_fd``; None if that directory was removed.
+        What exists at ``name`` is looked at first only with fsync or no no-replace rename."""
         key = frame.key
         direct = self._direct_io is DirectIO.ACTIVE
-        file_size = _round_up(frame.nbytes) if direct else frame.nbytes
+        reserved = _round_up(frame.nbytes) if direct else frame.nbytes
+        if self._fsync or not self._publisher.refuses_existing:
+            found = self._existing(view, dir_fd, name, key)
+            if found is not None:
+                return found
+        for _attempt in range(2):  # a second time after setting a planted non-block aside
+            fits, victims = self._capacity.reserve(reserved)
+            self._evict_files(view, victims)
+            if not fits:
+                self._stats.add("put_rejected")
+                return Outcome.FAILED
+            temp = f"{_TEMP_PREFIX}{self._pid}-{next(self._temp_counter)}"
+            try:
+                written = self._write_temp(dir_fd, temp, frame.header, frame.payload, direct)
+                published = self._publisher.publish(dir_fd, temp, dir_fd, name)
+            except OSError as exc:
+                self._capacity.release(reserved, key=None)
+                try:
+                    os.stat(temp, dir_fd=dir_fd, follow_symlinks=False)
+                except OSError:
+                    if isinstance(exc, FileNotFoundError):
+                        return None  # no temp file: its directory is gone
+                else:
+                    self._unlink_quietly(dir_fd, temp, key)
+                return self._fail("put", key, exc)
+            if published:
+                self._capacity.release(reserved, key=key, stored=written)
+                return Outcome.OK
+            self._capacity.release(reserved, key=None)
+            found = self._existing(view, dir_fd, name, key)
+            if found is not None:
+                return found
+        return Outcome.PRESENT  # set aside twice and re-planted: leave it to the next put
+
+    def _existing(self, view: View, dir_fd: int, name: str, key: BlockKey) -> Outcome | None:
+        """PRESENT if a regular file holds ``name``; None if nothing does (or a non-block did
+        and was set aside; an unreadable one: the write reports the real error)."""
         try:
             info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
-            pass  # absent (or unreadable: the write below reports the real error)
-        else:
-            if stat.S_ISREG(info.st_mode):
-                self._evict_files(view, self._capacity.adopt(key, info.st_size))  # size on disk
-                return Outcome.PRESENT
-            # Not a block: set it aside so the key can be stored.
-            self._stats.add("corrupt_objects")
-            self._drop_bad(key, dir_fd, name, None, "not a regular file")
-        reserved = file_size
-        fits, victims = self._capacity.reserve(reserved)
-        self._evict_files(view, victims)
-        if not fits:
-            self._stats.add("put_rejected")
-            return Outcome.FAILED
-        temp = f"{_TEMP_PREFIX}{self._pid}-{next(self._temp_counter)}"
-        try:
-            written = self._write_temp(dir_fd, temp, frame.header, frame.payload, direct)
-            published = self._publisher.publish(dir_fd, temp, dir_fd, name)
-        except OSError as exc:
-            self._capacity.release(reserved, key=None)
-            try:
-                os.stat(temp, dir_fd=dir_fd, follow_symlinks=False)
-            except OSError:
-                if isinstance(exc, FileNotFoundError):
-                    return None  # no temp file: its directory is gone
-            else:
-                self._unlink_quietly(dir_fd, temp, key)
-            return self._fail("put", key, exc)
-        self._capacity.release(reserved, key=key, stored=written)
-        return Outcome.OK if published else Outcome.PRESENT
+            return None
+        if stat.S_ISREG(info.st_mode):
+            self._evict_files(view, self._capacity.adopt(key, info.st_size))  # size on disk
+            return Outcome.PRESENT
+        self._stats.add("corrupt_objects")
+        self._drop_bad(key, dir_fd, name, None, "not a regular file")
+        return None
 
     def _write_temp(self, dir_fd: int, temp: str, header: bytes, view: memoryview,
                     direct: bool) -> int:

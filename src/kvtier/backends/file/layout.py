@@ -47,6 +47,14 @@ _MISSING_ERRNOS = {errno.ENOENT, errno.ENOTDIR}
 _TEMP_COUNTER = itertools.count()
 
 
+
+class DirectIO(enum.Enum):
+    """Whether the file backend uses O_DIRECT."""
+
+    OFF = "off"  # not requested
+    ACTIVE = "active"  # requested and working
+    UNSUPPORTED = "unsupported"  # requested, the filesystem refused it: buffered I/O instead
+
 def _claimed_length(header: Buffer) -> int:
     """The payload length a header claims (-1 if it is not even a frame header)."""
     try:

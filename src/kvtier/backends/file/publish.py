@@ -69,6 +69,11 @@ class Publisher:
         self._where = where
         self._mode = LinkMode.HARD_LINK if _renameat2 is None else LinkMode.RENAME_NOREPLACE
 
+    @property
+    def refuses_existing(self) -> bool:
+        """Publishing refuses an existing name atomically (``RENAME_NOREPLACE``)."""
+        return self._mode is LinkMode.RENAME_NOREPLACE
+
     def publish(self, src_dir: int, temp: str, dst_dir: int, final: str) -> bool:
         """Make ``temp`` visible as ``final`` unless it exists; True if ours was published
         (else ``temp`` is removed). Raises OSError."""
