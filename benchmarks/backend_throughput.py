@@ -140,7 +140,7 @@ class MemoryBaseline:
 
 
 class FileBaseline:
-    """Raw per-block files in the same two-level fan-out layout as the file backend."""
+    """Raw per-block files in the same one-level fan-out layout as the file backend."""
 
     name = "raw write/read"
     exists_name = "os.stat"
@@ -151,7 +151,7 @@ class FileBaseline:
 
     def _path(self, key: bytes) -> str:
         name = key.hex()
-        return os.path.join(self._dir, name[0:2], name[2:4], name)
+        return os.path.join(self._dir, name[0:2], name)
 
     direct = False
 

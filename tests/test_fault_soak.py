@@ -4,11 +4,15 @@ A file tier and a private Valkey server (both with ``auth_key``) sit under one m
 requests per step look up, load and store chained prefixes while a "hostile neighbour" injects,
 at seeded steps, the faults kvtier must survive: a FIFO, a symlink or a directory planted at a
 block path; frames written by a second writer with another or no auth key; flipped bytes and
-truncated block files; deleted blocks; a SIGSTOP'ed Valkey; a removed namespace directory.
+truncated block files; deleted blocks; a SIGSTOP'ed Valkey; a removed namespace directory. On a
+thread of its own, the same neighbour keeps re-pointing the symlink the file tier was opened
+through (``links/kvcache``) to a tree of its own holding foreign frames, and renames the
+namespace directory aside (and back), sometimes planting a replacement full of foreign frames.
 
-Every loaded block is compared with the payload derived from its key: 0 wrong blocks. Every
-request finishes within a bounded number of steps (no livelock, no hang), and after shutdown the
-lookup managers track 0 keys and no kvtier thread is left.
+Every loaded block is compared with the payload derived from its key: 0 wrong blocks; no store
+lands in the neighbour's tree. Every request finishes within a bounded number of steps (no
+livelock, no hang), and after shutdown the lookup managers track 0 keys and no kvtier thread is
+left.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from uuid import uuid4
 
 import pytest
 
+from kvtier import codec
 from kvtier.backends import Backend, open_backend
 from kvtier.factory import open_manager
 from kvtier.keys import BlockKey, Namespace, RequestContext, chain_keys
@@ -46,6 +51,8 @@ FAULT_RATE = 0.06  # chance per step that the neighbour strikes
 OWNER_KEY = "owner-" + "k" * 26
 OTHER_KEY = "intruder-" + "x" * 23
 FAST = {"socket_timeout_s": 0.3, "connect_timeout_s": 0.3}
+SWAP_PAUSE_S = (0.01, 0.05)  # between two directory swaps
+SWAP_HOLD_S = (0.002, 0.02)  # how long a swap stays in place before it is undone
 
 
 def payload_of(key: BlockKey) -> bytes:
@@ -85,6 +92,9 @@ class Neighbour:
         self._paused_until: int | None = None
         self._step_now = 0
         self._namespace_removed = False
+        # Held by the directory swapper while a swap is in place: a fault that plants at a block
+        # path would otherwise re-create the namespace directory under its name.
+        self.fs_lock = threading.Lock()
         self.tally: dict[str, int] = {}
         self._faults: list[Callable[[BlockKey], bool]] = [
             self._fifo, self._symlink, self._directory, self._foreign_frame,
@@ -98,14 +108,22 @@ class Neighbour:
             self._valkey.resume()
             self._paused_until = None
         if step == STEPS * 3 // 4 and not self._namespace_removed:
-            shutil.rmtree(self._file.root / self._manager.namespace.digest_hex,
-                          ignore_errors=True)
-            self._namespace_removed = True
+            with self.fs_lock:
+                shutil.rmtree(self._file.root / self._manager.namespace.digest_hex,
+                              ignore_errors=True)
+                self._namespace_removed = True
             self.tally["namespace_removed"] = 1
         if not self._known or self._rng.random() >= FAULT_RATE:
             return
         fault = self._rng.choice(self._faults)
-        if fault(self._rng.choice(self._known)):
+        key = self._rng.choice(self._known)
+        if not self.fs_lock.acquire(blocking=False):
+            return  # a directory swap is in place
+        try:
+            struck = fault(key)
+        finally:
+            self.fs_lock.release()
+        if struck:
             self.tally[fault.__name__.lstrip("_")] = self.tally.get(
                 fault.__name__.lstrip("_"), 0) + 1
 
@@ -113,6 +131,14 @@ class Neighbour:
         if self._paused_until is not None:
             self._valkey.resume()
             self._paused_until = None
+
+    @property
+    def namespace_removed(self) -> bool:
+        return self._namespace_removed
+
+    @property
+    def file_tier(self) -> Any:
+        return self._file
 
     # -- file tier faults ------------------------------------------------------------------
 
@@ -224,6 +250,98 @@ class Neighbour:
         return True
 
 
+class DirectorySwapper(threading.Thread):
+    """The neighbour's second hand: swaps the root symlink and the namespace directory while
+    the manager runs (its own thread, paced by ``stop``; every swap undone before the next)."""
+
+    def __init__(self, seed: int, neighbour: Neighbour, link: Path, tier: Path, evil: Path,
+                 namespace: Namespace, known: list[BlockKey]) -> None:
+        super().__init__(name="soak-directory-swapper", daemon=True)
+        self._rng = random.Random(seed)
+        self._neighbour = neighbour
+        self._link, self._tier, self._evil = link, tier, evil
+        self._namespace = namespace
+        self._known = known
+        self._evil_tier = open_backend(f"file://{evil}", namespace)  # no key, like a stranger
+        self.planted: set[str] = set()  # block file names the neighbour wrote into its tree
+        self.stop = threading.Event()
+        self.tally: dict[str, int] = {}
+        self.failure: BaseException | None = None
+        self._turn = 0
+
+    def run(self) -> None:
+        try:
+            while not self.stop.wait(self._rng.uniform(*SWAP_PAUSE_S)):
+                with self._neighbour.fs_lock:
+                    swap = self._rng.choice([self._repoint_link, self._rename_namespace,
+                                             self._replace_namespace])
+                    if swap():
+                        self.tally[swap.__name__.lstrip("_")] = \
+                            self.tally.get(swap.__name__.lstrip("_"), 0) + 1
+        except BaseException as exc:  # reported by the test, not lost on this thread
+            self.failure = exc
+        finally:
+            self._evil_tier.close()
+
+    def _hold(self) -> None:
+        self.stop.wait(self._rng.uniform(*SWAP_HOLD_S))
+
+    def _foreign(self, count: int) -> list[tuple[BlockKey, bytes]]:
+        known = list(self._known)
+        keys = [self._rng.choice(known) for _ in range(count)] if known else []
+        return [(key, payload_of(key + b"?")) for key in keys]
+
+    def _point_link(self, target: Path) -> None:
+        fresh = self._link.with_name(f"kvcache.{self._turn}")
+        self._turn += 1
+        fresh.symlink_to(target)
+        os.replace(fresh, self._link)
+
+    def _repoint_link(self) -> bool:
+        """``links/kvcache`` -> the neighbour's tree of foreign frames, then back."""
+        for key, wrong in self._foreign(3):
+            if self._evil_tier.put_many([key], [wrong]) == [True]:
+                self.planted.add(f"{key.hex()}.kvb")
+        self._point_link(self._evil)
+        self._hold()
+        self._point_link(self._tier)
+        return True
+
+    def _rename_namespace(self) -> bool:
+        """The namespace directory renamed aside, then back."""
+        if self._neighbour.namespace_removed:
+            return False
+        directory = self._tier / self._namespace.digest_hex
+        aside = self._tier / f"aside-{self._turn}"
+        self._turn += 1
+        directory.rename(aside)
+        self._hold()
+        aside.rename(directory)
+        return True
+
+    def _replace_namespace(self) -> bool:
+        """Renamed aside and replaced by a directory of unkeyed foreign frames, then restored."""
+        if self._neighbour.namespace_removed:
+            return False
+        directory = self._tier / self._namespace.digest_hex
+        aside, replaced = self._tier / f"aside-{self._turn}", self._tier / f"gone-{self._turn}"
+        self._turn += 1
+        directory.rename(aside)
+        directory.mkdir(mode=0o700)
+        file_tier: Any = self._neighbour.file_tier
+        for key, wrong in self._foreign(3):
+            path = directory / file_tier.path_for(key).relative_to(
+                file_tier.root / self._namespace.digest_hex)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(bytes(codec.encode(self._namespace.digest, key, wrong)))
+        self._hold()
+        directory.rename(replaced)
+        aside.rename(directory)
+        # A batch that began before the restore may still be writing there: best effort.
+        shutil.rmtree(replaced, ignore_errors=True)
+        return True
+
+
 def _start(manager: TieringManager, request: Request, tally: Tally) -> bool:
     """One scheduler pass over a request; True once it is done (loaded and stored)."""
     hits = manager.lookup_prefix(request.keys, request.ctx)
@@ -260,7 +378,11 @@ def test_fault_soak_serves_no_wrong_block_and_leaves_nothing_behind(
     valkey = valkey_factory()
     model = f"soak-{uuid4().hex}"
     namespace = Namespace(model=model)
-    file_url = f"file://{tmp_path / 'tier'}"
+    tier_dir, evil_dir, link = tmp_path / "tier", tmp_path / "evil", tmp_path / "links" / "kvcache"
+    tier_dir.mkdir(mode=0o700)
+    link.parent.mkdir(mode=0o700)
+    link.symlink_to(tier_dir)
+    file_url = f"file://{link}"  # opened through the link the neighbour re-points
     tiers = [
         {"url": file_url, "auth_key": OWNER_KEY, "load_timeout_s": 1.0,
          "lookup": {"probe_timeout_s": 1.0}},
@@ -278,6 +400,9 @@ def test_fault_soak_serves_no_wrong_block_and_leaves_nothing_behind(
                             BLOCK_TOKENS, namespace) for _ in range(DOCUMENTS)]
     known: list[BlockKey] = []
     neighbour = Neighbour(rng, manager, valkey, intruders, known)
+    swapper = DirectorySwapper(rng.randrange(1 << 30), neighbour, link, tier_dir, evil_dir,
+                               namespace, known)
+    swapper.start()
     tally = Tally()
     active: list[Request] = []
     started = time.monotonic()
@@ -286,6 +411,8 @@ def test_fault_soak_serves_no_wrong_block_and_leaves_nothing_behind(
             draining = step >= STEPS
             if draining and not active:
                 break
+            if draining:
+                swapper.stop.set()
             if not draining:
                 neighbour.step(step)
                 while len(active) < REQUESTS_PER_STEP:
@@ -308,6 +435,9 @@ def test_fault_soak_serves_no_wrong_block_and_leaves_nothing_behind(
             manager.on_schedule_end()
             time.sleep(STEP_PACE_S)
         assert not active, f"{len(active)} request(s) never finished"
+        swapper.stop.set()
+        swapper.join(30)
+        assert not swapper.is_alive() and swapper.failure is None, swapper.failure
         neighbour.resume()
         manager.on_schedule_end()
         assert manager.wait_idle(30)
@@ -319,6 +449,8 @@ def test_fault_soak_serves_no_wrong_block_and_leaves_nothing_behind(
         assert stats["manager"]["invariant_violations"] == 0
         rejected = [tier.backend.stats() for tier in manager.tiers]
     finally:
+        swapper.stop.set()
+        swapper.join(30)
         neighbour.resume()
         shutdown_started = time.monotonic()
         manager.shutdown(20)
@@ -326,11 +458,17 @@ def test_fault_soak_serves_no_wrong_block_and_leaves_nothing_behind(
         for intruder in intruders:
             intruder.close()
     elapsed = time.monotonic() - started
-    faults = dict(sorted(neighbour.tally.items()))
+    faults = dict(sorted({**neighbour.tally, **swapper.tally}.items()))
+    leaked = sorted(path.name for path in evil_dir.rglob("*.kvb")
+                    if path.name not in swapper.planted)
     print(f"soak: {tally.requests} requests, {tally.loaded} blocks loaded, "
           f"{tally.stored} stored, {tally.wrong} wrong, max {tally.max_steps} steps per "
           f"request, faults {faults}, {elapsed:.1f} s, shutdown {shutdown_s:.2f} s")
     assert tally.wrong == 0
+    assert leaked == [], f"{len(leaked)} stores landed in the neighbour's tree"
+    assert min(swapper.tally.get(name, 0) for name in (
+        "repoint_link", "rename_namespace", "replace_namespace")) > 0
+    assert rejected[0]["namespace_dir_swaps"] > 0  # the file tier saw swaps, and moved on
     assert tally.loaded > 1000 and tally.stored > 200  # the soak did real work
     assert sum(faults.values()) >= 20 and len(faults) >= 8  # ... under most kinds of fault
     assert shutdown_s < 20

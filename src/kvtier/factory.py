@@ -35,9 +35,10 @@ def open_manager(
 
     ``config`` is a :class:`KvtierConfig`, a dict, a YAML file path, or None for the ``KVTIER_*``
     environment; ``overrides`` replace top-level keys. ``clock`` drives every tier's lookup
-    manager (tests inject one); ``lookup_factory`` replaces each tier's lookup manager (see
-    :class:`~kvtier.tiering.tier.SecondaryTier`). Raises :class:`ConfigError` naming the
-    bad key path, including for a backend URL or option the backend rejects.
+    manager, quarantines and load deadlines (tests inject one); ``lookup_factory`` replaces
+    each tier's lookup manager (see :class:`~kvtier.tiering.tier.SecondaryTier`). Raises
+    :class:`ConfigError` naming the bad key path, including for a backend URL or option the
+    backend rejects.
     """
     cfg = load_config(config, **overrides)
     metrics: KvtierMetrics | None

@@ -18,13 +18,15 @@ _FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0
 
 
 def read_regular_file(path: str | os.PathLike[str], what: str, *, max_bytes: int,
-                      follow_symlinks: bool = True) -> tuple[bytes, os.stat_result]:
-    """The bytes of ``path`` and its ``fstat``; ``ConfigError`` for a missing, non-regular or
-    larger-than-``max_bytes`` file (``what`` names it in the message)."""
+                      follow_symlinks: bool = True,
+                      dir_fd: int | None = None) -> tuple[bytes, os.stat_result]:
+    """The bytes of ``path`` (relative to ``dir_fd`` when given) and its ``fstat``;
+    ``ConfigError`` for a missing, non-regular or larger-than-``max_bytes`` file (``what``
+    names it in the message)."""
     flags = _FLAGS if follow_symlinks else _FLAGS | getattr(os, "O_NOFOLLOW", 0)
     shown = os.fspath(path)
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, flags, dir_fd=dir_fd)
     except OSError as exc:
         raise ConfigError(f"{what} {shown!r}: cannot read it: {exc.strerror}") from None
     try:

@@ -107,12 +107,12 @@ def test_crash_mid_put_leaves_no_block_and_the_temp_file_is_removed_on_open(
     script = textwrap.dedent(
         f"""
         import os, signal
-        from kvtier.backends.file import backend as file
+        from kvtier.backends.file import FileBackend, publish
         from kvtier.keys import Namespace
-        backend = file.FileBackend({str(tmp_path)!r}, Namespace(model={namespace.model!r}))
-        die = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+        backend = FileBackend({str(tmp_path)!r}, Namespace(model={namespace.model!r}))
+        die = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
         os.link = die  # whichever way the backend publishes, it dies first
-        file._rename_noreplace = die
+        publish._rename_noreplace = die
         backend.put_many([{key!r}], [bytes(100000)])
         """
     )
@@ -416,7 +416,7 @@ def test_relative_root_is_rejected(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("o_direct", [False, True])
 @pytest.mark.parametrize("out_size", [0, 10, 999, 1001, 5000, 9000])
-def test_wrong_size_out_keeps_buffered_and_padded_files(
+def test_wrong_size_out_leaves_out_untouched_in_buffered_and_padded_files(
     tmp_path: Path, o_direct: bool, out_size: int
 ) -> None:
     backend = FileBackend(tmp_path, fresh_namespace(), o_direct=o_direct)
@@ -425,30 +425,31 @@ def test_wrong_size_out_keeps_buffered_and_padded_files(
     out = sentinel_buffer(out_size)
     assert backend.get_many([key], [memoryview(out)]) == [False]
     assert out == sentinel_buffer(out_size)
-    assert backend.exists([key]) == [True]
-    assert backend.stats()["corrupt_objects"] == 0
+    assert backend.exists([key]) == [False]  # removed: the next store replaces it
+    assert (backend.stats()["corrupt_objects"], backend.stats()["size_mismatches"]) == (0, 1)
 
 
 def test_a_failed_stat_is_unknown_to_probe_and_false_to_exists(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An I/O error (EIO) on ``lstat`` cannot be produced on demand by a real disk, so it is
-    injected with a mock ``os.lstat``; a missing file (ENOENT) stays a plain "absent"."""
+    """An I/O error (EIO) on the block's ``fstatat`` cannot be produced on demand by a real
+    disk, so it is injected with a mock ``os.stat``; a missing file (ENOENT) stays a plain
+    "absent"."""
     backend = open_backend(f"file://{tmp_path}", fresh_namespace())
     present, absent = keys_for(2, "probe")
     assert backend.put_many([present], [payload_for(present, 64)]) == [True]
-    real_lstat = os.lstat
+    real_stat = os.stat
 
-    def failing_lstat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+    def failing_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
         if str(path).endswith(present.hex() + ".kvb"):
             raise OSError(errno.EIO, "injected I/O error", str(path))
-        return real_lstat(path, *args, **kwargs)
+        return real_stat(path, *args, **kwargs)
 
-    monkeypatch.setattr(os, "lstat", failing_lstat)
+    monkeypatch.setattr(os, "stat", failing_stat)
     assert backend.exists([present, absent]) == [False, False]
     with pytest.raises(BackendUnavailableError, match="1 of 2 existence check"):
         backend.probe([present, absent])
-    monkeypatch.setattr(os, "lstat", real_lstat)
+    monkeypatch.setattr(os, "stat", real_stat)
     assert backend.probe([present, absent]) == [True, False]
     backend.close()
 
@@ -459,12 +460,12 @@ def test_publishing_falls_back_to_hard_links_without_rename_noreplace(
     """A filesystem that refuses RENAME_NOREPLACE (EINVAL) is simulated with a mock, since the
     test machine's filesystems all support it; the block must still be published once, and an
     existing block still never overwritten."""
-    from kvtier.backends.file import backend as file
+    from kvtier.backends.file import publish
 
-    def refusing(temp: str, final: str) -> None:
+    def refusing(_src_dir: int, _temp: str, _dst_dir: int, final: str) -> None:
         raise OSError(errno.EINVAL, "injected: no RENAME_NOREPLACE", final)
 
-    monkeypatch.setattr(file, "_rename_noreplace", refusing)
+    monkeypatch.setattr(publish, "_rename_noreplace", refusing)
     backend = open_backend(f"file://{tmp_path}", fresh_namespace())
     [key] = keys_for(1, "fallback")
     first, second = payload_for(key, 4096, b"first"), payload_for(key, 4096, b"second")
@@ -510,6 +511,7 @@ def test_good_block_published_while_dropping_a_corrupt_one_is_kept(
     [key] = keys_for(1, "drop-race")
     payload = b"g" * 5000
     path = str(reader.path_for(key))
+    name = os.path.basename(path)  # the backend names files relative to held directories
     good = bytes(codec.encode(namespace.digest, key, payload))
     bad = bytearray(good)
     bad[codec.HEADER_BYTES + 7] ^= 0x01
@@ -535,13 +537,13 @@ def test_good_block_published_while_dropping_a_corrupt_one_is_kept(
 
     def stat_then_race(target: Any, *args: Any, **kwargs: Any) -> Any:
         result = real_stat(target, *args, **kwargs)
-        if armed.is_set() and os.fspath(target) == path:
+        if armed.is_set() and os.fspath(target) == name:
             race()
         return result
 
     def rename_then_race(source: Any, *args: Any, **kwargs: Any) -> None:
         real_rename(source, *args, **kwargs)
-        if armed.is_set() and os.fspath(source) == path:
+        if armed.is_set() and os.fspath(source) == name:
             race()
 
     monkeypatch.setattr(codec.FrameCodec, "verify_in_place", verify_then_arm)

@@ -25,6 +25,7 @@ from kvtier.keys import Namespace
 from kvtier.settings import ConfigError
 
 NOBODY = 65534
+AUTH_KEY = "hygiene-auth-key-0123456789abcdef"
 WALL_CLOCK_S = 10.0
 
 
@@ -55,7 +56,8 @@ def test_world_writable_root_without_sticky_bit_is_refused(tmp_path: Path) -> No
     os.chmod(root, 0o1777)  # like /tmp: others cannot remove or rename our entries
     open_backend(f"file://{root}", Namespace(model="m")).close()
     os.chmod(root, 0o777)
-    open_backend(f"file://{root}?shared_dir=true", Namespace(model="m")).close()
+    open_backend(f"file://{root}?shared_dir=true", Namespace(model="m"),
+                 auth_key=AUTH_KEY).close()
 
 
 def test_namespace_directory_of_another_user_is_refused(tmp_path: Path) -> None:
@@ -66,7 +68,7 @@ def test_namespace_directory_of_another_user_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=f"owned by uid {NOBODY}") as caught:
         open_backend(f"file://{tmp_path}", namespace)
     assert "shared_dir=true" in str(caught.value)
-    backend = open_backend(f"file://{tmp_path}", namespace, shared_dir=True)
+    backend = open_backend(f"file://{tmp_path}", namespace, shared_dir=True, auth_key=AUTH_KEY)
     backend.close()
 
 

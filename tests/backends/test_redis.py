@@ -222,12 +222,14 @@ def test_existing_block_is_never_overwritten(backend: RedisBackend) -> None:
     assert backend.stats()["puts_existing"] == 1
 
 
-def test_wrong_out_size_is_false_and_keeps_the_object(backend: RedisBackend) -> None:
+def test_wrong_out_size_is_false_and_the_object_is_replaceable(backend: RedisBackend) -> None:
+    """A valid frame of another length is removed, so the next store replaces it (it was kept,
+    and locked its key for good)."""
     keys, payloads = random_keys(1), random_payloads(1)
     backend.put_many(keys, payloads)
     small = sentinel_outs(1, BLOCK - 1)
     assert backend.get_many(keys, small) == [False] and untouched(small[0])
-    assert backend.exists(keys) == [True]
+    assert backend.exists(keys) == [False]
     stats = backend.stats()
     assert stats["size_mismatches"] == 1 and stats["corrupt_objects"] == 0
 
@@ -663,6 +665,24 @@ def test_threads_share_one_backend(
         pool = backend._standalone_client.connection_pool
         assert isinstance(pool, redis.BlockingConnectionPool)
         assert len(pool._connections) == 1
+
+
+def test_a_db_the_server_does_not_have_is_refused_at_open(
+    redis_server: ValkeyServer, open_redis: Callable[..., RedisBackend]
+) -> None:
+    """Before: ``/99999`` opened, and every call then failed ("DB index is out of range").
+    A real server has ``databases`` (default 16) dbs, so /15 works and /16 is refused at open,
+    by name; beyond 2**31 - 1 no server has one (SELECT takes a 32-bit integer), refused when
+    the URL is read, with no server needed."""
+    base = f"redis://127.0.0.1:{redis_server.port}"
+    assert open_redis(f"{base}/15").put_many(random_keys(1), random_payloads(1)) == [True]
+    for db in (16, 99999):
+        with pytest.raises(ValueError, match=rf"db {db} does not exist on the server "
+                                             r"\(DB index is out of range\)"):
+            open_redis(f"{base}/{db}")
+    for db in (2**31, 10**30):
+        with pytest.raises(ValueError, match=rf"bad db '{db}'; expected 0 to 2147483647"):
+            parse_redis_url(f"redis://cache.example/{db}", {})
 
 
 # --------------------------------------------------------------------------- auth and TLS

@@ -13,7 +13,7 @@ import pytest
 
 from kvtier import cli
 from kvtier.cli.scrub import ScrubbedStream, Scrubber
-from kvtier.cli.signals import SignalGuard, Terminated
+from kvtier.cli.signals import CleanupAborted, SignalGuard, Terminated, cleanup_phase
 from kvtier.cli.verdict import TierHealth, tier_health
 from kvtier.replay.stats import Interpolation, percentile
 from kvtier.text import first_line
@@ -52,6 +52,33 @@ def test_a_tier_failing_most_operations_fails_the_run() -> None:
 def test_terminated_names_its_signal_and_exit_code() -> None:
     stop = Terminated(signal.SIGTERM)
     assert (stop.name, stop.exit_code) == ("SIGTERM", 143)
+
+
+def test_a_signal_in_a_cleanup_is_deferred_until_it_ends() -> None:
+    """Real signals to this process (``raise_signal`` runs the handler before it returns).
+    Before: the signal interrupted the cleanup half-way."""
+    steps: list[str] = []
+    guard = SignalGuard()
+    with pytest.raises(Terminated) as stopped, guard:
+        with cleanup_phase():
+            signal.raise_signal(signal.SIGTERM)
+            steps.append("the cleanup went on")
+        steps.append("not reached: the deferred signal stops the command here")
+    assert steps == ["the cleanup went on"]
+    assert stopped.value.signum == signal.SIGTERM and not guard.incomplete
+
+
+def test_a_further_signal_stops_the_cleanup_and_marks_it_incomplete() -> None:
+    guard = SignalGuard()
+    with guard:
+        with pytest.raises(Terminated):
+            signal.raise_signal(signal.SIGINT)  # stops the command; its cleanup starts
+        signal.raise_signal(signal.SIGTERM)  # outside a cleanup (a shutdown): ignored
+        assert guard.ignored == 1
+        with pytest.raises(CleanupAborted) as aborted, cleanup_phase():
+            signal.raise_signal(signal.SIGTERM)
+    assert aborted.value.exit_code == 128 + signal.SIGINT  # the first signal's
+    assert guard.incomplete
 
 
 def test_signal_guard_off_the_main_thread_sets_no_handlers() -> None:

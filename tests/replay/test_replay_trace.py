@@ -171,7 +171,8 @@ def test_bad_sources_and_arguments(tmp_path: Path, write_trace: TraceWriter) -> 
                                                "builtin:synthetic"):
         read_trace("builtin:nope")
     latin = tmp_path / "latin.jsonl"
-    latin.write_bytes(b'{"timestamp": 0}\n\xff\xfe\n')
+    # Streamed: lines are checked in order, so line 1 must be a good one.
+    latin.write_bytes(json.dumps(full([1])).encode() + b'\n\xff\xfe\n')
     with pytest.raises(TraceFormatError, match="line 2: not valid UTF-8"):
         read_trace(latin)
     path = write_trace([full([1])])

@@ -398,15 +398,28 @@ def test_a_failed_existence_check_counts_as_a_probe_error_and_feeds_the_breaker(
         tier.shutdown(10)
 
 
+class Unreadable(Gate):
+    """Loads of ``key`` fail while its object stays (a read error, EIO: a real disk cannot
+    produce one on demand, so it is injected); everything else is a real backend's."""
+
+    def __init__(self, inner: Backend, key: BlockKey) -> None:
+        super().__init__(inner)
+        self.key = key
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
+        answers = self.inner.get_many(keys, outs)
+        return [ok and key != self.key for key, ok in zip(keys, answers, strict=True)]
+
+
 def test_a_store_of_a_key_whose_load_failed_does_not_lift_its_quarantine(
-    tmp_path: Any, namespace: Namespace
+    namespace: Namespace
 ) -> None:
-    """The livelock class: the file tier keeps a valid block of another size under the key (the
-    engine's block size changed), so every load of it fails; the recompute's store answers True
-    ("already present") but must not make the tier promise the key again."""
-    backend = open_backend(f"file://{tmp_path}", namespace)
-    assert backend.put_many([k(1)], [bytes(BLOCK // 2)]) == [True]  # another size
-    tier = SecondaryTier("file", backend, lookup={"quarantine_s": 60.0})
+    """The livelock class: the tier keeps an object under the key that cannot be loaded, so
+    every load of it fails; the recompute's store answers True ("already present") but must not
+    make the tier promise the key again."""
+    backend = Unreadable(open_backend("memory://", namespace), k(1))
+    assert backend.put_many([k(1)], [payload(1)]) == [True]
+    tier = SecondaryTier("mem", backend, lookup={"quarantine_s": 60.0})  # type: ignore[arg-type]
     try:
         job = tier.submit_load([k(1)], [memoryview(bytearray(BLOCK))])
         assert job is not None
@@ -427,6 +440,33 @@ def test_a_store_of_a_key_whose_load_failed_does_not_lift_its_quarantine(
         tier.get_finished_jobs(wait=True, timeout=10)
         assert tier.lookup(other, ctx) is True
         assert tier.stats().lookup.backend_calls == 0
+    finally:
+        tier.shutdown(10)
+
+
+def test_a_block_of_another_size_is_replaced_by_the_recompute(
+    tmp_path: Any, namespace: Namespace
+) -> None:
+    """The file tier holds a valid block of another size under the key (the engine's block
+    size changed). Before: kept, so every store found it present and the key stayed
+    quarantined for good. Now the failed load removes it and the recompute's store replaces
+    it: read back, verified, the quarantine lifted, and the next load a hit."""
+    backend = open_backend(f"file://{tmp_path}", namespace)
+    assert backend.put_many([k(1)], [bytes(BLOCK // 2)]) == [True]  # another size
+    tier = SecondaryTier("file", backend, lookup={"quarantine_s": 60.0})
+    try:
+        job = tier.submit_load([k(1)], [memoryview(bytearray(BLOCK))])
+        tier.get_finished_jobs(wait=True, timeout=10)
+        assert job.failed == [k(1)] and backend.stats()["size_mismatches"] == 1
+        store = tier.submit_store([k(1)], [payload(1)])  # the recompute, written through
+        assert store is not None
+        tier.get_finished_jobs(wait=True, timeout=10)
+        assert store.results == (True,) and store.verified == (0,)
+        assert tier.stats()["quarantines_lifted"] == 1
+        out = memoryview(bytearray(BLOCK))
+        load = tier.submit_load([k(1)], [out])
+        tier.get_finished_jobs(wait=True, timeout=10)
+        assert load.results == (True,) and bytes(out) == payload(1)
     finally:
         tier.shutdown(10)
 
@@ -513,3 +553,60 @@ def test_tier_takes_one_settings_record() -> None:
         tier.shutdown()
     with pytest.raises(TypeError, match="not both"):
         SecondaryTier("both", backend, TierSettings(), io_threads=2)
+
+
+class StuckKeys(Gate):
+    """A load call holding one of ``stuck`` blocks until ``release`` is set: a stuck NFS server
+    (or a SIGSTOPped one) cannot be produced on demand, so the hang is injected. ``storing`` is
+    set when a store call begins."""
+
+    def __init__(self, inner: Backend, stuck: set[BlockKey]) -> None:
+        super().__init__(inner)
+        self.stuck = stuck
+        self.release.clear()
+        self.storing = threading.Event()
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
+        if self.stuck.intersection(keys) and not self.release.wait(30):
+            raise TimeoutError("test gate never opened")
+        return self.inner.get_many(keys, outs)
+
+    def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
+        self.storing.set()
+        return self.inner.put_many(keys, payloads)
+
+
+def test_a_timed_out_load_delivers_its_finished_parts(namespace: Namespace) -> None:
+    """40 keys in 4 parts of 10; the part of keys 10..19 is stuck. Before: the deadline failed
+    all 40 (and mark_miss-ed them all). Now the 30 keys of finished parts are delivered and only
+    the stuck 10 fail. The deadline runs on the tier's (injected) clock."""
+    now = [0.0]
+    stuck = {k(i) for i in range(10, 20)}
+    gate = StuckKeys(open_backend("memory://", namespace), stuck)
+    tier = SecondaryTier("nfs", gate, TierSettings(io_threads=2, load_timeout_s=5.0),  # type: ignore[arg-type]
+                         max_keys_per_call=10, clock=lambda: now[0])
+    try:
+        keys = [k(i) for i in range(40)]
+        assert gate.inner.put_many(keys, [payload(i) for i in range(40)]) == [True] * 40
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        job = tier.submit_load(keys, outs)
+        # One I/O thread is stuck in keys 10..19; the other runs the three other parts, and only
+        # then (loads go first) this store: once it begins, every other part has finished.
+        tier.submit_store([k(100)], [payload(100)])
+        assert gate.storing.wait(30)
+        now[0] += 5.0  # the load's deadline
+        finished = [done for done in tier.get_finished_jobs() if done is job]
+        assert finished == [job]
+        delivered = [i for i, ok in enumerate(job.results) if ok]
+        assert delivered == [*range(10), *range(20, 40)], job.error
+        assert [bytes(outs[i]) for i in delivered] == [payload(i) for i in delivered]
+        assert job.abandoned and "timed out" in (job.error or "")
+        stats = tier.stats()
+        assert (stats["loaded_keys"], stats["load_keys_failed"]) == (30, 10)
+        # Only the stuck keys were marked missing (and count as recent load failures).
+        assert tier.lookup(k(10), RequestContext("r")) is False
+        retry = tier.submit_store([k(0), k(10)], [payload(0), payload(10)])
+        assert retry is not None and retry.suspects == (1,)
+    finally:
+        gate.release.set()
+        tier.shutdown(10)

@@ -138,13 +138,17 @@ class Verdict(enum.Enum):
     UNAUTHENTIC = "unauthentic"  # counted in auth_failures, removed
     FOREIGN_KEY = "foreign_key"  # another key's frame: counted in auth_failures, left in place
     FOREIGN = "foreign"          # a newer kvtier's frame: counted in corrupt_objects, left
-    WRONG_SIZE = "wrong_size"    # a valid frame, but not the caller's size: kept
+    WRONG_SIZE = "wrong_size"    # a valid frame, not the caller's size: counted in
+    #                              size_mismatches, removed (it would lock its key)
 
 
 _SERVED = frozenset({Verdict.VALID, Verdict.OLDER_KEY, Verdict.OLDER_FORMAT})
 _REPLACEABLE = frozenset({Verdict.OLDER_KEY, Verdict.OLDER_FORMAT, Verdict.FOREIGN_KEY,
                           Verdict.FOREIGN})
-_REMOVED = frozenset({Verdict.CORRUPT, Verdict.UNAUTHENTIC})
+# A valid frame of another payload length (stored before ``block_bytes`` changed) is removed
+# too: it can never be served to this caller, and kept it would lock its key for good, since a
+# store never overwrites.
+_REMOVED = frozenset({Verdict.CORRUPT, Verdict.UNAUTHENTIC, Verdict.WRONG_SIZE})
 _COUNTER_OF = {Verdict.OLDER_KEY: "auth_old_key", Verdict.OLDER_FORMAT: "old_format",
                Verdict.CORRUPT: "corrupt_objects", Verdict.UNAUTHENTIC: "auth_failures",
                Verdict.FOREIGN_KEY: "auth_failures", Verdict.FOREIGN: "corrupt_objects",

@@ -130,12 +130,13 @@ def manifest_auth(data: bytes | None, digest: str) -> TierAuth | None:
     return next((auth for auth in TierAuth if auth.value == value), None)
 
 
-def read_manifest_file(path: str) -> bytes | None:
-    """The bytes of a manifest file; None where absent or not one (a FIFO, a symlink, a
-    directory, larger than :data:`MAX_MANIFEST_BYTES`): never blocks, never follows a link."""
+def read_manifest_file(path: str, dir_fd: int | None = None) -> bytes | None:
+    """The bytes of a manifest file (``path`` relative to ``dir_fd`` when given); None where
+    absent or not one (a FIFO, a symlink, a directory, larger than :data:`MAX_MANIFEST_BYTES`):
+    never blocks, never follows a link."""
     try:
         return read_regular_file(path, "manifest", max_bytes=MAX_MANIFEST_BYTES,
-                                 follow_symlinks=False)[0]
+                                 follow_symlinks=False, dir_fd=dir_fd)[0]
     except ConfigError:
         return None
 

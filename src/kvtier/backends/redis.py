@@ -281,7 +281,20 @@ class RedisBackend(Backend):
             client.ping()
         except _IO_ERRORS as exc:
             self._check_auth_error(exc)
+            self._check_db_error(exc)
             self._count_error("open", 0, exc)
+
+    def _check_db_error(self, exc: BaseException) -> None:
+        """A db the server does not have (its ``databases`` setting) fails every call: refuse
+        it at open, by name, as a wrong password is."""
+        text = str(exc)
+        if "DB index is out of range" in text or "invalid DB index" in text:
+            self._client_close()
+            raise ValueError(
+                f"redis backend {self._config.url}: db {self._config.db} does not exist on the "
+                f"server ({text}); expected a db below the server's `databases` setting (16 by "
+                "default)"
+            ) from None
 
     def _check_auth_error(self, exc: BaseException) -> None:
         text = str(exc)

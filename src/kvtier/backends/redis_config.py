@@ -184,6 +184,11 @@ def _check_tls_options(merged: dict[str, Any], parsed: dict[str, Any], tls: bool
         )
 
 
+MAX_DB = 2**31 - 1
+"""The largest db index any Redis server accepts (SELECT takes a 32-bit integer). Which dbs
+exist is the server's ``databases`` setting (16 by default): checked when a backend opens."""
+
+
 def _parse_db(path: str, topology: RedisTopology, shown: str) -> int:
     text = path.strip("/")
     if topology is RedisTopology.CLUSTER:
@@ -199,6 +204,11 @@ def _parse_db(path: str, topology: RedisTopology, shown: str) -> int:
         raise ValueError(
             f"redis backend URL {shown!r}: bad db {text!r}; expected a non-negative integer "
             "path such as /0"
+        )
+    if len(text) > len(str(MAX_DB)) or int(text) > MAX_DB:
+        raise ValueError(
+            f"redis backend URL {shown!r}: bad db {text!r}; expected 0 to {MAX_DB} (and below "
+            "the server's `databases` setting, 16 by default)"
         )
     return int(text)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
+from kvtier.cli import run_command
 
-from kvtier.cli import main
-
-sys.exit(main())
+run_command()

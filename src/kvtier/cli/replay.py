@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -413,36 +413,87 @@ def _replay_namespaces(url: str, tag: str) -> list[Any]:
 
 
 def after_replay(options: Any, console: Any, keep: bool) -> None:
-    """Remove (or, with ``keep``, list) what the run stored in the given tiers."""
+    """Remove (or, with ``keep``, list) what the run stored in the given tiers. A signal during
+    the removal lets it finish; a second one stops it, and the run then says exactly what it
+    left and the commands that remove it (:func:`kvtier.cli.signals.cleanup_phase`)."""
+    from kvtier.cli.signals import CleanupAborted, cleanup_phase, cleanup_starts
+
+    urls = list(options.tier_urls)
+    if not urls:
+        return
+    with cleanup_phase():
+        done = 0
+        try:
+            cleanup_starts()  # a test hook, off unless its environment variable is set
+            for url in urls:
+                _after_replay_in(url, options.namespace_tag, console, keep)
+                done += 1
+        except CleanupAborted:
+            _report_left(urls[done:], options.namespace_tag)
+
+
+def _after_replay_in(url: str, tag: str, console: Any, keep: bool) -> None:
     from rich.markup import escape
 
+    from kvtier.cli.signals import cleanup_left
     from kvtier.ops.inventory import MediumError, delete
     from kvtier.ops.inventory import UsageError as InventoryError
     from kvtier.replay.report import format_bytes
     from kvtier.text import printable
 
-    for url in options.tier_urls:
+    shown = redact(url)
+    try:
+        found = _replay_namespaces(url, tag)
+        blocks, size = sum(i.blocks for i in found), format_bytes(sum(i.bytes for i in found))
+        if keep:
+            expiry = ("they expire after their ttl_s" if url.startswith("redis")
+                      else "they have no expiry")
+            revisions = sorted(printable(i.fields["revision"]) for i in found)
+            console.print(escape(
+                f"kept {blocks:,} blocks ({size}) in {shown} ({expiry})"
+                + ("; remove them with:\n  " + "\n  ".join(common.purge_commands(
+                    url, revisions)) if revisions else "")), soft_wrap=True)
+            return
+        if not found:
+            return  # nothing stored (a run that failed at open): nothing to report
+        delete(url, found)
+    except (InventoryError, MediumError) as exc:
+        cleanup_left()
+        print(f"kvtier: warning: could not remove the replay's blocks from {shown}: {exc}; "
+              f"remove them later with:\n  {_purge_lines(url, replay_revisions(tag))}",
+              file=sys.stderr)
+        return
+    console.print(f"removed the {blocks:,} blocks ({size}) this run stored in {shown}",
+                  soft_wrap=True)
+
+
+def _purge_lines(url: str, revisions: Iterable[str]) -> str:
+    from kvtier.text import printable
+
+    return "\n  ".join(common.purge_commands(url, sorted(printable(r) for r in revisions)))
+
+
+def _report_left(urls: Sequence[str], tag: str) -> None:
+    """After a signal stopped the cleanup: what each tier still holds, counted again (a further
+    signal skips the count), and the commands that remove it."""
+    from kvtier.cli.signals import CleanupAborted
+    from kvtier.ops.inventory import MediumError
+    from kvtier.ops.inventory import UsageError as InventoryError
+    from kvtier.replay.report import format_bytes
+
+    for url in urls:
         shown = redact(url)
         try:
-            found = _replay_namespaces(url, options.namespace_tag)
-            blocks, size = sum(i.blocks for i in found), format_bytes(sum(i.bytes for i in found))
-            if keep:
-                expiry = ("they expire after their ttl_s" if url.startswith("redis")
-                          else "they have no expiry")
-                revisions = sorted(printable(i.fields["revision"]) for i in found)
-                console.print(escape(
-                    f"kept {blocks:,} blocks ({size}) in {shown} ({expiry})"
-                    + ("; remove them with:\n  " + "\n  ".join(common.purge_commands(
-                        url, revisions)) if revisions else "")), soft_wrap=True)
-                continue
-            if not found:
-                continue  # nothing stored (a run that failed at open): nothing to report
-            delete(url, found)
-        except (InventoryError, MediumError) as exc:
-            print(f"kvtier: warning: could not remove the replay's blocks from {shown}: {exc}",
+            found = _replay_namespaces(url, tag)
+        except (CleanupAborted, InventoryError, MediumError):
+            print(f"kvtier: cleanup stopped: the blocks left in {shown} were not counted; "
+                  f"remove them with:\n  {_purge_lines(url, replay_revisions(tag))}",
                   file=sys.stderr)
             continue
-        console.print(f"removed the {blocks:,} blocks ({size}) this run stored in {shown}",
-                      soft_wrap=True)
-
-
+        if not found:
+            print(f"kvtier: cleanup stopped: nothing left in {shown}", file=sys.stderr)
+            continue
+        blocks, size = sum(i.blocks for i in found), format_bytes(sum(i.bytes for i in found))
+        revisions = [str(item.fields["revision"]) for item in found if item.fields]
+        print(f"kvtier: cleanup stopped: {blocks:,} blocks ({size}) left in {shown}; remove "
+              f"them with:\n  {_purge_lines(url, revisions)}", file=sys.stderr)

@@ -6,20 +6,23 @@ It sits above the format readers (trace, sessions, agentic) so that none of them
 
 from __future__ import annotations
 
-import hashlib
+import io
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvtier.replay.agentic import DEFAULT_SESSIONS, MAX_GENERATED_SESSIONS, generate_trace
 from kvtier.replay.sessions import read_session_dir, session_document, sessions_to_trace
+from kvtier.replay.source import TraceStream, open_source
 from kvtier.replay.trace import (
     BUILTIN_GENERATED,
     BUILTIN_PREFIX,
     DEFAULT_BLOCK_TOKENS,
     HashConvention,
     Trace,
+    TraceFormatError,
     _is_int,
-    _read_jsonl,
-    read_source_bytes,
+    read_jsonl,
 )
 
 __all__ = ["read_trace"]
@@ -71,16 +74,47 @@ def read_trace(
                     max_requests)
     if not source_name.startswith(BUILTIN_PREFIX) and Path(source_name).is_dir():
         return _cut(read_session_dir(Path(source_name), convention, seed), max_requests)
-    data = read_source_bytes(source_name)
-    digest = hashlib.sha256(data).hexdigest()
-    if data.lstrip()[:1] == b"{":
-        document = session_document(data, source_name)
-        if document is not None:
-            trace = sessions_to_trace([(source_name, document)], convention, seed, digest,
-                                      source_name)
-            return _cut(trace, max_requests)
-    return _read_jsonl(data, source_name, digest, block_tokens, skip_bad_lines, max_requests,
-                       convention)
+    with open_source(source_name) as stream:
+        head = stream.head()
+        if head is None or not _may_be_a_document(head):
+            return read_jsonl(stream, source_name, block_tokens, skip_bad_lines, max_requests,
+                              convention)
+        data = stream.document()
+    # A JSON document (parsed whole, as JSON must be), or JSON Lines after all.
+    document = session_document(data, source_name)
+    if document is not None:
+        trace = sessions_to_trace([(source_name, document)], convention, seed, stream.sha256,
+                                  source_name)
+        return _cut(trace, max_requests)
+    lines = _Lines(data, stream.sha256, source_name)
+    return read_jsonl(lines, source_name, block_tokens, skip_bad_lines, max_requests, convention)
+
+
+def _may_be_a_document(head: bytes) -> bool:
+    """Whether a trace whose first line is ``head`` may be one per-session JSON document: it
+    starts with ``{`` and is not a whole JSONL record on its own (a one-line document is one
+    with a ``requests`` field)."""
+    if head.lstrip()[:1] != b"{":
+        return False
+    try:
+        record = json.loads(head)
+    except (ValueError, RecursionError):
+        return True  # the first line of a document written over several lines
+    return not isinstance(record, dict) or "requests" in record
+
+
+class _Lines:
+    """The lines of a trace already read whole (a document that turned out to be JSONL)."""
+
+    def __init__(self, data: bytes, sha256: str, source: str) -> None:
+        self.sha256 = sha256
+        self._stream = TraceStream(io.BytesIO(data), source)
+
+    def lines(self) -> Iterator[tuple[int, str | TraceFormatError]]:
+        return self._stream.lines()
+
+    def drain(self) -> bool:
+        return self._stream.drain()
 
 
 def _cut(trace: Trace, max_requests: int | None) -> Trace:

@@ -200,7 +200,7 @@ def sessions_to_trace(documents: Sequence[tuple[str, dict[str, object]]],
 
 def read_session_dir(path: Path, convention: HashConvention, seed: int) -> Trace:
     """Every ``*.json`` (``.json.gz``, ``.json.xz``) session document in ``path``, merged."""
-    from kvtier.replay.trace import read_source_bytes
+    from kvtier.replay.source import read_source_bytes
 
     files = sorted(p for p in path.iterdir()
                    if p.is_file() and p.name.endswith(_SESSION_SUFFIXES))

@@ -25,14 +25,12 @@ Per-session JSON documents and directories of them are read by :mod:`kvtier.repl
 from __future__ import annotations
 
 import enum
-import gzip
 import json
-import lzma
 import math
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
+from typing import Protocol
 
 from kvtier.errors import KvtierError
 
@@ -146,34 +144,6 @@ class Trace:
         if self.source.startswith(BUILTIN_PREFIX):
             return self.source
         return Path(self.source).name
-
-
-def read_source_bytes(source: str) -> bytes:
-    if source.startswith(BUILTIN_PREFIX):
-        name = source[len(BUILTIN_PREFIX):]
-        filename = BUILTIN_TRACES.get(name)
-        if filename is None:
-            raise TraceFormatError(
-                source, None, None,
-                f"unknown built-in trace {name!r}; expected one of "
-                + ", ".join(BUILTIN_PREFIX + known
-                            for known in sorted((*BUILTIN_TRACES, *BUILTIN_GENERATED))),
-            )
-        return lzma.decompress(resources.files("kvtier").joinpath("data", filename).read_bytes())
-    path = Path(source)
-    if not path.exists():
-        raise TraceFormatError(source, None, None, "no such file")
-    if not path.is_file():
-        raise TraceFormatError(source, None, None, "not a regular file")
-    raw = path.read_bytes()
-    try:
-        if path.suffix == ".xz":
-            return lzma.decompress(raw)
-        if path.suffix == ".gz":
-            return gzip.decompress(raw)
-    except (lzma.LZMAError, OSError, EOFError) as exc:
-        raise TraceFormatError(source, None, None, f"could not decompress: {exc}") from exc
-    return raw
 
 
 def _is_int(value: object) -> bool:
@@ -324,17 +294,6 @@ class _Threads:
         return number, after
 
 
-def _lines(data: bytes, source: str) -> Iterator[tuple[int, str]]:
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise TraceFormatError(source, line, None, "not valid UTF-8") from None
-    for number, line_text in enumerate(text.split("\n"), start=1):
-        if line_text.strip():
-            yield number, line_text
-
-
 def convention_label(found: dict[HashConvention | None, int]) -> str:
     """What a trace's lines followed: ``ceil``, ``floor``, ``whole blocks`` or a mix."""
     ceil, floor = found.get(HashConvention.CEIL, 0), found.get(HashConvention.FLOOR, 0)
@@ -369,9 +328,21 @@ def _format_error(exc: TraceFormatError, text: str) -> TraceFormatError:
                             f"this does not look like a trace: {looks}; {EXPECTED_FORMAT}")
 
 
-def _read_jsonl(data: bytes, source_name: str, digest: str, block_tokens: int,
-                skip_bad_lines: bool, max_requests: int | None,
-                convention: HashConvention) -> Trace:
+class LineSource(Protocol):
+    """Where :func:`read_jsonl` reads lines (:class:`kvtier.replay.source.TraceStream`)."""
+
+    @property
+    def sha256(self) -> str: ...
+
+    def lines(self) -> Iterator[tuple[int, str | TraceFormatError]]: ...
+
+    def drain(self) -> bool: ...
+
+
+def read_jsonl(stream: LineSource, source_name: str, block_tokens: int, skip_bad_lines: bool,
+               max_requests: int | None, convention: HashConvention) -> Trace:
+    """The Mooncake JSONL trace in ``stream``; reading stops after ``max_requests`` requests
+    (the rest is only hashed)."""
     requests: list[TraceRequest] = []
     skipped = 0
     reasons: list[str] = []
@@ -380,11 +351,15 @@ def _read_jsonl(data: bytes, source_name: str, digest: str, block_tokens: int,
     complete = True
     found: dict[HashConvention | None, int] = {}
     threads = _Threads()
-    for number, text in _lines(data, source_name):
-        if max_requests is not None and len(requests) >= max_requests:
-            complete = False
+    lines = stream.lines()
+    while max_requests is None or len(requests) < max_requests:
+        item = next(lines, None)
+        if item is None:
             break
+        number, text = item
         try:
+            if isinstance(text, TraceFormatError):
+                raise text
             record, request, line_convention = _parse_line(text, number, source_name,
                                                            block_tokens, convention)
             if request.timestamp_ms < last_timestamp:
@@ -396,7 +371,7 @@ def _read_jsonl(data: bytes, source_name: str, digest: str, block_tokens: int,
             session, subagent = _thread_of(record, source_name, number)
         except TraceFormatError as exc:
             if not skip_bad_lines:
-                if not requests:
+                if not requests and isinstance(text, str):
                     raise _format_error(exc, text) from None
                 raise
             skipped += 1
@@ -413,6 +388,8 @@ def _read_jsonl(data: bytes, source_name: str, digest: str, block_tokens: int,
         last_timestamp = request.timestamp_ms
         last_line = number
         requests.append(request)
+    else:  # cut short: the rest is hashed (the sha256 names the whole trace), not kept
+        complete = not stream.drain()
     if not requests:
         problem = "contains no requests"
         if skipped:
@@ -420,7 +397,7 @@ def _read_jsonl(data: bytes, source_name: str, digest: str, block_tokens: int,
         raise TraceFormatError(source_name, None, None, problem)
     return Trace(
         source=source_name,
-        sha256=digest,
+        sha256=stream.sha256,
         block_tokens=block_tokens,
         requests=tuple(requests),
         skipped_lines=skipped,

@@ -83,7 +83,8 @@ class TierJob:
     """One batch transfer between a tier's backend and caller buffers.
 
     ``results`` has one entry per key (True = that key moved) once the job is finished;
-    ``error`` is set when the backend call raised (then every result is False).
+    ``error`` is set when a backend call raised (its keys and the rest of its part are False)
+    or the load timed out (the keys of parts that had not finished are False).
     """
 
     job_id: int
@@ -96,7 +97,7 @@ class TierJob:
     seconds: float = 0.0
     suspects: tuple[int, ...] = ()  # store: positions whose load failed recently (read back)
     verified: tuple[int, ...] = ()  # store: suspects whose read-back succeeded
-    deadline: float = float("inf")  # time.monotonic() past which a load job fails
+    deadline: float = float("inf")  # the tier's clock() past which a load job fails
     settled: bool = False           # results are final (set once, under the tier's settle lock)
     abandoned: bool = False         # a load failed by its deadline while its I/O still runs
     # Progress of its parts (a load runs as parts on several I/O threads), under the settle
@@ -144,8 +145,9 @@ class RecentLoadFailures:
 
     ``put_many`` answers True both for "written" and for "already present", so a store of a key
     whose load just failed proves nothing by itself: the backend may be keeping the very object
-    that could not be loaded (a valid frame of another size, a file that stats but cannot be
-    read). Lifting the key's quarantine with ``note_stored`` then would restart the same doomed
+    that could not be loaded (a file that stats but cannot be read; a frame of another size or
+    a corrupt one is removed by the failed load, so the store does write it again). Lifting the
+    key's quarantine with ``note_stored`` then would restart the same doomed
     promotion for every later request, the livelock class. So a store job of such a key reads
     the object back on its I/O thread (a full, verified ``get``): when the read-back succeeds
     the tier really holds a good block again and the quarantine is lifted (:meth:`discard`);
@@ -191,6 +193,14 @@ class RecentLoadFailures:
             self._until.pop(key)
 
 
+def _so_far(job: TierJob) -> tuple[bool, ...]:
+    """Per key of ``job``, whether a part that has finished moved it (under the settle lock).
+    A part records its answers only when its backend call has returned, so a key of a part
+    still running (a stuck NFS server) or never started answers False, and a key a finished part
+    moved is delivered, never thrown away with the stuck ones."""
+    return tuple(job.partial)
+
+
 @dataclass(slots=True)
 class _Part:
     """Keys ``start:end`` of a job: what one I/O thread runs."""
@@ -207,9 +217,11 @@ class SecondaryTier:
     keeps out of reach of eviction while the job runs) and the backend verifies the frame there
     (namespace, key, length, checksum): one pass over the bytes, no scratch copy. On failure the
     buffers' contents are unspecified; the caller must not publish them. A load past its deadline is
-    failed at once for its keys and marked ``abandoned``: its stuck backend call may still write the
-    buffers, so the caller keeps them out of use until :meth:`SecondaryTier.take_released_loads`
-    returns the job (its I/O ended; I/O threads post it to ``_released``, a ``queue.SimpleQueue``).
+    settled at once: the keys of its parts that finished are delivered, the others fail, and the
+    job is marked ``abandoned`` when a part still runs: its stuck backend call may still write the
+    buffers of its keys, so the caller keeps the failed keys' buffers out of use until
+    :meth:`SecondaryTier.take_released_loads` returns the job (its I/O ended; I/O threads post
+    it to ``_released``, a ``queue.SimpleQueue``).
     A store job reads caller-provided buffers that must stay unchanged until the job is collected.
 
     Backpressure: a tier accepts at most ``max_pending_store_jobs`` outstanding store jobs and
@@ -244,7 +256,8 @@ class SecondaryTier:
         have no record (``open_manager`` today); it cannot be combined with ``settings``.
         ``lookup_factory(name, backend, options)`` replaces the default lookup manager (one
         ``backend.probe`` call per probe batch); ``options`` are the configured lookup settings
-        plus ``clock``. ``max_keys_per_call`` (None: no limit) splits each job's backend calls.
+        plus ``clock``, which also times quarantines and load deadlines. ``max_keys_per_call``
+        (None: no limit) splits each job's backend calls.
         Bad settings raise :class:`~kvtier.settings.ConfigError` (a ValueError) naming them."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"tier name must be a non-empty str, got {name!r}")
@@ -262,6 +275,7 @@ class SecondaryTier:
             lookup_options = LookupConfig.from_dict(lookup, f"tier {name}: lookup").as_kwargs()
         self._name = name
         self._backend = backend
+        self._clock = clock  # lookups, quarantines and load deadlines
         self._lookup: AsyncLookupManager = (
             BackendLookupManager(name, backend, metrics, clock, lookup_options)
             if lookup_factory is None
@@ -333,7 +347,7 @@ class SecondaryTier:
             raise ValueError(f"submit_load got {len(keys)} keys but {len(outs)} buffers")
         job = TierJob(next(self._job_ids), JobKind.LOAD, tuple(keys), tuple(outs),
                           sum(out.nbytes for out in outs),
-                          deadline=time.monotonic() + self._settings.load_timeout_s)
+                          deadline=self._clock() + self._settings.load_timeout_s)
         self._load_deadlines.append(job)
         self._loads_outstanding += 1
         self._counters.loads_submitted += 1
@@ -431,12 +445,12 @@ class SecondaryTier:
                 if deadline is not None and deadline <= now:
                     break
                 # Wake up for the next load deadline too: an expired load is finished.
-                wake = min(deadline if deadline is not None else float("inf"),
-                           self._load_deadlines[0].deadline if self._load_deadlines
-                           else float("inf"))
+                wait_s = min(float("inf") if deadline is None else deadline - now,
+                             self._load_deadlines[0].deadline - self._clock()
+                             if self._load_deadlines else float("inf"))
                 try:
-                    job = self._finished.get(timeout=None if wake == float("inf")
-                                             else max(0.0, wake - now))
+                    job = self._finished.get(timeout=None if wait_s == float("inf")
+                                             else max(0.0, wait_s))
                 except queue.Empty:
                     self._expire_loads()
                     continue
@@ -445,27 +459,29 @@ class SecondaryTier:
         return finished
 
     def _expire_loads(self) -> None:
-        """Fail every load job past its deadline (scheduler thread). One still running is
+        """Settle every load job past its deadline (scheduler thread): the keys of the parts
+        that finished keep their answers (delivered), the others fail. One still running is
         ``abandoned``: its buffers stay the caller's to keep out of use until it is released."""
         pending = self._load_deadlines
-        now = time.monotonic()
+        now = self._clock()
         while pending and (pending[0].settled or pending[0].deadline <= now):
             job = pending.popleft()
             limit = self._settings.load_timeout_s
-            if self._settle(job, (False,) * len(job.keys), f"load timed out after {limit:g} s",
-                            abandon=True):
-                self._io_log.warning("tier %s: load job of %d keys timed out after %g s",
-                                     self._name, len(job.keys), limit)
+            if self._settle(job, None, f"load timed out after {limit:g} s", abandon=True):
+                self._io_log.warning("tier %s: load job of %d keys timed out after %g s; %d "
+                                     "keys of finished parts delivered", self._name,
+                                     len(job.keys), limit, sum(job.results))
 
-    def _settle(self, job: TierJob, results: tuple[bool, ...], error: str | None, *,
+    def _settle(self, job: TierJob, results: tuple[bool, ...] | None, error: str | None, *,
                 abandon: bool = False) -> bool:
         """Make ``results`` final and post the job, unless it was already settled (then False).
+        ``results`` None: what the job's finished parts answered so far (:func:`_so_far`).
         ``abandon``: the job's I/O is still running (a deadline, not the I/O thread, settles it).
         """
         with self._settle_lock:
             if job.settled:
                 return False
-            job.results = results
+            job.results = _so_far(job) if results is None else results
             job.error = error
             job.abandoned = abandon and job.running > 0
             job.settled = True

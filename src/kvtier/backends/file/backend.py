@@ -1,33 +1,37 @@
 """The local-disk backend: one framed file per block (layout in :mod:`.layout`).
 
+Directories. The root is resolved once and every component of its path checked at open; the
+root and the namespace directory are then held by descriptor, and every open, create, rename,
+unlink and stat happens relative to held directory descriptors (:mod:`.dirs`), so a symlink
+re-pointed or a directory renamed after open cannot redirect a byte. The held namespace
+directory is re-verified on every batch call; they are created only at open and never
+re-created if deleted.
+
 Publishing. A block is written to ``.tmp-<pid>-<n>`` in its own directory (optionally fsync'd),
-then published without ever overwriting: ``renameat2(RENAME_NOREPLACE)`` where the C library and
-filesystem have it, else ``os.link`` + unlink, else (no hard links) a check then ``os.replace``,
-where a racing writer of the same key may replace the file with its identical frame. Readers
-never see a partial block; two racing writers of one key both answer True.
+then published without ever overwriting (:mod:`.publish`). Readers never see a partial block;
+two racing writers of one key both answer True.
 
 Sharing. Several processes may share one directory: ``exists`` / ``get_many`` / ``put_many``
 consult the filesystem; the capacity index (:mod:`.capacity`) only drives ``max_bytes`` and LRU
-eviction over the blocks this process knows. On open the directory is scanned and temp files of
-dead processes are removed.
+eviction over the blocks this process knows. On open the directory is scanned, temp files of
+dead processes are removed and blocks of the old two-level layout moved into the current one.
 
-Hygiene. The root and namespace directory must be owned by this user (or root) and not
-world-writable without the sticky bit, unless ``shared_dir`` (then use ``auth_key``); they are
-created only at open and never re-created if deleted. Block files are opened ``O_NONBLOCK |
-O_NOFOLLOW`` and only regular files are read: anything else at a block path is moved aside,
-removed and counted corrupt. A buffered read lands in the caller's buffer (``preadv`` of header
-and payload, one verification pass); ``o_direct`` reads go through a page-aligned per-thread
-buffer.
+Hygiene. The root, its path and the namespace directory must pass :class:`.dirs.DirRule`
+(owned by us or root, writable by nobody else unless sticky), unless ``shared_dir`` (which
+requires ``auth_key``). Block files are opened ``O_NONBLOCK | O_NOFOLLOW`` and only regular
+files are read: anything else at a block path is moved aside, removed and counted corrupt. A
+buffered read lands in the caller's buffer (``preadv`` of header and payload, one verification
+pass); ``o_direct`` reads go through a page-aligned per-thread buffer.
 
-State and owners (any caller thread): ``_capacity`` (its own lock); ``_direct_io``, written once
-under ``_lock`` when O_DIRECT turns out unsupported, read without it (a stale read costs one more
-EINVAL fallback); ``_scratch``, per thread.
+State and owners (any caller thread): ``_capacity`` (its own lock); ``_dirs`` (its own lock,
+see :mod:`.dirs`); ``_direct_io``, written once under ``_lock`` when O_DIRECT turns out
+unsupported, read without it (a stale read costs one more EINVAL fallback); ``_publisher``
+(see :mod:`.publish`); ``_scratch``, per thread.
 """
 
 from __future__ import annotations
 
-import ctypes
-import enum
+import contextlib
 import errno
 import logging
 import os
@@ -54,30 +58,39 @@ from kvtier.backends.base import (
     load_auth_key,
 )
 from kvtier.backends.file.capacity import CapacityIndex
+from kvtier.backends.file.dirs import (
+    DirRule,
+    NamespaceGoneError,
+    Sharing,
+    TierDirs,
+    View,
+    walk,
+)
 from kvtier.backends.file.layout import (
     _ALIGN,
-    _DIR_MODE,
     _FILE_MODE,
-    _MAX_NAME_HEX,
     _MISSING_ERRNOS,
-    _NO_LINK_ERRNOS,
     _NOT_REGULAR_ERRNOS,
     _O_CLOEXEC,
     _O_DIRECT,
+    _O_NOFOLLOW,
     _READ_FLAGS,
-    _SUFFIX,
     _TEMP_COUNTER,
     _TEMP_PREFIX,
     MANIFEST_NAME,
+    DirectIO,
+    Layout,
     _claimed_length,
-    _key_location,
-    _pid_alive,
     _round_up,
     _Scratch,
     _write_all,
+    is_stray_temp,
+    key_from_location,
+    locate,
 )
+from kvtier.backends.file.publish import Publisher
 from kvtier.backends.manifest import read_manifest_file
-from kvtier.keys import MAX_KEY_BYTES, BlockKey, Namespace, check_key
+from kvtier.keys import BlockKey, Namespace, check_key
 from kvtier.settings import ConfigError, Kind, Setting, SettingsTable
 
 _log = logging.getLogger(__name__)
@@ -90,57 +103,19 @@ SETTINGS = SettingsTable("file backend", (
     Setting("o_direct", Kind.BOOL, False,
             help="O_DIRECT reads and writes (bypass the page cache; falls back if refused)"),
     Setting("shared_dir", Kind.BOOL, False,
-            help="accept a root or namespace directory owned by another user or world-writable "
-                 "without the sticky bit (use with auth_key)"),
+            help="accept a root or namespace directory owned by another user or writable by "
+                 "group or others (requires auth_key)"),
     *COMMON_SETTINGS,
 ))
-class DirectIO(enum.Enum):
-    OFF = "off"  # not requested
-    ACTIVE = "active"  # requested and working
-    UNSUPPORTED = "unsupported"  # requested, the filesystem refused it: buffered I/O instead
 
-
-class _LinkMode(enum.Enum):
-    """How a temp file is published without overwriting, best first."""
-
-    RENAME_NOREPLACE = "rename_noreplace"  # renameat2(RENAME_NOREPLACE): one atomic syscall
-    HARD_LINK = "hard_link"  # link + unlink: atomic, two syscalls
-    CHECK_THEN_REPLACE = "check_then_replace"  # racy fallback for filesystems without links
-
-
-_AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
-
-
-def _load_renameat2() -> Any:
-    """glibc's ``renameat2`` (2.28+), or None where the C library lacks it."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        function = libc.renameat2
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                         ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-_renameat2 = _load_renameat2()
-
-
-def _rename_noreplace(temp: str, final: str) -> None:
-    """Atomically rename ``temp`` to ``final``; FileExistsError if ``final`` exists."""
-    if _renameat2(_AT_FDCWD, os.fsencode(temp), _AT_FDCWD, os.fsencode(final),
-                  _RENAME_NOREPLACE) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code), final)
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW
 
 
 class FileBackend(Backend):
     """A thread-safe block store on a local directory (see module docstring)."""
 
     EXTRA_COUNTERS = ("evictions", "stray_temp_files_removed", "o_direct_fallbacks",
-                      "put_rejected")
+                      "put_rejected", "namespace_dir_swaps", "old_layout_blocks_moved")
 
     def __init__(
         self,
@@ -161,38 +136,36 @@ class FileBackend(Backend):
             raise ValueError(f"file backend root {str(root)!r} is the file system's root; expected "
                              "a directory of its own, e.g. file:///var/cache/kvtier")
         digest_hex = namespace.digest_hex if isinstance(namespace, Namespace) else ""
-        self._dir = root_path / digest_hex
-        self._dir_str = str(self._dir)
-        self._root = root_path
-        super().__init__(namespace, name=f"file backend at {self._dir_str}", logger=_log,
+        self._configured_root = root_path
+        super().__init__(namespace, name=f"file backend at {root_path / digest_hex}", logger=_log,
                          auth_key=auth_key)
         self._max_bytes: int = SETTINGS["max_bytes"].parse(max_bytes)
         self._fsync: bool = SETTINGS["fsync"].parse(fsync)
         wants_direct: bool = SETTINGS["o_direct"].parse(o_direct)
-        self._shared_dir: bool = SETTINGS["shared_dir"].parse(shared_dir)
+        shared: bool = SETTINGS["shared_dir"].parse(shared_dir)
+        if shared and not auth_key:
+            raise ConfigError(
+                f"file backend root {str(root)!r}: shared_dir=true requires auth_key (or "
+                "auth_key_file): in a directory others can write, only a keyed MAC keeps their "
+                "frames from being served")
         if wants_direct and not _O_DIRECT:
             _log.warning("file backend: O_DIRECT is not available on this OS; using buffered I/O")
         self._direct_io = DirectIO.ACTIVE if wants_direct and _O_DIRECT else DirectIO.OFF
-        self._link_mode = (
-            _LinkMode.HARD_LINK if _renameat2 is None else _LinkMode.RENAME_NOREPLACE
-        )
         self._lock = threading.Lock()  # guards _direct_io's one transition
         self._capacity = CapacityIndex(self._max_bytes)
         # Process-wide: two instances on one directory must never pick the same temp name.
         self._temp_counter = _TEMP_COUNTER
         self._pid = os.getpid()
-        self._uid = os.geteuid()
         self._scratch = _Scratch()
         self._read_only = mode is OpenMode.READ_ONLY
+        rule = DirRule(os.geteuid(), Sharing.SHARED if shared else Sharing.PRIVATE)
         try:
-            for path, what in ((self._root, "root"), (self._dir, "namespace directory")):
-                if not self._read_only:
-                    self._make_root(path)
-                elif not os.path.lexists(path):  # READ_ONLY creates nothing: a namespace never
-                    break                        # written is empty (kind.py: a missing root)
-                self._check_private(path, what)
-            else:
-                self._scan()  # READ_ONLY: no temp-file removal, no eviction
+            # READ_ONLY creates nothing: a namespace never written is empty (and a missing root
+            # is kind.py's NoTierError before this)
+            self._dirs = TierDirs(str(root_path), digest_hex, rule, on_swap=self._on_swap,
+                                  create=not self._read_only)
+            self._publisher = Publisher(fsync=self._fsync, where=self._dirs.root_path)
+            self._scan()  # READ_ONLY: no temp-file removal, no move, no eviction
         except OSError as exc:
             raise ValueError(
                 f"file backend root {str(root)!r} cannot be used: {exc.strerror or exc}"
@@ -202,11 +175,13 @@ class FileBackend(Backend):
 
     @property
     def url(self) -> str:
-        return "file://" + urllib.parse.quote(str(self._root))
+        return "file://" + urllib.parse.quote(str(self._configured_root))
 
     @property
     def root(self) -> Path:
-        return self._root
+        """The root as resolved at open: where the blocks are, whatever a symlink on the
+        configured path points to now."""
+        return Path(self._dirs.root_path)
 
     @property
     def direct_io(self) -> DirectIO:
@@ -214,8 +189,8 @@ class FileBackend(Backend):
 
     def path_for(self, key: BlockKey) -> Path:
         """The file that holds ``key``'s block (whether or not it exists)."""
-        parts, name = _key_location(check_key(key).hex())
-        return self._dir.joinpath(*parts, name)
+        parts, name = locate(check_key(key))
+        return Path(self._dirs.namespace_path, *parts, name)
 
     def _m_extra_stats(self) -> dict[str, int]:
         gauges = self._capacity.gauges()
@@ -224,149 +199,159 @@ class FileBackend(Backend):
 
     def _m_update_manifest(self, decide: Callable[[bytes | None], bytes]) -> None:
         """Replace ``<root>/<digest>/namespace.json`` with ``decide`` of what it holds, unless
-        unchanged (atomic: temp + rename)."""
-        final = os.path.join(self._dir_str, MANIFEST_NAME)
-        document = decide(stored := read_manifest_file(final))
-        if document == stored:
-            return
-        temp = os.path.join(self._dir_str, f"{_TEMP_PREFIX}{self._pid}-{next(_TEMP_COUNTER)}")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, _FILE_MODE)
-        try:
-            _write_all(fd, [document])
-        finally:
-            os.close(fd)
-        os.replace(temp, final)  # identical content if another writer won: harmless
-
-    # ------------------------------------------------------------------ directory hygiene
-
-    def _check_private(self, path: Path, what: str) -> None:
-        """Refuse a directory others could plant blocks in, unless ``shared_dir`` is set."""
-        info = os.lstat(path)
-        if not stat.S_ISDIR(info.st_mode) and what != "root":
-            raise ConfigError(f"file backend {what} {str(path)!r} is not a directory")
-        if what == "root":
-            info = os.stat(path)  # the root itself may be a symlink to the real directory
-            if not stat.S_ISDIR(info.st_mode):
-                raise ConfigError(f"file backend root {str(path)!r} is not a directory")
-        if self._shared_dir:
-            return
-        mode = stat.S_IMODE(info.st_mode)
-        if info.st_uid not in (self._uid, 0):
-            raise ConfigError(
-                f"file backend {what} {str(path)!r} is owned by uid {info.st_uid}, not by this "
-                f"user (uid {self._uid}); another user could plant blocks there. Use a directory "
-                "of your own, or set shared_dir=true (with auth_key) if it is shared on purpose"
-            )
-        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
-            raise ConfigError(
-                f"file backend {what} {str(path)!r} is world-writable (mode {mode:o}) without "
-                "the sticky bit; anyone could plant or swap blocks there. chmod o-w it, or set "
-                "shared_dir=true (with auth_key) if it is shared on purpose"
-            )
-
-    def _make_root(self, path: Path) -> None:
-        """Create the root or namespace directory at open (0700); never called later."""
-        try:
-            os.makedirs(path, _DIR_MODE)
-        except FileExistsError:
-            return
-        os.chmod(path, _DIR_MODE)  # the umask may have removed bits we need
-
-    def _make_dirs(self, directory: str) -> None:
-        """Create the missing fan-out directories of ``directory`` below the namespace directory.
-
-        The namespace directory itself is never re-created: if it was deleted under a running
-        backend, this raises FileNotFoundError and the write fails (counted), as it should.
-        """
-        if directory == self._dir_str:
-            raise FileNotFoundError(errno.ENOENT, "the tier's namespace directory is gone",
-                                    directory)
-        if not directory.startswith(self._dir_str + os.sep):
-            raise FileNotFoundError(errno.ENOENT, "outside the namespace directory", directory)
-        try:
-            os.mkdir(directory, _DIR_MODE)
-        except FileExistsError:
-            return
-        except FileNotFoundError:
-            self._make_dirs(os.path.dirname(directory))
-            try:
-                os.mkdir(directory, _DIR_MODE)
-            except FileExistsError:
+        unchanged (atomic: temp + rename; a concurrent writer's is as good)."""
+        with self._dirs.use() as view:
+            document = decide(stored := read_manifest_file(MANIFEST_NAME, dir_fd=view.fd))
+            if document == stored:
                 return
-        os.chmod(directory, _DIR_MODE)
+            temp = f"{_TEMP_PREFIX}{self._pid}-{next(_TEMP_COUNTER)}"
+            fd = os.open(temp, _CREATE_FLAGS, _FILE_MODE, dir_fd=view.fd)
+            try:
+                _write_all(fd, [document])
+            finally:
+                os.close(fd)
+            os.replace(temp, MANIFEST_NAME, src_dir_fd=view.fd, dst_dir_fd=view.fd)
+
+    def _m_close(self) -> None:
+        self._dirs.close()
+
+    def _on_swap(self) -> None:
+        """The held namespace directory is no longer at its name (called by ``_dirs``)."""
+        self._stats.add("namespace_dir_swaps")
+        self._error_log.warning("file backend: the namespace directory %s was renamed, replaced "
+                                "or removed while open; it is no longer used",
+                                self._dirs.namespace_path)
+
+    def _batch(self, operation: str, keys: list[BlockKey],
+               run: Callable[[View], list[Outcome]], gone: Outcome) -> list[Outcome]:
+        """``run`` under the re-verified namespace directory; where it is gone every key
+        answers ``gone``, where it is refused or unreadable every key fails (counted)."""
+        try:
+            view = self._dirs.acquire()
+        except OSError as exc:
+            if isinstance(exc, NamespaceGoneError) and gone is Outcome.MISSING:
+                return [Outcome.MISSING] * len(keys)
+            return [self._fail(operation, key, exc) for key in keys]
+        try:
+            return run(view)
+        finally:
+            self._dirs.release(view)
 
     # ------------------------------------------------------------------ existence
 
     def _m_exists(self, keys: list[BlockKey]) -> list[Outcome]:
-        outcomes: list[Outcome] = []
-        for key in keys:
-            try:
-                info = os.lstat(self._path_str(key))
-            except OSError as exc:
-                outcomes.append(Outcome.MISSING if exc.errno in _MISSING_ERRNOS
-                                else self._fail("exists", key, exc))
-            else:
-                # A FIFO, symlink or directory is not a block (a read removes it).
-                outcomes.append(Outcome.OK if stat.S_ISREG(info.st_mode) else Outcome.MISSING)
-        return outcomes
+        return self._batch("exists", keys,
+                           lambda view: [self._exists_one(view, key) for key in keys],
+                           Outcome.MISSING)
+
+    def _exists_one(self, view: View, key: BlockKey) -> Outcome:
+        parts, name = locate(key)
+        try:
+            dir_fd, owned = view.key_dir(parts, create=False)
+        except OSError as exc:
+            return Outcome.MISSING if exc.errno in _MISSING_ERRNOS | {errno.ELOOP} \
+                else self._fail("exists", key, exc)
+        try:
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError as exc:
+            return Outcome.MISSING if exc.errno in _MISSING_ERRNOS \
+                else self._fail("exists", key, exc)
+        finally:
+            if owned:
+                os.close(dir_fd)
+        # A FIFO, symlink or directory is not a block (a read removes it).
+        return Outcome.OK if stat.S_ISREG(info.st_mode) else Outcome.MISSING
 
     # ------------------------------------------------------------------ writes
 
     def _m_store(self, frames: list[StoredFrame]) -> list[Outcome]:
-        return [self._put_one(frame) for frame in frames]
+        return self._batch("put", [frame.key for frame in frames],
+                           lambda view: [self._put_one(view, frame) for frame in frames],
+                           Outcome.FAILED)
 
-    def _put_one(self, frame: StoredFrame) -> Outcome:
-        key, header, view = frame.key, frame.header, frame.payload
-        direct = self._direct_io is DirectIO.ACTIVE
-        file_size = _round_up(frame.nbytes) if direct else frame.nbytes
-        final = self._path_str(key)
-        directory = os.path.dirname(final)
+    def _put_one(self, view: View, frame: StoredFrame) -> Outcome:
+        parts, name = locate(frame.key)
         try:
-            info = os.lstat(final)
-        except OSError:
-            pass  # absent (or unreadable: the write below reports the real error)
-        else:
-            if stat.S_ISREG(info.st_mode):
-                self._evict_files(self._capacity.adopt(key, info.st_size))  # its size on disk
-                return Outcome.PRESENT
-            # Not a block: set it aside so the key can be stored.
-            self._stats.add("corrupt_objects")
-            self._drop_bad(key, final, None, "not a regular file")
-        reserved = file_size
-        fits, victims = self._capacity.reserve(reserved)
-        self._evict_files(victims)
-        if not fits:
-            self._stats.add("put_rejected")
-            return Outcome.FAILED
-        temp = f"{directory}/{_TEMP_PREFIX}{self._pid}-{next(self._temp_counter)}"
-        try:
-            try:
-                written = self._write_temp(temp, header, view, direct)
-            except FileNotFoundError:
-                self._make_dirs(directory)
-                written = self._write_temp(temp, header, view, direct)
-            published = self._publish(temp, final, directory)
+            for fresh in (False, True):
+                dir_fd, owned = view.key_dir(parts, create=True, fresh=fresh)
+                try:
+                    outcome = self._put_in(view, dir_fd, name, frame)
+                finally:
+                    if owned:
+                        os.close(dir_fd)
+                if outcome is not None:
+                    return outcome
+                view.stale = True  # its directory was removed under us: reopen it by name
+            raise FileNotFoundError(errno.ENOENT, "the block's directory keeps vanishing", name)
         except OSError as exc:
-            self._capacity.release(reserved, key=None)
-            if os.path.lexists(temp):
-                self._unlink_quietly(temp, key)
-            return self._fail("put", key, exc)
-        self._capacity.release(reserved, key=key, stored=written)
-        return Outcome.OK if published else Outcome.PRESENT
+            return self._fail("put", frame.key, exc)
 
-    def _write_temp(self, temp: str, header: bytes, view: memoryview, direct: bool) -> int:
+    def _put_in(self, view: View, dir_fd: int, name: str, frame: StoredFrame) -> Outcome | None:
+        """Store ``frame`` as ``name`` under ``dir_fd``; None if that directory was removed.
+        What exists at ``name`` is looked at first only with fsync or no no-replace rename."""
+        key = frame.key
+        direct = self._direct_io is DirectIO.ACTIVE
+        reserved = _round_up(frame.nbytes) if direct else frame.nbytes
+        if self._fsync or not self._publisher.refuses_existing:
+            found = self._existing(view, dir_fd, name, key)
+            if found is not None:
+                return found
+        for _attempt in range(2):  # a second time after setting a planted non-block aside
+            fits, victims = self._capacity.reserve(reserved)
+            self._evict_files(view, victims)
+            if not fits:
+                self._stats.add("put_rejected")
+                return Outcome.FAILED
+            temp = f"{_TEMP_PREFIX}{self._pid}-{next(self._temp_counter)}"
+            try:
+                written = self._write_temp(dir_fd, temp, frame.header, frame.payload, direct)
+                published = self._publisher.publish(dir_fd, temp, dir_fd, name)
+            except OSError as exc:
+                self._capacity.release(reserved, key=None)
+                try:
+                    os.stat(temp, dir_fd=dir_fd, follow_symlinks=False)
+                except OSError:
+                    if isinstance(exc, FileNotFoundError):
+                        return None  # no temp file: its directory is gone
+                else:
+                    self._unlink_quietly(dir_fd, temp, key)
+                return self._fail("put", key, exc)
+            if published:
+                self._capacity.release(reserved, key=key, stored=written)
+                return Outcome.OK
+            self._capacity.release(reserved, key=None)
+            found = self._existing(view, dir_fd, name, key)
+            if found is not None:
+                return found
+        return Outcome.PRESENT  # set aside twice and re-planted: leave it to the next put
+
+    def _existing(self, view: View, dir_fd: int, name: str, key: BlockKey) -> Outcome | None:
+        """PRESENT if a regular file holds ``name``; None if nothing does (or a non-block did
+        and was set aside; an unreadable one: the write reports the real error)."""
+        try:
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            return None
+        if stat.S_ISREG(info.st_mode):
+            self._evict_files(view, self._capacity.adopt(key, info.st_size))  # size on disk
+            return Outcome.PRESENT
+        self._stats.add("corrupt_objects")
+        self._drop_bad(key, dir_fd, name, None, "not a regular file")
+        return None
+
+    def _write_temp(self, dir_fd: int, temp: str, header: bytes, view: memoryview,
+                    direct: bool) -> int:
         """Write the frame to ``temp``; returns the file size. Raises OSError."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
         if direct:
             try:
-                fd = os.open(temp, flags | _O_DIRECT, _FILE_MODE)
+                fd = os.open(temp, _CREATE_FLAGS | _O_DIRECT, _FILE_MODE, dir_fd=dir_fd)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self._disable_direct_io(exc)
-                return self._write_temp(temp, header, view, direct=False)
+                return self._write_temp(dir_fd, temp, header, view, direct=False)
         else:
-            fd = os.open(temp, flags, _FILE_MODE)
+            fd = os.open(temp, _CREATE_FLAGS, _FILE_MODE, dir_fd=dir_fd)
         try:
             if direct:
                 frame_len = len(header) + view.nbytes
@@ -383,9 +368,9 @@ class FileBackend(Backend):
                     # Some filesystems accept O_DIRECT at open and refuse it at write.
                     os.close(fd)
                     fd = -1
-                    os.unlink(temp)
+                    os.unlink(temp, dir_fd=dir_fd)
                     self._disable_direct_io(exc)
-                    return self._write_temp(temp, header, view, direct=False)
+                    return self._write_temp(dir_fd, temp, header, view, direct=False)
             else:
                 size = len(header) + view.nbytes
                 _write_all(fd, [header, view])
@@ -396,58 +381,37 @@ class FileBackend(Backend):
                 os.close(fd)
         return size
 
-    def _publish(self, temp: str, final: str, directory: str) -> bool:
-        """Make ``temp`` visible as ``final`` unless it exists; True if ours was published."""
-        published = True
-        if self._link_mode is _LinkMode.RENAME_NOREPLACE:
-            try:
-                _rename_noreplace(temp, final)
-            except FileExistsError:
-                published = False
-                os.unlink(temp)
-            except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    raise
-                _log.info("file backend: no RENAME_NOREPLACE on %s (%s); using hard links",
-                          directory, exc)
-                self._link_mode = _LinkMode.HARD_LINK
-                return self._publish(temp, final, directory)
-        elif self._link_mode is _LinkMode.HARD_LINK:
-            try:
-                os.link(temp, final)
-            except FileExistsError:
-                published = False
-            except OSError as exc:
-                if exc.errno not in _NO_LINK_ERRNOS:
-                    raise
-                _log.info("file backend: no hard links on %s (%s); using replace", directory, exc)
-                self._link_mode = _LinkMode.CHECK_THEN_REPLACE
-                return self._publish(temp, final, directory)
-            os.unlink(temp)
-        elif os.path.lexists(final):
-            published = False
-            os.unlink(temp)
-        else:
-            os.replace(temp, final)
-        if self._fsync and published:
-            dir_fd = os.open(directory, os.O_RDONLY | _O_CLOEXEC)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        return published
-
     # ------------------------------------------------------------------ reads
 
     def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> Iterator[Fetched]:
-        for key, out in zip(keys, outs, strict=True):
-            yield self._fetch_one(key, out)
+        try:
+            view = self._dirs.acquire()
+        except NamespaceGoneError:
+            yield from (MISSING_FETCH for _key in keys)
+            return
+        except OSError as exc:
+            for key in keys:
+                self._fail("get", key, exc)
+                yield FAILED_FETCH
+            return
+        try:
+            for key, out in zip(keys, outs, strict=True):
+                yield self._fetch_one(view, key, out)
+        finally:
+            self._dirs.release(view)
 
-    def _fetch_one(self, key: BlockKey, out: memoryview) -> Fetched:
-        path = self._path_str(key)
+    def _fetch_one(self, view: View, key: BlockKey, out: memoryview) -> Fetched:
+        parts, name = locate(key)
         direct = self._direct_io is DirectIO.ACTIVE
         try:
-            fd = os.open(path, _READ_FLAGS | (_O_DIRECT if direct else 0))
+            dir_fd, owned = view.key_dir(parts, create=False)
+        except OSError as exc:
+            if exc.errno in _MISSING_ERRNOS | {errno.ELOOP}:
+                return MISSING_FETCH
+            self._fail("get", key, exc)
+            return FAILED_FETCH
+        try:
+            fd = os.open(name, _READ_FLAGS | (_O_DIRECT if direct else 0), dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno in _MISSING_ERRNOS:
                 return MISSING_FETCH
@@ -455,9 +419,12 @@ class FileBackend(Backend):
                 return CORRUPT_FETCH  # a symlink or socket at the block path
             if direct and exc.errno == errno.EINVAL:
                 self._disable_direct_io(exc)
-                return self._fetch_one(key, out)
+                return self._fetch_one(view, key, out)
             self._fail("get", key, exc)
             return FAILED_FETCH
+        finally:
+            if owned:
+                os.close(dir_fd)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):  # a FIFO, directory or device: never read
@@ -471,14 +438,14 @@ class FileBackend(Backend):
                 self._disable_direct_io(exc)
                 os.close(fd)
                 fd = -1
-                return self._fetch_one(key, out)
+                return self._fetch_one(view, key, out)
             self._fail("get", key, exc)
             return FAILED_FETCH
         finally:
             if fd >= 0:
                 os.close(fd)
         if self._capacity.bounded and fetched.outcome is Outcome.OK:
-            self._evict_files(self._capacity.adopt(key, info.st_size))
+            self._evict_files(view, self._capacity.adopt(key, info.st_size))
         return fetched
 
     def _read_in_place(self, fd: int, info: os.stat_result, out: memoryview) -> Fetched:
@@ -528,118 +495,150 @@ class FileBackend(Backend):
         return Fetched(Outcome.OK, frame=buffer[:frame_len], token=info.st_ino)
 
     def _m_remove_bad(self, bad: list[tuple[BlockKey, Fetched]]) -> None:
-        for key, item in bad:
-            token = item.token if isinstance(item.token, int) else None
-            self._drop_bad(key, self._path_str(key), token, "corrupt or unauthenticated")
+        def run(view: View) -> list[Outcome]:
+            for key, item in bad:
+                token = item.token if isinstance(item.token, int) else None
+                parts, name = locate(key)
+                try:
+                    dir_fd, owned = view.key_dir(parts, create=False)
+                except OSError:
+                    continue  # its directory is gone, and the bad object with it
+                try:
+                    self._drop_bad(key, dir_fd, name, token, "corrupt or unauthenticated")
+                finally:
+                    if owned:
+                        os.close(dir_fd)
+            return []
 
-    def _drop_bad(self, key: BlockKey, path: str, inode: int | None, why: str) -> None:
-        """Remove the bad object we saw at ``path`` (inode ``inode``; None: any non-regular file).
+        self._batch("remove bad block", [key for key, _item in bad], run, Outcome.MISSING)
+
+    def _drop_bad(self, key: BlockKey, dir_fd: int, name: str, inode: int | None,
+                  why: str) -> None:
+        """Remove the bad object we saw at ``name`` (inode ``inode``; None: any non-regular
+        file).
 
         Between our read and now, another reader may have removed it and a writer published the
         good block under the same name. "stat, then unlink if same inode" would still delete that
         block if it lands between the two calls; instead the name is first renamed aside
         (atomic), then what was moved is checked, and put back if it is a block we did not read.
         """
-        directory = os.path.dirname(path)
-        aside = os.path.join(directory, f"{_TEMP_PREFIX}{self._pid}-{next(self._temp_counter)}")
+        aside = f"{_TEMP_PREFIX}{self._pid}-{next(self._temp_counter)}"
         try:
-            os.rename(path, aside)
+            os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except OSError as error:
             if error.errno not in _MISSING_ERRNOS:  # else someone else already removed it
                 self._fail("remove bad block", key, error)
                 return
         else:
             try:
-                moved = os.lstat(aside)
+                moved = os.stat(aside, dir_fd=dir_fd, follow_symlinks=False)
                 ours = moved.st_ino == inode if inode is not None else not stat.S_ISREG(
                     moved.st_mode)
                 if not ours:  # a good block published meanwhile: give it its name back
-                    self._publish(aside, path, directory)
+                    self._publisher.publish(dir_fd, aside, dir_fd, name)
                     return
                 if stat.S_ISDIR(moved.st_mode):
-                    os.rmdir(aside)  # a non-empty planted directory stays aside, out of the way
+                    os.rmdir(aside, dir_fd=dir_fd)  # a non-empty planted one stays aside
                 else:
-                    os.unlink(aside)
+                    os.unlink(aside, dir_fd=dir_fd)
             except OSError as error:
                 self._fail("remove bad block", key, error)
-        self._error_log.warning("file backend: removed %s block %s", why, path)
+        self._error_log.warning("file backend: removed %s block %s", why, self.path_for(key))
         self._capacity.forget((key,))
 
     def _m_delete(self, keys: list[BlockKey]) -> None:
         self._capacity.forget(keys)
-        for key in keys:
-            self._unlink_quietly(self._path_str(key), key)
+
+        def run(view: View) -> list[Outcome]:
+            self._evict_files(view, keys, count=False)
+            return []
+
+        self._batch("delete", keys, run, Outcome.MISSING)
 
     # ------------------------------------------------------------------ capacity index
 
     def _scan(self) -> None:
-        """Rebuild the index from the directory; remove temp files of dead processes."""
+        """Rebuild the index from the namespace directory; remove temp files of dead processes;
+        move blocks of the two-level layout into the current one (and their emptied
+        directories away)."""
         found: list[tuple[int, BlockKey, int]] = []
-        removed = 0
-        for directory, _subdirs, files in os.walk(self._dir_str):
-            relative = os.path.relpath(directory, self._dir_str)
-            parts = () if relative == "." else tuple(relative.split(os.sep))
-            for name in files:
-                path = os.path.join(directory, name)
-                if name.startswith(_TEMP_PREFIX):
-                    if not self._read_only and self._is_stray_temp(name):
-                        self._unlink_quietly(path, None)
-                        removed += 1
-                    continue
-                key = self._key_from_location(parts, name)
-                if key is None:
-                    continue
-                try:
-                    info = os.lstat(path)
-                except OSError:
-                    continue
-                if stat.S_ISREG(info.st_mode):
+        removed = moved = 0
+        writing = not self._read_only
+        try:
+            view = self._dirs.acquire()
+        except NamespaceGoneError:
+            return  # READ_ONLY, and the namespace was never written: nothing to index
+        try:
+            for parts, dir_fd, files, subdirs in walk(view.fd):
+                for name in files:
+                    if name.startswith(_TEMP_PREFIX):
+                        if writing and is_stray_temp(name, self._pid):
+                            self._unlink_quietly(dir_fd, name, None)
+                            removed += 1
+                        continue
+                    located = key_from_location(parts, name)
+                    if located is None:
+                        continue
+                    try:
+                        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if not stat.S_ISREG(info.st_mode):
+                        continue
+                    key, layout = located
+                    if layout is Layout.TWO_LEVEL:
+                        if not writing or not self._move_to_current(view, key, dir_fd, name):
+                            continue
+                        moved += 1
                     found.append((info.st_mtime_ns, key, info.st_size))
-        found.sort(key=lambda entry: entry[0])
-        victims = self._capacity.load((key, size) for _mtime, key, size in found)
-        if removed:
-            self._stats.add("stray_temp_files_removed", removed)
-            _log.info("file backend: removed %d stray temp files under %s", removed, self._dir)
-        if not self._read_only:
-            self._evict_files(victims)
+                for subdir in subdirs if writing else ():  # the two-level layout's, emptied
+                    if len(parts) + 1 >= 2 and len((*parts, subdir)[1]) == 2:
+                        # not empty: a live writer's temp file, or not ours
+                        with contextlib.suppress(OSError):
+                            os.rmdir(subdir, dir_fd=dir_fd)
+            found.sort(key=lambda entry: entry[0])
+            victims = self._capacity.load((key, size) for _mtime, key, size in found)
+            if writing:
+                self._evict_files(view, victims)
+        finally:
+            self._dirs.release(view)
+        self._stats.add_many({"stray_temp_files_removed": removed,
+                              "old_layout_blocks_moved": moved})
+        if removed or moved:
+            _log.info("file backend: removed %d stray temp files, moved %d blocks of the "
+                      "two-level layout under %s", removed, moved, self._dirs.namespace_path)
 
-    def _evict_files(self, victims: list[BlockKey]) -> None:
+    def _move_to_current(self, view: View, key: BlockKey, dir_fd: int, name: str) -> bool:
+        """Rename a two-level-layout block to its current place; False where a block is there
+        already (then this copy is removed) or the move failed."""
+        parts, final = locate(key)
+        try:
+            target, owned = view.key_dir(parts, create=True)
+            try:
+                return self._publisher.publish(dir_fd, name, target, final)
+            finally:
+                if owned:
+                    os.close(target)
+        except OSError as exc:
+            self._fail("move to the current layout", key, exc)
+            return False
+
+    def _evict_files(self, view: View, victims: list[BlockKey], *, count: bool = True) -> None:
         for victim in victims:
-            self._unlink_quietly(self._path_str(victim), victim)
-        if victims:
+            parts, name = locate(victim)
+            try:
+                dir_fd, owned = view.key_dir(parts, create=False)
+            except OSError:
+                continue  # no directory, no file
+            try:
+                self._unlink_quietly(dir_fd, name, victim)
+            finally:
+                if owned:
+                    os.close(dir_fd)
+        if victims and count:
             self._stats.add("evictions", len(victims))
 
-    def _is_stray_temp(self, name: str) -> bool:
-        pid_text = name[len(_TEMP_PREFIX) :].partition("-")[0]
-        if not pid_text.isdigit():
-            return True
-        pid = int(pid_text)
-        # Our own pid: a sibling instance in this process may be writing it right now.
-        return pid != self._pid and not _pid_alive(pid)
-
-    @staticmethod
-    def _key_from_location(parts: tuple[str, ...], name: str) -> BlockKey | None:
-        if not name.endswith(_SUFFIX) or len(parts) < 2:
-            return None
-        key_hex = "".join(parts[2:]) + name[: -len(_SUFFIX)]
-        try:
-            key = bytes.fromhex(key_hex)
-        except ValueError:
-            return None
-        if not 1 <= len(key) <= MAX_KEY_BYTES or key.hex() != key_hex:
-            return None
-        if _key_location(key_hex) != (parts, name):
-            return None
-        return key
-
     # ------------------------------------------------------------------ helpers
-
-    def _path_str(self, key: BlockKey) -> str:
-        key_hex = key.hex()
-        if 4 <= len(key_hex) <= _MAX_NAME_HEX:  # the common case, without tuple building
-            return f"{self._dir_str}/{key_hex[0:2]}/{key_hex[2:4]}/{key_hex}{_SUFFIX}"
-        parts, name = _key_location(key_hex)
-        return os.path.join(self._dir_str, *parts, name)
 
     def _disable_direct_io(self, exc: OSError) -> None:
         with self._lock:
@@ -648,17 +647,17 @@ class FileBackend(Backend):
             self._direct_io = DirectIO.UNSUPPORTED
         self._stats.add("o_direct_fallbacks")
         _log.warning(
-            "file backend: O_DIRECT refused on %s (%s); falling back to buffered I/O",
-            self._dir,
+            "file backend: O_DIRECT refused under %s (%s); falling back to buffered I/O",
+            self._dirs.namespace_path,
             exc,
         )
 
-    def _unlink_quietly(self, path: str, key: BlockKey | None) -> None:
+    def _unlink_quietly(self, dir_fd: int, name: str, key: BlockKey | None) -> None:
         try:
-            os.unlink(path)
+            os.unlink(name, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno not in _MISSING_ERRNOS:
-                self._fail("unlink", key if key is not None else path, exc)
+                self._fail("unlink", key if key is not None else name, exc)
 
 
 def from_url(url: str, namespace: Namespace, options: dict[str, Any],

@@ -2,13 +2,17 @@
 except ``_TEMP_COUNTER`` (temp-file numbers shared by every instance in this process; ``next``
 is atomic) and ``_Scratch`` (one aligned buffer per thread, owned by that thread).
 
-Layout: ``<root>/<namespace digest hex>/<k0k1>/<k2k3>/<key hex>.kvb``; keys whose hex would not
-fit one file name are split into nested directories of 200 hex digits. Every component is hex,
-so no key can name a path outside the root.
+Layout: ``<root>/<namespace digest hex>/<k0k1>/<key hex>.kvb`` (one fan-out level: at most 256
+directories per namespace); keys whose hex would not fit one file name are split into nested
+directories of 200 hex digits below the fan-out directory. Every component is hex, so no key can
+name a path outside the root. The layout before it had two fan-out levels
+(``<k0k1>/<k2k3>/<key hex>.kvb``, :attr:`Layout.TWO_LEVEL`): the restart scan moves such blocks
+into the current layout, and ``usage`` / ``purge`` count and remove them.
 """
 
 from __future__ import annotations
 
+import enum
 import errno
 import itertools
 import mmap
@@ -17,11 +21,12 @@ import threading
 
 from kvtier import codec
 from kvtier.backends.base import Buffer
+from kvtier.keys import MAX_KEY_BYTES
 
 _SUFFIX = ".kvb"
 MANIFEST_NAME = "namespace.json"
 """The namespace manifest's file name in ``<root>/<digest>/``; never a block's name (those end
-in ``.kvb`` two directories further down)."""
+in ``.kvb`` one directory further down)."""
 _TEMP_PREFIX = ".tmp-"
 _ALIGN = 4096
 _MAX_NAME_HEX = 248  # longest hex in one file name (NAME_MAX is 255 with the suffix)
@@ -42,6 +47,14 @@ _MISSING_ERRNOS = {errno.ENOENT, errno.ENOTDIR}
 _TEMP_COUNTER = itertools.count()
 
 
+
+class DirectIO(enum.Enum):
+    """Whether the file backend uses O_DIRECT."""
+
+    OFF = "off"  # not requested
+    ACTIVE = "active"  # requested and working
+    UNSUPPORTED = "unsupported"  # requested, the filesystem refused it: buffered I/O instead
+
 def _claimed_length(header: Buffer) -> int:
     """The payload length a header claims (-1 if it is not even a frame header)."""
     try:
@@ -54,13 +67,64 @@ def _round_up(size: int) -> int:
     return (size + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _key_location(key_hex: str) -> tuple[tuple[str, ...], str]:
+class Layout(enum.Enum):
+    """Where a block file sits below its namespace directory."""
+
+    CURRENT = "current"  # <k0k1>/<key hex>.kvb
+    TWO_LEVEL = "two_level"  # <k0k1>/<k2k3>/<key hex>.kvb: written before one level sufficed
+
+
+_MAX_DEPTH = 4
+"""The deepest directory (below the namespace directory) a block of either layout can sit in: a
+255-byte key is 510 hex digits, three 200-digit chunks, so two chunk directories below the
+fan-out levels. Scans never descend further (a planted deep tree is not walked)."""
+
+
+def _key_location(key_hex: str, layout: Layout = Layout.CURRENT
+                  ) -> tuple[tuple[str, ...], str]:
     """(directory components below the namespace directory, file name) of a key."""
     fan = key_hex.ljust(4, "0")
+    levels = (fan[0:2],) if layout is Layout.CURRENT else (fan[0:2], fan[2:4])
     if len(key_hex) <= _MAX_NAME_HEX:
-        return (fan[0:2], fan[2:4]), key_hex + _SUFFIX
+        return levels, key_hex + _SUFFIX
     chunks = [key_hex[i : i + _CHUNK_HEX] for i in range(0, len(key_hex), _CHUNK_HEX)]
-    return (fan[0:2], fan[2:4], *chunks[:-1]), chunks[-1] + _SUFFIX
+    return (*levels, *chunks[:-1]), chunks[-1] + _SUFFIX
+
+
+def locate(key: bytes) -> tuple[tuple[str, ...], str]:
+    """``_key_location`` of a key in the current layout, without tuple building for the
+    common case (keys up to 124 bytes)."""
+    key_hex = key.hex()
+    if len(key_hex) <= _MAX_NAME_HEX:
+        return (key_hex[0:2],), key_hex + _SUFFIX
+    return _key_location(key_hex)
+
+
+def key_from_location(parts: tuple[str, ...], name: str) -> tuple[bytes, Layout] | None:
+    """The key and layout of a block file at ``parts`` / ``name``, or None for anything else
+    (a foreign file, a temp file, a name in the wrong directory)."""
+    if not name.endswith(_SUFFIX) or not parts:
+        return None
+    for layout, fan_levels in ((Layout.CURRENT, 1), (Layout.TWO_LEVEL, 2)):
+        key_hex = "".join(parts[fan_levels:]) + name[: -len(_SUFFIX)]
+        try:
+            key = bytes.fromhex(key_hex)
+        except ValueError:
+            continue
+        if 1 <= len(key) <= MAX_KEY_BYTES and key.hex() == key_hex and \
+                _key_location(key_hex, layout) == (parts, name):
+            return key, layout
+    return None
+
+
+def is_stray_temp(name: str, own_pid: int) -> bool:
+    """Whether the temp file ``name`` was left by a process that is gone (or is not ours)."""
+    pid_text = name[len(_TEMP_PREFIX) :].partition("-")[0]
+    if not pid_text.isdigit():
+        return True
+    pid = int(pid_text)
+    # Our own pid: a sibling instance in this process may be writing it right now.
+    return pid != own_pid and not _pid_alive(pid)
 
 
 def _pid_alive(pid: int) -> bool:
