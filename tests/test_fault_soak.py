@@ -389,11 +389,13 @@ def test_fault_soak_serves_no_wrong_block_and_leaves_nothing_behind(
         {"url": valkey.url, "auth_key": OWNER_KEY, "load_timeout_s": 1.0,
          "lookup": {"probe_timeout_s": 1.0}, **FAST},
     ]
-    manager = open_manager({"block_bytes": BLOCK, "primary_bytes": BLOCK * SLOTS,
-                            "namespace": {"model": model}, "secondary_tiers": tiers})
+    # The unkeyed intruder opens before the keyed manager: once a tier's manifest says keyed, an
+    # unkeyed open is refused (a stranger who ignores that writes the same frames).
     intruders = [open_backend(file_url, namespace, auth_key=OTHER_KEY),
                  open_backend(valkey.url, namespace, **FAST),
                  open_backend(valkey.url, namespace, auth_key=OTHER_KEY, **FAST)]
+    manager = open_manager({"block_bytes": BLOCK, "primary_bytes": BLOCK * SLOTS,
+                            "namespace": {"model": model}, "secondary_tiers": tiers})
     # (intruders[0] is the file tier's: the neighbour relies on that order)
     documents = [chain_keys([rng.randrange(32000) for _ in range(BLOCK_TOKENS *
                                                                  BLOCKS_PER_DOCUMENT)],
