@@ -116,13 +116,14 @@ def test_damaged_block_fails_only_its_key_and_is_not_retried(tmp_path: Path, dam
             assert stats["loaded_keys"] in (0, 2)  # missing: no probe hit, or a failed load
 
 
-def test_a_block_that_cannot_be_loaded_is_not_promised_again_after_its_recompute_is_stored(
+def test_a_block_of_another_size_fails_once_and_its_recompute_replaces_it(
     tmp_path: Path,
 ) -> None:
-    """An object the backend keeps but cannot load (here: a valid frame of another size; in
-    production e.g. a file that stats but fails to read) makes the recompute's store answer
-    "already present". That answer must not lift the quarantine: each later request would
-    start the same doomed promotion again."""
+    """A valid frame of another size (an engine with another block size wrote it) cannot be
+    loaded: the load fails once (the key is quarantined, no doomed promotion loops) and the
+    object is removed, so the recompute's store writes the real block and a later request
+    loads it. Before, the object was kept for good: the store answered "already present" and
+    the key could never be served again."""
     [key], [payload] = random_keys(1), random_payloads(1)
     with engine(_file_url(tmp_path), lookup={"verdict_ttl_s": 0}) as stack:
         planted = FileBackend(tmp_path, stack.tier.namespace).path_for(key)
@@ -133,14 +134,14 @@ def test_a_block_that_cannot_be_loaded_is_not_promised_again_after_its_recompute
         assert stack.lookup_until_final([key], first) == [LookupResult.MISS]  # load failed
         assert stack.tier.stats_snapshot()["load_keys_failed"] == 1
         stack.manager.on_request_finished(first)
-        stack.store([key], [payload])  # the recompute, cascaded: the backend says "present"
+        stack.store([key], [payload])  # the recompute, cascaded: it replaces the object
         stack.manager.reset_cache()  # the block leaves vLLM's CPU tier (eviction or restart)
-        assert planted.stat().st_size < PAGE_BYTES  # still the unloadable object
+        assert planted.stat().st_size > PAGE_BYTES  # the real block, not the planted one
 
         later = stack.new_request()
-        assert stack.manager.lookup(key, later) is LookupResult.MISS  # not HIT_PENDING again
-        stack.settle()
-        assert stack.tier.stats_snapshot()["load_keys_failed"] == 1
+        assert stack.lookup_until_final([key], later) == [LookupResult.HIT]
+        assert stack.primary[stack.chunk_of(key, later)].tobytes() == payload
+        assert stack.tier.stats_snapshot()["load_keys_failed"] == 1  # never failed again
 
 
 def test_partially_failed_load_reports_successful_keys(tmp_path: Path) -> None:
