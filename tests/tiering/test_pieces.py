@@ -10,7 +10,13 @@ import pytest
 
 from kvtier.keys import RequestContext
 from kvtier.tiering.finder import PIECE_FRACTION
-from kvtier.tiering.manager import BlockPromoted, BlockReadmitted, PrefixPiece, TieringManager
+from kvtier.tiering.manager import (
+    BlockPromoted,
+    BlockReadmitted,
+    PrefixPiece,
+    StoreMode,
+    TieringManager,
+)
 
 from .test_manager import (
     Factory,
@@ -121,18 +127,26 @@ def test_concurrent_long_requests_take_turns_and_never_evict_each_others_pieces(
 
 def test_copies_of_unwritten_blocks_are_readmitted_piece_by_piece(make: Factory,  # noqa: F811
                                                                   tmp_path: Path) -> None:
-    """Write-back: 24 stored blocks through an 8-slot pool leave copies of the evicted ones;
-    a request for all 24 gets every one back, the copies re-admitted (no tier read for them)."""
+    """Write-back: 24 blocks stored through an 8-slot pool leave copies of the evicted ones
+    (stores wait while a quarter of the pool is copies: back-pressure); a request for all 24
+    gets every one back, copies re-admitted (no tier read for them) or promoted."""
     m = make(tiers=[f"file://{tmp_path / 'f'}"], slots=8, write_policy="write_back")
     writer = RequestContext("writer")
     keys = [k(i) for i in range(24)]
-    for start in range(0, 24, 4):
-        part = keys[start : start + 4]
-        plan = m.prepare_store(part, writer)
+    backlog = list(keys)
+    for _ in range(100):
+        plan = m.prepare_store(backlog, writer, StoreMode.PREFIX)
         assert plan is not None
         for key, slot in zip(plan.keys, plan.slots, strict=True):
             m.primary_view(slot)[:] = data(key)
         m.complete_store(plan.keys, writer)
+        backlog = list(plan.deferred)
+        if not backlog:
+            break
+        m.on_schedule_end()  # the copies are sent; the next step's stores wait for them
+        if not plan.keys:
+            step(m)
+    assert not backlog
     m.on_request_finished(writer)
     m.take_events()
     loaded, _steps, _pieces = load_in_pieces(m, [(RequestContext("reader"), keys)], 60)
@@ -141,5 +155,25 @@ def test_copies_of_unwritten_blocks_are_readmitted_piece_by_piece(make: Factory,
     readmitted = {key for e in events if isinstance(e, BlockReadmitted) for key in e.keys}
     promoted = {key for e in events if isinstance(e, BlockPromoted) for key in e.keys}
     assert readmitted | promoted | set(keys[-8:]) >= set(keys)
+    step(m)
+    assert_no_state(m)
+
+
+def test_a_request_that_stops_asking_loses_its_turn(make: Factory,  # noqa: F811
+                                                    tmp_path: Path) -> None:
+    """The first in line stops asking (the engine's batch is full, say): after one step
+    without a call its turn passes on, so the next long request is not starved."""
+    m = make(tiers=[f"file://{tmp_path / 'f'}"], slots=8)
+    first = (RequestContext("first"), [k(i) for i in range(20)])
+    second = (RequestContext("second"), [k(100 + i) for i in range(20)])
+    for _, keys in (first, second):
+        put_in_tier(m, keys)
+    for _ in range(3):  # both ask; "first" ran out of room first: it is first in line
+        for ctx, keys in (first, second):
+            m.lookup_piece(keys, ctx)
+        step(m)
+    loaded, steps, _pieces = load_in_pieces(m, [second], 60)  # "first" never asks again
+    assert loaded == {"second": 20} and steps <= 30
+    m.on_request_finished(first[0])
     step(m)
     assert_no_state(m)

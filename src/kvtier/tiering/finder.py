@@ -63,7 +63,7 @@ class KeyFinder:
         self._writeback = writeback
         self._counters = counters
         self._piece_blocks = max(1, int(pool.num_slots * PIECE_FRACTION))
-        self._turns: dict[str, None] = {}  # insertion order is the order of turns
+        self._turns: dict[str, int] = {}  # req_id -> step it last asked; order: the turns
 
     @property
     def piece_blocks(self) -> int:
@@ -190,11 +190,19 @@ class KeyFinder:
 
     def _room(self, req_id: str) -> int:
         """Blocks ``req_id`` may stage beyond its resident run now: a piece on its turn (or
-        while nobody waits for one), nothing while another request's turn lasts."""
+        while nobody waits for one), nothing while another request's turn lasts. A first in
+        line that did not ask in the previous step (the engine's batch was full, or it was
+        dropped) goes to the back of the line, so no turn is held by a request not asking."""
         turns = self._turns
-        if not turns or req_id not in turns or next(iter(turns)) == req_id:
+        if not turns or req_id not in turns:
             return self._piece_blocks
-        return 0
+        step = self._pins.step
+        turns[req_id] = step
+        head = next(iter(turns))
+        while head != req_id and turns[head] < step - 1:
+            turns[head] = turns.pop(head)  # to the back of the line
+            head = next(iter(turns))
+        return self._piece_blocks if head == req_id else 0
 
     def _settle_rounds(self, req_id: str, rounds: int, started: int, scan: PrefixScan,
                        pieces: bool) -> None:
@@ -207,7 +215,7 @@ class KeyFinder:
 
     def _settle_turn(self, req_id: str, scan: PrefixScan) -> None:
         if scan.waiting:
-            self._turns.setdefault(req_id, None)
+            self._turns.setdefault(req_id, self._pins.step)
             self._counters.piece_waits += 1
         elif not scan.pending:
             self._turns.pop(req_id, None)

@@ -212,6 +212,11 @@ class PinLedger:
 
     # ---- sizes, lifecycle --------------------------------------------------------------------
     @property
+    def step(self) -> int:
+        """Engine steps so far (the clock of holds and of staging turns)."""
+        return self._step
+
+    @property
     def held(self) -> int:
         return self._held
 
