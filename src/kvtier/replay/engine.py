@@ -45,6 +45,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -464,14 +465,7 @@ class _Loop:
             cascades_shed=sum(int(stats["manager"].get("cascades_shed", 0))
                               for stats in manager_stats),
             scheduler_s=sum(step_times),
-            hit_sources=_merged([c.hit_sources for c in counters]),
+            hit_sources=dict(sorted(sum((c.hit_sources for c in counters), Counter()).items())),
             lost_hits=dict(sorted(self.lost_hits.items())),
         )
 
-
-def _merged(tables: list[dict[str, int]]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for table in tables:
-        for name, count in table.items():
-            total[name] = total.get(name, 0) + count
-    return dict(sorted(total.items()))

@@ -8,7 +8,7 @@ instance's scheduler); the manager's own threads are reached only through its sc
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -69,9 +69,8 @@ class _Request:
     first_ask_seq: int | None = None  # the instance's event count at its first lookup
     gpu_run: int | None = None  # its GPU prefix, fixed once it started loading in pieces
     loaded: int = 0             # keys after the GPU prefix loaded so far (piece by piece)
-    sources: dict[str, int] = field(default_factory=dict)  # loaded blocks by cause
-    rows: dict[str, int] = field(default_factory=dict)     # loaded blocks by report row
-    row_tokens: dict[str, int] = field(default_factory=dict)
+    sources: Counter[str] = field(default_factory=Counter)     # loaded blocks by cause
+    row_tokens: Counter[str] = field(default_factory=Counter)  # their tokens by report row
     steps_left: int = 0
     store_backlog: list[BlockKey] = field(default_factory=list)
     store_stalled_steps: int = 0
@@ -93,7 +92,7 @@ class _Counters:
     store_plans_refused: int = 0
     store_blocks_deferred: int = 0
     store_blocks_shed: int = 0
-    hit_sources: dict[str, int] = field(default_factory=dict)
+    hit_sources: Counter[str] = field(default_factory=Counter)
 
 
 GPU_SOURCE = "gpu"
@@ -106,16 +105,24 @@ when the request first asked; a write-back copy re-admitted; a block another req
 after the first ask; a real load from a secondary tier (``promoted.<tier>``)."""
 
 
-def _apply_events(events: Sequence[Any], seq: int,
-                  sources: dict[BlockKey, tuple[str, int]]) -> None:
-    """Apply the manager's events, oldest first, to ``sources``: resident key -> (how it
-    entered the primary pool, the instance's event count then)."""
+NOT_FOUND = "not_found"
+NO_ROOM = "no_room"
+STORE_SHED = "store_shed"
+
+
+def _apply_events(events: Sequence[Any], seq: int, sources: dict[BlockKey, tuple[str, int]],
+                  lost: dict[BlockKey, str]) -> None:
+    """Apply the manager's events, oldest first: ``sources`` maps a resident key to (how it
+    entered the primary pool, the instance's event count then); ``lost`` remembers the blocks
+    a shed cascade or a failed load may have left in no tier."""
     from kvtier.tiering.manager import (
         PRIMARY,
         BlockPromoted,
         BlockReadmitted,
         BlockRemoved,
         BlockStored,
+        PromotionFailed,
+        StoreShed,
     )
 
     for event in events:
@@ -129,29 +136,12 @@ def _apply_events(events: Sequence[Any], seq: int,
             if isinstance(event, BlockRemoved) and event.tier == PRIMARY:
                 for key in event.keys:
                     sources.pop(key, None)
+            elif isinstance(event, (StoreShed, PromotionFailed)):
+                loss = "cascade_shed" if isinstance(event, StoreShed) else "load_failed"
+                lost.update(dict.fromkeys(event.keys, loss))
             continue
         for key in event.keys:
             sources[key] = (cause, seq)
-
-
-NOT_FOUND = "not_found"
-NO_ROOM = "no_room"
-STORE_SHED = "store_shed"
-
-
-def _note_losses(events: Sequence[Any], lost: dict[BlockKey, str]) -> None:
-    """Remember the blocks a shed cascade or a failed load may have left in no tier."""
-    from kvtier.tiering.manager import PromotionFailed, StoreShed
-
-    for event in events:
-        if isinstance(event, StoreShed):
-            cause = "cascade_shed"
-        elif isinstance(event, PromotionFailed):
-            cause = "load_failed"
-        else:
-            continue
-        for key in event.keys:
-            lost[key] = cause
 
 
 def _row_of(cause: str) -> str:
@@ -186,7 +176,6 @@ class _Instance:
         self.block_tokens = block_tokens
         self.payloads = payloads
         self.tier_names = list(tier_names) or ["(none)"]
-        self.tier_index = {name: index for index, name in enumerate(manager.tier_names)}
         # resident key -> (cause, event count when it entered the pool), from the events
         self.sources: dict[BlockKey, tuple[str, int]] = {}
         self.event_seq = 0
@@ -255,8 +244,7 @@ class _Instance:
         events = self.manager.take_events()
         if events:
             self.event_seq += 1
-            _apply_events(events, self.event_seq, self.sources)
-            _note_losses(events, self.lost_causes)
+            _apply_events(events, self.event_seq, self.sources, self.lost_causes)
 
     def loss_cause(self, key: BlockKey) -> str:
         """Why the prefix ended at ``key``, which the ideal cache holds: a shed store or
@@ -293,7 +281,6 @@ class _Instance:
         for _ in range(_PIECES_PER_STEP):
             start = gpu_run + request.loaded
             if start >= len(request.keys):
-                more = False
                 break
             piece = self._next_piece(request.keys[start:], request.ctx)
             self._take_events()
@@ -361,18 +348,18 @@ class _Instance:
         for position, key in enumerate(loaded, start):
             source = sources.get(key)
             cause = CPU_RESIDENT if source is None or source[1] <= first_seq else source[0]
-            request.sources[cause] = request.sources.get(cause, 0) + 1
-            row = _row_of(cause)
-            request.rows[row] = request.rows.get(row, 0) + 1
-            request.row_tokens[row] = request.row_tokens.get(row, 0) + record.tokens_in_blocks(
+            request.sources[cause] += 1
+            request.row_tokens[_row_of(cause)] += record.tokens_in_blocks(
                 position, position + 1, self.block_tokens)
         request.loaded += count
         return engine_time
 
     def _hits_of(self, request: _Request, gpu_run: int) -> dict[str, int]:
-        hits = {"GPU": gpu_run}
-        hits.update(request.rows)
-        return hits
+        """Hits by report row: the GPU prefix, then the loaded blocks' rows."""
+        hits: Counter[str] = Counter({"GPU": gpu_run})
+        for cause, count in request.sources.items():
+            hits[_row_of(cause)] += count
+        return dict(hits)
 
     def _schedule(self, request: _Request, gpu_run: int) -> float:
         """The request's prefix is loaded: count its hits, compute and store the rest, and
@@ -381,13 +368,13 @@ class _Instance:
         record = request.record
         counters.gpu_hits += gpu_run
         counters.gpu_tokens += record.tokens_in_blocks(0, gpu_run, self.block_tokens)
-        sources = counters.hit_sources
         if gpu_run:
-            sources[GPU_SOURCE] = sources.get(GPU_SOURCE, 0) + gpu_run
-        for cause, count in request.sources.items():
-            sources[cause] = sources.get(cause, 0) + count
-        for row, count in request.rows.items():
-            tokens = request.row_tokens.get(row, 0)
+            counters.hit_sources[GPU_SOURCE] += gpu_run
+        counters.hit_sources.update(request.sources)
+        for row, count in self._hits_of(request, 0).items():
+            tokens = request.row_tokens[row]
+            if row == "GPU":
+                continue
             if row == "CPU":
                 counters.cpu_hits += count
                 counters.cpu_tokens += tokens

@@ -65,10 +65,6 @@ class KeyFinder:
         self._piece_blocks = max(1, int(pool.num_slots * PIECE_FRACTION))
         self._turns: dict[str, int] = {}  # req_id -> step it last asked; order: the turns
 
-    @property
-    def piece_blocks(self) -> int:
-        return self._piece_blocks
-
     def leave(self, req_id: str) -> None:
         """``req_id`` finished, or its prefix is complete: the next request's turn."""
         self._turns.pop(req_id, None)

@@ -49,7 +49,7 @@ from kvtier.tiering.events import (
     PromotionFailed,
     StoreShed,
 )
-from kvtier.tiering.finder import KeyFinder, ScanMode
+from kvtier.tiering.finder import KeyFinder, PrefixScan, ScanMode
 from kvtier.tiering.pins import PinLedger
 from kvtier.tiering.plans import (
     KeyNotResidentError,
@@ -204,16 +204,8 @@ class TieringManager:
         fit in the pool at once: where room ends, the prefix ends (see :meth:`lookup_piece`).
         """
         self._require_running("lookup_prefix")
-        # The request's hold (from its last answer None) stays pinned through this call and is
-        # settled at the end: kept for what it found again, released for the rest.
-        previous = self._pins.take_hold(ctx.req_id)
-        scan = self._finder.scan(keys, ctx, ScanMode.WHOLE)
-        if not scan.pending:
-            if previous is not None:
-                self._pins.unpin_held(previous.keys)
-            return scan.count
-        self._pins.hold_many(ctx.req_id, scan.found, previous)  # back next step: keep finds
-        return None
+        scan, more = self._scan_and_hold(keys, ctx, ScanMode.WHOLE)
+        return None if more else scan.count
 
     def lookup_piece(self, keys: Sequence[BlockKey], ctx: RequestContext) -> PrefixPiece:
         """The next piece of a prefix of any length: ``ready`` leading keys are resident now
@@ -226,16 +218,23 @@ class TieringManager:
         longer than the pool costs steps, not hits.
         """
         self._require_running("lookup_piece")
+        scan, more = self._scan_and_hold(keys, ctx, ScanMode.PIECES)
+        self._counters.pieces_served += more and scan.count > 0
+        return PrefixPiece(scan.count, more)
+
+    def _scan_and_hold(self, keys: Sequence[BlockKey], ctx: RequestContext,
+                       mode: ScanMode) -> tuple[PrefixScan, bool]:
+        """Scan the prefix; (the scan, whether the request must ask again). The request's hold
+        (from its last answer) stays pinned through the scan and is settled after it: kept for
+        what it found again while it comes back next step, released otherwise."""
         previous = self._pins.take_hold(ctx.req_id)
-        scan = self._finder.scan(keys, ctx, ScanMode.PIECES)
+        scan = self._finder.scan(keys, ctx, mode)
         more = scan.pending or scan.waiting
-        if not more:
-            if previous is not None:
-                self._pins.unpin_held(previous.keys)
-            return PrefixPiece(scan.count, False)
-        self._pins.hold_many(ctx.req_id, scan.found, previous)
-        self._counters.pieces_served += scan.count > 0
-        return PrefixPiece(scan.count, True)
+        if more:
+            self._pins.hold_many(ctx.req_id, scan.found, previous)
+        elif previous is not None:
+            self._pins.unpin_held(previous.keys)
+        return scan, more
 
     # ---- loads ------------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[BlockKey], ctx: RequestContext) -> LoadPlan:
