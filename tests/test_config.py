@@ -308,7 +308,7 @@ def test_every_setting_and_env_variable_is_declared_once() -> None:
               if sum(candidate is setting for candidate in by_name.values()) > 1]
     assert {setting.name for setting in shared} == {"url", "io_threads", "model", "revision",
                                                     "tenant", "auth_key", "auth_key_file",
-                                                    "load_timeout_s"}
+                                                    "load_timeout_s", "prefill_tokens_per_s"}
     assert known_env_names() >= {"KVTIER_DEBUG", "KVTIER_SKIP_VLLM", "KVTIER_CONFIG",
                                  "KVTIER_SECONDARY_TIERS", "KVTIER_IO_THREADS"}
 

@@ -41,7 +41,7 @@ GOLDEN = [
     "kvtier_stored_blocks_total", "kvtier_store_failed_blocks_total",
     "kvtier_store_shed_blocks_total", "kvtier_evicted_blocks_total", "kvtier_read_bytes_total",
     "kvtier_write_bytes_total", "kvtier_read_seconds_total", "kvtier_write_seconds_total",
-    "kvtier_job_errors_total", "kvtier_backend_errors_total",
+    "kvtier_loads_declined_total", "kvtier_job_errors_total", "kvtier_backend_errors_total",
     "kvtier_backend_corrupt_objects_total", "kvtier_backend_auth_failures_total",
     "kvtier_backend_auth_old_key_total", "kvtier_backend_old_format_total",
     "kvtier_resident_blocks", "kvtier_resident_bytes",

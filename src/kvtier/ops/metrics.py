@@ -174,6 +174,9 @@ VOCABULARY: tuple[MetricSpec, ...] = (
              "counters.read_seconds"),
     _counter("write_seconds", "Busy time of store jobs (summed over I/O threads)",
              "counters.write_seconds"),
+    _counter("loads_declined", "Tier hits answered absent because loading them would take "
+             "longer than recomputing them (prefill_tokens_per_s against the tier's measured "
+             "load rate)", "counters.loads_declined"),
     _counter("job_errors", "Transfer jobs whose backend call raised", "counters.job_errors"),
     _counter("backend_errors", "Backend operations that failed", "backend.errors"),
     _counter("backend_corrupt_objects", "Stored objects that failed verification",

@@ -12,6 +12,13 @@ and blocks held behind a pending one): :data:`PIECE_FRACTION` of the pool. ``loo
 answers all or nothing, so a prefix longer than the pool can stage ends where the room ends;
 ``lookup_piece`` answers the resident leading run now and more later, so any prefix that is
 in some tier is loaded whole, piece by piece.
+
+A hit is taken only when it pays: the first time a scan finds a key in a tier, the tier says how
+many of the prefix's remaining keys are worth loading from it
+(:meth:`~kvtier.tiering.tier.SecondaryTier.blocks_worth_loading`); the scan's allowance per tier
+(``_allowance``, reset by each scan) is spent by the promotions it starts there, and a hit past
+it is answered absent (a miss, counted by the tier as declined), so the prefix ends there and
+the engine recomputes the rest.
 """
 
 from __future__ import annotations
@@ -51,8 +58,8 @@ class KeyFinder:
     """One key's status (``find``) and one request's prefix (``scan``) over the manager's
     tables; the staging turns of requests loading in pieces."""
 
-    __slots__ = ("_counters", "_piece_blocks", "_pins", "_pool", "_promotions", "_tiers",
-                 "_turns", "_writeback")
+    __slots__ = ("_allowance", "_counters", "_piece_blocks", "_pins", "_pool", "_promotions",
+                 "_tiers", "_turns", "_writeback")
 
     def __init__(self, pool: PrimaryPool, tiers: tuple[SecondaryTier, ...], pins: PinLedger,
                  promotions: PromotionTable, writeback: WriteBack, counters: Counters) -> None:
@@ -64,6 +71,7 @@ class KeyFinder:
         self._counters = counters
         self._piece_blocks = max(1, int(pool.num_slots * PIECE_FRACTION))
         self._turns: dict[str, int] = {}  # req_id -> step it last asked; order: the turns
+        self._allowance: dict[int, int] = {}  # this scan: tier index -> blocks it may still load
 
     def leave(self, req_id: str) -> None:
         """``req_id`` finished, or its prefix is complete: the next request's turn."""
@@ -71,9 +79,11 @@ class KeyFinder:
 
     # ---- one key -------------------------------------------------------------------------
     def find(self, key: BlockKey, ctx: RequestContext, protect: set[BlockKey] | tuple[()],
-             *, room_is_miss: bool = True) -> KeyStatus | None:
+             *, room_is_miss: bool = True, remaining: int | None = None) -> KeyStatus | None:
         """Where ``key`` stands, starting its promotion or re-admission if it needs one.
-        None (only with ``room_is_miss`` False): it is loadable but no slot is free now."""
+        None (only with ``room_is_miss`` False): it is loadable but no slot is free now.
+        ``remaining``: keys of the scanned prefix from this one on (a tier hit is then taken
+        only when loading pays, see the module docstring); None: a single key, never declined."""
         counters = self._counters
         counters.lookups += 1
         pool = self._pool
@@ -102,6 +112,9 @@ class KeyFinder:
                 counters.retries += 1
                 return KeyStatus.RETRY
             if verdict:
+                if remaining is not None and not self._pays(index, tier, remaining):
+                    counters.misses += 1
+                    return KeyStatus.MISS
                 slot = self._reserve_for(key, protect, room_is_miss)
                 if slot is None:
                     return KeyStatus.MISS if room_is_miss else None
@@ -110,6 +123,18 @@ class KeyFinder:
                 return KeyStatus.HIT_PENDING
         counters.misses += 1
         return KeyStatus.MISS
+
+    def _pays(self, index: int, tier: SecondaryTier, remaining: int) -> bool:
+        """Whether this scan's hit in tier ``index`` is worth loading (spends its allowance)."""
+        allowance = self._allowance.get(index)
+        if allowance is None:
+            allowance = tier.blocks_worth_loading(remaining, self._pool.block_bytes)
+        if allowance <= 0:
+            self._allowance[index] = 0
+            tier.count_declined(1)
+            return False
+        self._allowance[index] = allowance - 1
+        return True
 
     def _reserve_for(self, key: BlockKey, protect: set[BlockKey] | tuple[()],
                      room_is_miss: bool) -> int | None:
@@ -141,6 +166,7 @@ class KeyFinder:
         if resident == len(keys):  # the steady-state fast path: everything is in the pool
             return scan
         scan.found.update(keys[:resident])
+        self._allowance.clear()
         req_id = ctx.req_id
         pieces = mode is ScanMode.PIECES
         room = self._room(req_id) if pieces else len(keys)
@@ -159,7 +185,8 @@ class KeyFinder:
                 counters.misses += 1
                 counters.promotions_lost += 1
                 break
-            result = self.find(key, ctx, scan.found, room_is_miss=not pieces)
+            result = self.find(key, ctx, scan.found, room_is_miss=not pieces,
+                               remaining=len(keys) - index)
             if result is None:  # loadable, no room now: this piece ends, the rest waits
                 scan.waiting = True
                 break

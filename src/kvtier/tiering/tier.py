@@ -5,8 +5,9 @@ Thread ownership:
 - **Scheduler thread** (the thread that owns the :class:`~kvtier.tiering.TieringManager`) owns
   the job table (``_outstanding``), the outstanding-store accounting (``_store_bytes``,
   ``_store_jobs``), the recent load failures (``_load_failures``), the counters (``_counters``,
-  which :meth:`SecondaryTier.stats` copies into a frozen ``TierStats``), the lifecycle
-  (``_state``) and everything in the lookup manager. It submits jobs, and collects finished
+  which :meth:`SecondaryTier.stats` copies into a frozen ``TierStats``), the measured load cost
+  (``_load_rate``, observed as load jobs are collected), the lifecycle (``_state``) and
+  everything in the lookup manager. It submits jobs, and collects finished
   ones with :meth:`get_finished_jobs`.
 - **I/O threads** (``io_threads`` per tier, a ``ThreadPoolExecutor``) run one part of a
   :class:`TierJob` at a time (a store is one part; a load is split into parts so that its
@@ -46,6 +47,8 @@ from kvtier.lru import BoundedLRU
 from kvtier.ops.metrics import ProbeMetrics
 from kvtier.settings import Kind, Setting
 from kvtier.tiering.io_pool import IoThreadPool
+from kvtier.tiering.load_rate import LoadRate
+from kvtier.tiering.payoff import blocks_worth_loading
 from kvtier.tiering.tier_settings import LookupConfig, TierSettings
 from kvtier.tiering.tier_stats import TierCounters, TierStats
 
@@ -107,6 +110,8 @@ class TierJob:
     partial: list[bool] = field(default_factory=list)
     first_error: str | None = None
     busy_s: float = 0.0
+    first_began: float = 0.0  # perf_counter() when its first part began (under the settle lock)
+    wall_s: float = 0.0       # first part began -> last part ended: what the load rate measures
 
     @property
     def succeeded(self) -> list[BlockKey]:
@@ -298,6 +303,7 @@ class SecondaryTier:
         self._store_bytes = 0
         self._store_jobs = 0
         self._counters = TierCounters()
+        self._load_rate = LoadRate(clock=clock)  # measured on collect, asked on lookups
         self._state = _TierState.RUNNING
         self._io_log = RateLimitedLog(_log)
 
@@ -329,6 +335,28 @@ class SecondaryTier:
 
     def flush(self) -> None:
         self._lookup.flush()
+
+    def blocks_worth_loading(self, blocks: int, block_bytes: int) -> int:
+        """How many of ``blocks`` leading blocks of ``block_bytes`` each are worth loading from
+        this tier rather than recomputing (:func:`~kvtier.tiering.payoff.blocks_worth_loading`
+        on this tier's measured cost, its load deadline and ``prefill_tokens_per_s``; all of
+        them while that is unset). The caller counts what it declines (:meth:`count_declined`).
+        """
+        prefill = self._settings.prefill_tokens_per_s
+        if prefill is None:
+            return blocks
+        return blocks_worth_loading(
+            blocks, block_bytes=block_bytes,
+            tokens_per_block=self._backend.namespace.block_size, cost=self._load_rate.cost(),
+            prefill_tokens_per_s=prefill, deadline_s=self._settings.load_timeout_s)
+
+    def count_declined(self, blocks: int) -> None:
+        """``blocks`` hits of this tier were answered absent: loading them would not pay."""
+        self._counters.loads_declined += blocks
+
+    @property
+    def load_rate(self) -> LoadRate:
+        return self._load_rate
 
     def cleanup(self, req_id: str) -> None:
         self._lookup.cleanup(req_id)
@@ -468,6 +496,7 @@ class SecondaryTier:
             job = pending.popleft()
             limit = self._settings.load_timeout_s
             if self._settle(job, None, f"load timed out after {limit:g} s", abandon=True):
+                self._load_rate.observe(job.nbytes, limit)  # at least this slow
                 self._io_log.warning("tier %s: load job of %d keys timed out after %g s; %d "
                                      "keys of finished parts delivered", self._name,
                                      len(job.keys), limit, sum(job.results))
@@ -535,6 +564,8 @@ class SecondaryTier:
             self._counters.loaded_keys += len(job.keys) - len(failed)
             self._counters.read_bytes += moved
             self._counters.read_seconds += job.seconds
+            if job.error is None:
+                self._load_rate.observe(moved, job.wall_s)
             if failed:
                 self._counters.load_keys_failed += len(failed)
                 if self._state is _TierState.RUNNING:
@@ -575,7 +606,9 @@ class SecondaryTier:
             if job.settled:  # expired (or failed) before this part began: never start it
                 return
             job.running += 1
-        began = time.perf_counter()
+            began = time.perf_counter()
+            if not job.first_began:
+                job.first_began = began
         answers, error = self._call(job, part.start, part.end)
         busy = time.perf_counter() - began
         with self._settle_lock:
@@ -597,6 +630,7 @@ class SecondaryTier:
             job.results = final
             self._read_back(job)
         job.seconds = job.busy_s
+        job.wall_s = time.perf_counter() - job.first_began
         self._settle(job, final, job.first_error)
 
     def _call(self, job: TierJob, start: int, end: int) -> tuple[list[bool], str | None]:

@@ -39,6 +39,8 @@ MAX_IO_THREADS = 256
 """More threads than this per tier only contend; a million would exhaust the process."""
 MIN_LOAD_TIMEOUT_S = 0.001
 """Below a millisecond every load would time out: a typo, not a deadline."""
+MAX_PREFILL_TOKENS_PER_S = 1e9
+"""No engine prefills a billion tokens a second: a bigger rate is a typo (it declines nothing)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,6 +64,13 @@ class TierSettings:
         "block (under vLLM, which reuses chunks at once, the job is reported then)",
         minimum=MIN_LOAD_TIMEOUT_S, maximum=MAX_TIMEOUT_S, unit="seconds",
         env="KVTIER_LOAD_TIMEOUT_S")
+    prefill_tokens_per_s: float | None = setting_field(
+        Kind.FLOAT, None,
+        "the engine's prefill rate: a hit whose load from this tier (at its measured rate) "
+        "would take longer than recomputing it at this rate is answered absent and counted "
+        "(kvtier_loads_declined_total); unset: never declined",
+        minimum=0.0, strict_min=True, maximum=MAX_PREFILL_TOKENS_PER_S, unit="tokens/s",
+        nullable=True, env="KVTIER_PREFILL_TOKENS_PER_S")
 
     def __post_init__(self) -> None:
         check_record(self, TIER_IO_SETTINGS, "tier")

@@ -46,6 +46,7 @@ class TierCounters:
     read_seconds: float = 0.0
     write_seconds: float = 0.0
     job_errors: int = 0
+    loads_declined: int = 0  # hits answered absent: loading them would not beat recomputing
     loads_abandoned: int = 0  # loads failed by their deadline while the backend call still ran
     invariant_violations: int = 0
 

@@ -2,9 +2,10 @@
 
 This module owns no mutable state: the table is frozen, safe to share between threads. The
 table reuses the declarations it shares with a secondary tier (``url``, ``io_threads``,
-``load_timeout_s``) and with the namespace (``model``, ``revision``, ``tenant``), so each of
-those settings exists once. :func:`kvtier.settings.register_table` makes it known to the
-config loader's docs and env checks without the loader importing this module.
+``load_timeout_s``, ``prefill_tokens_per_s``) and with the namespace (``model``, ``revision``,
+``tenant``), so each of those settings exists once. :func:`kvtier.settings.register_table`
+makes it known to the config loader's docs and env checks without the loader importing this
+module.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ VLLM_TIER_SETTINGS = register_table(SettingsTable("vLLM KvtierTier", [
     TIER_SETTINGS["url"],
     TIER_SETTINGS["io_threads"],
     TIER_SETTINGS["load_timeout_s"],
+    TIER_SETTINGS["prefill_tokens_per_s"],
     Setting("max_blocks_per_call", Kind.INT, 32, "keys per backend get/put call", minimum=1,
             env="KVTIER_MAX_BLOCKS_PER_CALL"),
     Setting("locality", Kind.CHOICE, None, "what vLLM is told; default: REMOTE for network "

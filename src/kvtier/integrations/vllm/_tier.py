@@ -15,7 +15,8 @@ Threads and state:
   reported), ``_collected`` (finished, reported by the next ``get_finished_jobs``),
   ``_abandoned`` (loads past their deadline, reported once their I/O ended), ``_held``,
   ``_skipped``, ``_store_keys_skipped``, ``_events``, ``_deltas`` (metric values already
-  reported), and the SecondaryTier's scheduler-side state.
+  reported), ``_gate`` (each request's run of keys asked, for declining hits that would not
+  pay), and the SecondaryTier's scheduler-side state.
 - The tier's I/O threads read or write the primary chunks a job names (vLLM pins them until the
   job is reported); the probe thread records call durations in ``_probe_durations``
   (thread-safe) and touches no primary memory.
@@ -57,6 +58,7 @@ from vllm.v1.kv_offload.tiering.base import (
 
 from kvtier.backends import kind_for, open_backend, redact_url
 from kvtier.errors import ClosedError, KvtierError
+from kvtier.integrations.vllm._payoff import LoadGate
 from kvtier.integrations.vllm._settings import VLLM_TIER_SETTINGS
 from kvtier.keys import Namespace, RequestContext
 from kvtier.lookup.manager import LOOKUP_SETTINGS
@@ -202,6 +204,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm",
          "url": "redis://127.0.0.1:6379/0",       # any kvtier backend URL
          "io_threads": 4, "max_blocks_per_call": 32,
+         "prefill_tokens_per_s": 4000,             # decline hits slower than recompute
          "lookup": {"quarantine_s": 30, "probe_timeout_s": 5},
          "tenant": "", "revision": "", "model": "",  # namespace overrides
          "locality": "REMOTE", "enable_kv_events": false,
@@ -224,6 +227,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         io_threads: int | None = None,
         max_blocks_per_call: int | None = None,
         load_timeout_s: float | None = None,
+        prefill_tokens_per_s: float | None = None,
         lookup: Mapping[str, Any] | None = None,
         locality: str | None = None,
         enable_kv_events: bool | None = None,
@@ -237,7 +241,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         ``ConfigError``."""
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         given = {"url": url, "io_threads": io_threads, "max_blocks_per_call": max_blocks_per_call,
-                 "load_timeout_s": load_timeout_s,
+                 "load_timeout_s": load_timeout_s, "prefill_tokens_per_s": prefill_tokens_per_s,
                  "locality": locality, "enable_kv_events": enable_kv_events, "model": model,
                  "revision": revision, "tenant": tenant}
         options = VLLM_TIER_SETTINGS.parse(
@@ -267,6 +271,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             self._probe_durations = ProbeDurations()
             settings = TierSettings(
                 io_threads=options["io_threads"], load_timeout_s=options["load_timeout_s"],
+                prefill_tokens_per_s=options["prefill_tokens_per_s"],
                 max_pending_store_bytes=sys.maxsize, max_pending_store_jobs=sys.maxsize)
             self._tier = SecondaryTier(
                 self._url, backend, settings, lookup=lookup_settings,
@@ -290,6 +295,9 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         # Ids of jobs finished without the SecondaryTier (shed or skipped; never the tier's).
         self._local_ids = itertools.count(-1, -1)
         self._held = HeldKeys()
+        # Hits that would load slower than vLLM recomputes them are declined (see _payoff).
+        self._gate = (None if options["prefill_tokens_per_s"] is None
+                      else LoadGate(self._tier, self._chunk_bytes))
         self._skipped: dict[int, tuple[bytes, ...]] = {}  # vLLM job id -> keys not rewritten
         self._store_keys_skipped = 0
         self._metrics_label = _metrics_label(offloading_spec, tier_type, url)
@@ -337,6 +345,11 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             req_context.set_state(context)
         raw_key = bytes(key)
         verdict = self._tier.lookup(raw_key, context)
+        gate = self._gate
+        if gate is not None:
+            gate.asked(context.req_id, raw_key)
+            if verdict and not gate.admits(context.req_id, raw_key):
+                return LookupResult.MISS
         if verdict is None:
             return LookupResult.RETRY
         if not verdict and raw_key in self._held:
@@ -354,6 +367,8 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
     def on_request_finished(self, req_context: ReqContext) -> None:
         if not self._tier.closed:
             self._tier.cleanup(req_context.req_id)
+        if self._gate is not None:
+            self._gate.forget(req_context.req_id)
 
     # -- transfers --------------------------------------------------------------------------
 
