@@ -76,6 +76,15 @@ def test_tables_show_every_tier_next_to_the_ideal() -> None:
     assert "lookup strategies" not in text
 
 
+def test_declined_loads_show_only_when_some_were_declined() -> None:
+    assert "declined loads" not in _render(_report(_result()))
+    result = _result()
+    result.tiers[2].declined_loads = 4
+    line = next(line for line in _render(_report(result)).splitlines()
+                if "declined loads (slower than recompute)" in line)
+    assert line.split("│")[2].strip() == "4"
+
+
 def test_compare_table_lists_each_strategy() -> None:
     text = _render(_report(_result("kvtier", 7), _result("per-request", 70)))
     assert "lookup strategies on the same trace" in text

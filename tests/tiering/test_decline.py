@@ -182,3 +182,15 @@ def test_without_a_prefill_rate_the_slow_tier_is_still_used(
         assert settle(slow, keys, ctx) == 1
         assert read(slow, keys, ctx) == payloads
     assert tier_counters(slow).loads_declined == 0
+
+
+@pytest.mark.parametrize("bad", [0, -5, "fast", float("nan"), 1e12])
+def test_a_bad_prefill_rate_is_named_with_its_bounds(bad: object) -> None:
+    from kvtier.settings import ConfigError
+
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.prefill_tokens_per_s: "
+                                          r"expected a finite number > 0\.0 and <= "
+                                          r"1000000000\.0 \(tokens/s\), got"):
+        open_manager({"block_bytes": BLOCK, "primary_bytes": BLOCK * 4,
+                      "namespace": {"model": "m", "block_size": TOKENS},
+                      "secondary_tiers": [{"url": "memory://", "prefill_tokens_per_s": bad}]})

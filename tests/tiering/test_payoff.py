@@ -1,4 +1,5 @@
-"""The pay-off rule (``kvtier.tiering.payoff``) and the measured load cost (``load_rate``).
+"""The pay-off rule (``kvtier.tiering.payoff``), the measured load cost (``load_rate``) and the
+tier's use of both (``SecondaryTier.blocks_worth_loading``).
 
 Pure functions and a fit fed by hand: the numbers are chosen to be exact in binary floating
 point, so the boundaries (a tie, a job that ends exactly at the deadline) are exact too.
@@ -8,9 +9,13 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.backends.memory import MemoryBackend
+from kvtier.keys import Namespace
 from kvtier.settings import ConfigError
 from kvtier.tiering.load_rate import LoadRate
 from kvtier.tiering.payoff import FREE, LoadCost, blocks_worth_loading
+from kvtier.tiering.tier import SecondaryTier
+from kvtier.tiering.tier_settings import TierSettings
 
 MIB = 1 << 20
 SLOW = LoadCost(0.0, 1.0 / MIB)  # 1 s per MiB: a 1 MiB block loads in 1 s
@@ -139,17 +144,42 @@ def test_the_estimate_follows_a_tier_that_slows_down() -> None:
     assert rate.cost().seconds_per_byte * MIB > 0.95  # the old fast jobs have faded
 
 
-def test_a_stale_estimate_falls_back_to_the_prior_and_remeasures() -> None:
+def test_a_stale_estimate_asks_for_one_measurement_that_replaces_it() -> None:
     clock = FakeClock()
     rate = LoadRate(clock=clock, remeasure_after_s=60.0)
+    assert not rate.stale  # never measured: the prior, not a stale estimate
     rate.observe(MIB, 2.0)
     clock.now += 60.0
-    assert rate.cost().seconds_per_byte * MIB == pytest.approx(2.0)  # exactly 60 s: not stale
+    assert not rate.stale  # exactly 60 s: not yet
     clock.now += 0.5
-    assert rate.cost() == FREE and rate.samples == 0  # stale: the next loads get measured
+    assert rate.stale
+    assert rate.cost().seconds_per_byte * MIB == pytest.approx(2.0)  # still the estimate
+    rate.remeasure()
+    assert not rate.stale  # one measuring load per period
     rate.observe(MIB, 0.25)  # the old history is dropped, not averaged in
     assert rate.cost().seconds_per_byte * MIB == pytest.approx(0.25)
     assert rate.samples == 1
+
+
+def test_a_tier_declined_on_a_stale_estimate_lets_one_block_through() -> None:
+    """The tier's rule on its own estimate (fed by hand; the real loads are in
+    test_decline.py)."""
+    clock = FakeClock()
+    backend = MemoryBackend(Namespace(model="m", block_size=16))
+    tier = SecondaryTier("slow", backend, TierSettings(prefill_tokens_per_s=32.0), clock=clock)
+    try:
+        assert tier.blocks_worth_loading(10, MIB) == 10  # nothing measured: optimistic
+        tier.load_rate.observe(MIB, 1.0)  # 1 s per block against 0.5 s to recompute
+        assert tier.blocks_worth_loading(10, MIB) == 0
+        clock.now += 61.0
+        assert tier.blocks_worth_loading(10, MIB) == 1  # stale: one measuring block
+        assert tier.blocks_worth_loading(10, MIB) == 0  # only one per period
+        tier.load_rate.observe(MIB, 0.125)  # the tier got fast again
+        assert tier.blocks_worth_loading(10, MIB) == 10
+        tier.count_declined(3)
+        assert tier.stats().counters.loads_declined == 3
+    finally:
+        tier.shutdown()
 
 
 def test_bad_estimator_parameters_are_named() -> None:

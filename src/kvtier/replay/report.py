@@ -196,6 +196,9 @@ def lookup_table(result: ReplayResult) -> Table:
         table.add_column(tier.name)
     rows = [[label, *(_count(getattr(tier, attribute)) for tier in tiers)]
             for label, attribute in _LOOKUP_ROWS]
+    if any(tier.declined_loads for tier in tiers):  # only where prefill_tokens_per_s is set
+        rows.append(["declined loads (slower than recompute)",
+                     *(_count(tier.declined_loads) for tier in tiers)])
     rows.append(["busy-time GB/s (bytes over the I/O threads' summed busy time)",
                  *(_busy_rate(tier) for tier in tiers)])
     for row in rows:

@@ -47,6 +47,7 @@ class TierResult:
     probe_errors: int | None = None
     backend_errors: int | None = None
     corrupt_objects: int | None = None
+    declined_loads: int | None = None  # hits not loaded: slower than recomputing them
 
     def gb_per_s(self, wall_s: float) -> float:
         """Bytes moved over the tier's own I/O time when known, else over the run's wall time."""

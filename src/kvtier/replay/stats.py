@@ -33,6 +33,7 @@ _SUMMED: tuple[tuple[str, str], ...] = (
     ("probe_errors", _FIELD_OF_METRIC["probe_error_keys"]),
     ("backend_errors", _FIELD_OF_METRIC["backend_errors"]),
     ("corrupt_objects", _FIELD_OF_METRIC["backend_corrupt_objects"]),
+    ("declined_loads", _FIELD_OF_METRIC["loads_declined"]),
 )
 
 

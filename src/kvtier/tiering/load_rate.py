@@ -14,8 +14,10 @@ long prefix a little and never understates a short one's.
 
 Before the first measurement the cost is :data:`~kvtier.tiering.payoff.FREE` (optimistic: the
 first loads happen, and are measured). A tier whose loads are all declined is never measured
-again, so an estimate older than ``remeasure_after_s`` (on the injectable ``clock``) falls back
-to the prior: the next loads happen and measure the tier as it is now.
+again, so an estimate older than ``remeasure_after_s`` (on the injectable ``clock``) is
+:attr:`LoadRate.stale`: the tier then lets one small load through to measure itself
+(:meth:`LoadRate.remeasure` restarts the timer, so it is one per period, and the next
+measurement replaces the old history instead of being averaged into it).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from kvtier.tiering.payoff import FREE, LoadCost
 __all__ = ["REMEASURE_AFTER_S", "LoadRate"]
 
 REMEASURE_AFTER_S = 60.0
-"""An estimate this old (no load measured since) is stale: the prior applies again."""
+"""An estimate this old (no load measured since) is stale: one measuring load goes through."""
 _WEIGHT = 0.25  # weight of the newest job: the estimate follows a change within ~4-8 jobs
 _SAME_SIZE_SPREAD = 0.05  # bytes' spread below this share of their mean: no slope is fitted
 
@@ -38,7 +40,8 @@ class LoadRate:
     """An exponentially weighted fit of one tier's load jobs (see the module docstring)."""
 
     __slots__ = ("_bytes", "_bytes_sq", "_bytes_time", "_clock", "_last", "_prior",
-                 "_remeasure_after_s", "_samples", "_time", "_weight", "_weight_sum")
+                 "_remeasure_after_s", "_restart", "_samples", "_time", "_weight",
+                 "_weight_sum")
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  prior: LoadCost = FREE, weight: float = _WEIGHT,
@@ -53,6 +56,7 @@ class LoadRate:
         self._weight = weight
         self._remeasure_after_s = remeasure_after_s
         self._last = -math.inf
+        self._restart = False  # the next observation replaces the history (a re-measurement)
         self._reset()
 
     def _reset(self) -> None:
@@ -66,10 +70,18 @@ class LoadRate:
     @property
     def samples(self) -> int:
         """Jobs in the current estimate (0: the prior applies)."""
-        return self._samples if not self._stale() else 0
+        return self._samples
 
-    def _stale(self) -> bool:
-        return self._clock() - self._last > self._remeasure_after_s
+    @property
+    def stale(self) -> bool:
+        """Measured, but not within ``remeasure_after_s``: worth one measuring load."""
+        return bool(self._samples) and self._clock() - self._last > self._remeasure_after_s
+
+    def remeasure(self) -> None:
+        """A measuring load was let through: not stale again for another period, and its
+        measurement replaces the old history (which no longer describes the tier)."""
+        self._last = self._clock()
+        self._restart = True
 
     def observe(self, nbytes: int, seconds: float) -> None:
         """One finished load job: ``nbytes`` of payload moved in ``seconds`` of wall time.
@@ -77,7 +89,8 @@ class LoadRate:
         ignored (they say nothing about the rate)."""
         if nbytes <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
-        if self._stale():  # the old history no longer describes the tier
+        if self._restart or self.stale:  # the old history no longer describes the tier
+            self._restart = False
             self._reset()
         self._last = self._clock()
         keep = 1.0 - self._weight if self._samples else 0.0
@@ -89,8 +102,8 @@ class LoadRate:
         self._bytes_time = self._bytes_time * keep + nbytes * seconds
 
     def cost(self) -> LoadCost:
-        """The current estimate (the prior before the first job and once it is stale)."""
-        if not self._samples or self._stale():
+        """The current estimate (the prior before the first job is measured)."""
+        if not self._samples:
             return self._prior
         mean_bytes = self._bytes / self._weight_sum
         mean_time = self._time / self._weight_sum

@@ -341,14 +341,21 @@ class SecondaryTier:
         this tier rather than recomputing (:func:`~kvtier.tiering.payoff.blocks_worth_loading`
         on this tier's measured cost, its load deadline and ``prefill_tokens_per_s``; all of
         them while that is unset). The caller counts what it declines (:meth:`count_declined`).
+        A tier declined on an estimate older than a minute lets one block through, once a
+        minute, so it measures itself again (:class:`~kvtier.tiering.load_rate.LoadRate`).
         """
         prefill = self._settings.prefill_tokens_per_s
         if prefill is None:
             return blocks
-        return blocks_worth_loading(
+        rate = self._load_rate
+        worth = blocks_worth_loading(
             blocks, block_bytes=block_bytes,
-            tokens_per_block=self._backend.namespace.block_size, cost=self._load_rate.cost(),
+            tokens_per_block=self._backend.namespace.block_size, cost=rate.cost(),
             prefill_tokens_per_s=prefill, deadline_s=self._settings.load_timeout_s)
+        if worth == 0 and blocks and rate.stale:
+            rate.remeasure()
+            return 1
+        return worth
 
     def count_declined(self, blocks: int) -> None:
         """``blocks`` hits of this tier were answered absent: loading them would not pay."""
