@@ -28,9 +28,9 @@ are interleaved (each round runs every engine once, the order rotating); round 0
 reported apart: there the declining tier has measured nothing yet, so it loads (optimistic
 prior) and measures its rate. Reported: per engine the median TTFT over rounds 1.., the ratio
 to ``recompute`` (the target: ``declining`` <= 1.05), tokens served from the tier and
-``vllm:kvtier_loads_declined`` at the end. A declining tier re-measures (loads once) when its
-estimate is older than 60 s (``kvtier.tiering.load_rate.REMEASURE_AFTER_S``); a long run shows
-that as one slow round per minute.
+``vllm:kvtier_loads_declined`` at the end. A declining tier re-measures when its estimate is
+older than 60 s (``kvtier.tiering.load_rate.REMEASURE_AFTER_S``): it loads one block of the next
+prompt (32 tokens from the tier), so a long run shows one round a minute a block's load slower.
 """
 
 from __future__ import annotations
