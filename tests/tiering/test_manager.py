@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -816,3 +817,26 @@ def test_a_store_bigger_than_the_pool_streams_to_the_tier(make: Factory,
     assert stats["manager"]["cascades_shed"] == 0 and stats["manager"]["stores_deferred"] > 0
     m.on_request_finished(ctx)
     assert_no_state(m)
+
+
+def test_the_end_of_step_wait_counts_the_schedulers_cpu_time_not_wall_time(
+        make: Factory) -> None:
+    """An engine waiting for its model between steps spends no CPU and is not made to wait;
+    a scheduler that burned CPU hands the tiers' threads as much time (recorded by replacing
+    the tier's yield, an observation, not a fault)."""
+    m = make()
+    asked: list[float] = []
+
+    def record(timeout: float, *, stores: bool = True) -> list[object]:
+        asked.append(timeout)
+        return []
+
+    m.tiers[0].yield_to_io = record  # type: ignore[method-assign,assignment]
+    m.on_schedule_end()
+    time.sleep(0.05)  # wall time, no CPU
+    m.on_schedule_end()
+    started = time.thread_time()
+    while time.thread_time() - started < 0.03:  # CPU, as a busy scheduler
+        pass
+    m.on_schedule_end()
+    assert asked[1] < 0.02 and asked[2] >= 0.03
