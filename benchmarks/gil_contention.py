@@ -6,7 +6,9 @@ the same run) or runs pure-Python work without a pause (the engine's scheduler, 
 fast as possible). Every configuration runs ``--rounds`` times, interleaved; medians. The
 variable is the interpreter's switch interval (``sys.setswitchinterval``): how long a thread that
 comes back from a system call waits for the interpreter lock before the running thread is asked
-to drop it. kvtier's tier setting ``switch_interval_s`` sets it when a tier starts. Run::
+to drop it. kvtier does not change it (it is process-wide); instead the TieringManager's
+end-of-step wait gives the tiers' threads as much time as the scheduler thread took (see
+docs/concepts.md, "Threads and the GIL"), which the 50-session replay measures. Run::
 
     .venv/bin/python benchmarks/gil_contention.py [--blocks 2000] [--rounds 3]
 """

@@ -39,7 +39,9 @@ GOLDEN = [
     "kvtier_breaker_opens_total", "kvtier_load_jobs_total",
     "kvtier_store_jobs_total", "kvtier_loaded_blocks_total", "kvtier_load_failed_blocks_total",
     "kvtier_stored_blocks_total", "kvtier_store_failed_blocks_total",
-    "kvtier_store_shed_blocks_total", "kvtier_evicted_blocks_total", "kvtier_read_bytes_total",
+    "kvtier_store_shed_blocks_total", "kvtier_store_waits_total",
+    "kvtier_store_wait_seconds_total", "kvtier_store_stalls_total",
+    "kvtier_evicted_blocks_total", "kvtier_read_bytes_total",
     "kvtier_write_bytes_total", "kvtier_read_seconds_total", "kvtier_write_seconds_total",
     "kvtier_loads_declined_total", "kvtier_job_errors_total", "kvtier_backend_errors_total",
     "kvtier_backend_corrupt_objects_total", "kvtier_backend_auth_failures_total",
@@ -76,7 +78,9 @@ def test_vllm_names_are_the_standalone_names_with_vllms_prefix() -> None:
         assert name.startswith("vllm:kvtier_")
         assert STANDALONE_PREFIX + name.removeprefix(VLLM_PREFIX) in standalone
     only_standalone = {spec.name for spec in VOCABULARY if spec.standalone_only}
-    assert only_standalone == {"evicted_blocks", "primary_slots"}  # vLLM owns the primary
+    # vLLM owns the primary pool, so its evictions and the waits for cascades out of it
+    assert only_standalone == {"evicted_blocks", "primary_slots", "store_waits",
+                               "store_wait_seconds", "store_stalls"}
 
 
 def test_manager_publishes_token_hits_transfers_and_usage() -> None:

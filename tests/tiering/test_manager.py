@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from uuid import uuid4
 
 import pytest
 
-from kvtier.backends import Buffer
+from kvtier.backends import Buffer, open_backend
 from kvtier.backends.base import Backend
 from kvtier.config import ConfigError
 from kvtier.factory import open_manager
@@ -496,11 +497,12 @@ class HeldBackend:
 
 def test_a_backlogged_tier_never_pins_the_pool_full_and_loses_nothing(make: Factory) -> None:
     """Write-through cascades pin at most half the pool; the rest stay resident and evictable
-    (never a refused store), an evicted one waits as a copy that a lookup re-admits, and only
-    copies beyond half the pool are shed, counted. The held backend is an injected fault: a
-    real backend cannot be made to hang on demand."""
-    m = make(tiers=[{"url": "memory://", "max_pending_store_jobs": 1, "io_threads": 1}],
-             slots=8)
+    (never a refused store), an evicted one waits as a copy that a lookup re-admits, and
+    copies beyond half the pool make the step wait for the tier; a tier that finishes nothing
+    for ``store_stall_s`` is stalled and only then is the excess shed, counted. The held
+    backend is an injected fault: a real backend cannot be made to hang on demand."""
+    m = make(tiers=[{"url": "memory://", "max_pending_store_jobs": 1, "io_threads": 1,
+                     "store_stall_s": 0.2}], slots=8)
     tier = m.tiers[0]
     held = HeldBackend(tier.backend)
     tier._backend = held  # inject the hold
@@ -522,7 +524,8 @@ def test_a_backlogged_tier_never_pins_the_pool_full_and_loses_nothing(make: Fact
         assert m.get_stats()["manager"]["copies_readmitted"] == 1
         assert not [e for e in m.take_events() if isinstance(e, StoreShed)]
         store(m, [k(i) for i in range(11, 15)], ctx)  # more evicted copies wait ...
-        m.on_schedule_end()  # ... beyond half the pool: the oldest waiting cascade is shed
+        m.on_schedule_end()  # ... beyond half the pool: waited for, stalled, oldest shed
+        assert m.get_stats()["tiers"][tier.name]["store_stalls"] == 1
         shed = [e for e in m.take_events() if isinstance(e, StoreShed)]
         assert shed and shed[0].keys[0] == k(2)
         shed_keys = {key for event in shed for key in event.keys}
@@ -758,6 +761,41 @@ def test_concurrent_requests_each_over_half_the_pool_all_answer(make: Factory,
     assert_no_state(m)
 
 
+def test_a_scheduler_that_outruns_a_real_slow_tier_waits_and_loses_nothing(
+        make: Factory, tmp_path: Path) -> None:
+    """The engine stores 40 blocks a step, never waiting, into a pool of 16 over a real file
+    tier that fsyncs every block on the real disk, one job at a time: evicted unwritten blocks
+    pile up as copies past half the pool, and the step waits for the tier (back-pressure)
+    instead of shedding them. Every block reaches the tier; nothing is shed or stalled."""
+    m = make(tiers=[{"url": (tmp_path / "f").as_uri() + "?fsync=true", "io_threads": 1,
+                     "max_pending_store_jobs": 1}], slots=16, write_policy="write_back")
+    ctx = RequestContext("fast")
+    keys = [k(i) for i in range(400)]
+    for start in range(0, len(keys), 40):
+        backlog = keys[start : start + 40]
+        while backlog:
+            plan = m.prepare_store(backlog, ctx, StoreMode.PREFIX)
+            assert plan is not None
+            for key, slot in zip(plan.keys, plan.slots, strict=True):
+                m.primary_view(slot)[:] = data(key)
+            m.complete_store(plan.keys, ctx)
+            backlog = list(plan.deferred)
+            m.on_schedule_end()
+    tier_stats = m.get_stats()["tiers"][m.tiers[0].name]
+    assert tier_stats["store_waits"] > 0 and tier_stats["store_wait_seconds"] > 0
+    assert tier_stats["store_stalls"] == 0
+    assert m.get_stats()["manager"]["cascades_shed"] == 0
+    m.on_request_finished(ctx)
+    m.shutdown(30)  # write-back: what is still resident is flushed at shutdown
+    tier = m.tiers[0]
+    reopened = open_backend((tmp_path / "f").as_uri(), m.namespace)
+    try:
+        assert reopened.exists(keys) == [True] * len(keys)
+    finally:
+        reopened.close()
+    assert tier.closed
+
+
 def test_a_store_bigger_than_the_pool_streams_to_the_tier(make: Factory,
                                                           tmp_path: Path) -> None:
     m = make(tiers=[f"file://{tmp_path / 'f'}"], slots=8)
@@ -779,3 +817,26 @@ def test_a_store_bigger_than_the_pool_streams_to_the_tier(make: Factory,
     assert stats["manager"]["cascades_shed"] == 0 and stats["manager"]["stores_deferred"] > 0
     m.on_request_finished(ctx)
     assert_no_state(m)
+
+
+def test_the_end_of_step_wait_counts_the_schedulers_cpu_time_not_wall_time(
+        make: Factory) -> None:
+    """An engine waiting for its model between steps spends no CPU and is not made to wait;
+    a scheduler that burned CPU hands the tiers' threads as much time (recorded by replacing
+    the tier's yield, an observation, not a fault)."""
+    m = make()
+    asked: list[float] = []
+
+    def record(timeout: float, *, stores: bool = True) -> list[object]:
+        asked.append(timeout)
+        return []
+
+    m.tiers[0].yield_to_io = record  # type: ignore[method-assign,assignment]
+    m.on_schedule_end()
+    time.sleep(0.05)  # wall time, no CPU
+    m.on_schedule_end()
+    started = time.thread_time()
+    while time.thread_time() - started < 0.03:  # CPU, as a busy scheduler
+        pass
+    m.on_schedule_end()
+    assert asked[1] < 0.02 and asked[2] >= 0.03

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.primary import PrimaryPool
 from kvtier.tiering.events import (
@@ -15,7 +18,7 @@ from kvtier.tiering.events import (
     StoreShed,
 )
 from kvtier.tiering.pins import PinLedger
-from kvtier.tiering.tier import JobKind
+from kvtier.tiering.tier import JobKind, TierJob
 from kvtier.tiering.writeback import Backlog, WriteBack
 from tiering.fakes import BLOCK, FakeTier, finished, k, make_pool, resident, tables
 
@@ -89,7 +92,7 @@ def test_evicting_a_written_block_only_counts_it() -> None:
     assert writeback.copy_of(k(1)) is None and not writeback.has_queued
 
 
-def test_backlogged_tier_keeps_cascades_waiting_and_sheds_the_excess() -> None:
+def test_without_a_way_to_apply_jobs_a_backlog_sheds_the_excess() -> None:
     writeback, pool, pins, counters, events = table(num_slots=8)  # waiting bound: 4
     for i in range(4):
         resident(pool, k(i))
@@ -138,3 +141,103 @@ def test_waiting_for_room_gives_up_at_the_deadline_and_submits() -> None:
     writeback.submit(0, tier, backlog=Backlog.WAIT_FOR_ROOM,  # type: ignore[arg-type]
                      deadline=time.monotonic(), apply=lambda index, job: applied.append(job))
     assert tier.stores[0][0] == [k(1)] and counters.cascades_shed == 0 and applied == []
+
+
+@dataclass
+class OneJobTier(FakeTier):
+    """A tier that takes one store job at a time; waiting on it finishes that job (as an I/O
+    thread would), unless ``stuck``, when waiting only moves ``clock`` past the stall time."""
+
+    stuck: bool = False
+    store_stall_s: float = 5.0
+    now: float = 0.0
+    outstanding: list[TierJob] = field(default_factory=list)
+    waits: int = 0
+    store_waits: int = 0
+    store_stalls: int = 0
+
+    def count_store_wait(self, seconds: float, *, stalled: bool) -> None:
+        self.store_waits += 1
+        self.store_stalls += stalled
+
+    def can_accept_store(self, nbytes: int) -> bool:
+        return not self.outstanding
+
+    def submit_store(self, keys: Sequence[bytes], payloads: Sequence[Any]) -> TierJob | None:
+        job = super().submit_store(keys, payloads)
+        if job is not None:
+            self.outstanding.append(job)
+        return job
+
+    def get_finished_jobs(self, wait: bool = False,
+                          timeout: float | None = None) -> list[TierJob]:
+        if not wait:
+            return []
+        self.waits += 1
+        if self.stuck:
+            self.now += timeout or 0.0
+            return []
+        return [finished(job.job_id, job.kind, job.keys, [True] * len(job.keys))
+                for job in self.outstanding[:1]]
+
+
+def backlog_of(cascades: int) -> tuple[WriteBack, PrimaryPool, Counters, OneJobTier,
+                                       list[TierJob]]:
+    """A pool of 512 slots (waiting bound 256) with ``cascades`` resident blocks queued."""
+    tier = OneJobTier()
+    pool = make_pool(512)
+    counters, events = tables()
+    pins = PinLedger(pool, counters, 1)
+    writeback = WriteBack(pool, 1, pins, counters, events, clock=lambda: tier.now)
+    keys = [k(i) for i in range(cascades)]
+    for key in keys:
+        resident(pool, key)
+    writeback.note_stored(keys)
+    writeback.flush_unwritten()
+    applied: list[TierJob] = []
+    return writeback, pool, counters, tier, applied
+
+
+def apply_to(writeback: WriteBack, tier: OneJobTier,
+             applied: list[TierJob]) -> Callable[[int, TierJob], None]:
+    def apply(index: int, job: TierJob) -> None:
+        tier.outstanding = [j for j in tier.outstanding if j.job_id != job.job_id]
+        writeback.apply_store(index, tier.name, job)
+        applied.append(job)
+    return apply
+
+
+def test_a_backlog_beyond_the_bound_waits_for_the_tier_and_sheds_nothing() -> None:
+    writeback, _pool, counters, tier, applied = backlog_of(384)  # 6 chunks of 64
+    writeback.submit(0, tier, apply=apply_to(writeback, tier, applied))  # type: ignore[arg-type]
+    # chunk 1 goes; 320 left > 256: the step waits for chunk 1, then chunk 2 goes; the
+    # remaining 256 fit under the bound and wait for the next step.
+    assert len(tier.stores) == 2 and len(applied) == 1 and tier.waits == 1
+    assert counters.cascades_shed == 0 and tier.shed_counts == []
+    assert tier.store_waits == 1 and tier.store_stalls == 0
+    assert writeback.sizes()["queued_stores"] == 256 and counters.cascades_stored == 64
+
+
+def test_a_stalled_tier_sheds_the_excess_once_and_is_not_waited_for_again() -> None:
+    writeback, pool, counters, tier, applied = backlog_of(384)
+    tier.stuck = True
+    apply = apply_to(writeback, tier, applied)
+    writeback.submit(0, tier, apply=apply)  # type: ignore[arg-type]
+    assert tier.store_stalls == 1 and tier.now == tier.store_stall_s
+    assert counters.cascades_shed == 64 and writeback.sizes()["queued_stores"] == 256
+    for i in range(384, 448):  # another step's cascades: shed at once, no second wait
+        resident(pool, k(i))
+    writeback.note_stored([k(i) for i in range(384, 448)])
+    writeback.flush_unwritten()
+    writeback.submit(0, tier, apply=apply)  # type: ignore[arg-type]
+    assert tier.waits == 1 and tier.store_waits == 1 and counters.cascades_shed == 128
+    tier.stuck = False  # the tier finishes its job: progress, so it is waited for again
+    apply(0, finished(tier.outstanding[0].job_id, JobKind.STORE, tier.outstanding[0].keys,
+                      [True] * 64))
+    for i in range(448, 576):
+        resident(pool, k(i))
+    writeback.note_stored([k(i) for i in range(448, 576)])
+    writeback.flush_unwritten()
+    writeback.submit(0, tier, apply=apply)  # type: ignore[arg-type]
+    assert tier.store_waits == 2 and tier.store_stalls == 1
+    assert counters.cascades_shed == 128

@@ -112,7 +112,8 @@ class MetricSpec:
     kind: MetricKind
     help: str
     labels: tuple[str, ...] = ("tier",)
-    standalone_only: bool = False  # about kvtier's own primary pool (vLLM owns it there)
+    standalone_only: bool = False  # about kvtier's own primary pool and its cascades (vLLM
+    # owns the pool there)
     tier: str = ""
     reading: Reading = Reading.AS_IS
 
@@ -167,6 +168,13 @@ VOCABULARY: tuple[MetricSpec, ...] = (
     _counter("store_failed_blocks", "Blocks whose store failed", "counters.store_keys_failed"),
     _counter("store_shed_blocks", "Blocks not stored because the tier was backlogged",
              "counters.store_keys_shed"),
+    _counter("store_waits", "Steps that waited for the tier's store backlog (back-pressure: "
+             "a slow tier costs time, not hits)", "counters.store_waits", standalone_only=True),
+    _counter("store_wait_seconds", "Scheduler time spent waiting for the tier's store backlog",
+             "counters.store_wait_seconds", standalone_only=True),
+    _counter("store_stalls", "Store waits ended because the tier finished no job within "
+             "store_stall_s (its excess was shed)", "counters.store_stalls",
+             standalone_only=True),
     _counter("evicted_blocks", "Blocks evicted from the primary pool", standalone_only=True),
     _counter("read_bytes", "Payload bytes loaded from the tier", "counters.read_bytes"),
     _counter("write_bytes", "Payload bytes stored to the tier", "counters.write_bytes"),

@@ -464,6 +464,10 @@ class _Loop:
                                 for stats in manager_stats),
             cascades_shed=sum(int(stats["manager"].get("cascades_shed", 0))
                               for stats in manager_stats),
+            store_waits=sum(int(tier["store_waits"]) for stats in manager_stats
+                            for tier in stats["tiers"].values()),
+            store_wait_s=sum(float(tier["store_wait_seconds"]) for stats in manager_stats
+                             for tier in stats["tiers"].values()),
             scheduler_s=sum(step_times),
             hit_sources=dict(sorted(sum((c.hit_sources for c in counters), Counter()).items())),
             lost_hits=dict(sorted(self.lost_hits.items())),

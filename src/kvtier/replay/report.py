@@ -240,6 +240,8 @@ def summary_table(report: ReplayReport, result: ReplayResult) -> Table:
         ("hits lost against the ideal (blocks, by cause)", _table_text(result.lost_hits)),
         ("cascades shed / promoted blocks lost before load",
          f"{result.cascades_shed:,} / {result.promotions_lost:,}"),
+        ("waits for a backlogged tier (steps / seconds)",
+         f"{result.store_waits:,} / {result.store_wait_s:.1f} s"),
         ("scheduler time per step p50 / p99", f"{_ms(result.step_time_p50_s)} / "
                                                f"{_ms(result.step_time_p99_s)}"),
         ("wall time", f"{result.wall_s:.1f} s"),

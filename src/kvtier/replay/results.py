@@ -104,6 +104,8 @@ class ReplayResult:
     store_blocks_shed: int = 0      # computed blocks never stored (counted, never silent)
     promotions_lost: int = 0        # promoted blocks evicted before their request came back
     cascades_shed: int = 0          # cascades dropped for a backlogged tier
+    store_waits: int = 0            # steps the scheduler waited for a backlogged tier
+    store_wait_s: float = 0.0       # seconds of those waits (back-pressure: time, not hits)
     scheduler_s: float = 0.0        # scheduler-thread time of every step, summed
     # Block hits by where each block came from (adds up to block_hits): gpu, cpu_resident,
     # copy_readmitted, stored_meanwhile, promoted.<tier>; see kvtier.replay.instance.

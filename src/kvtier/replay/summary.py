@@ -91,8 +91,8 @@ _RUN_FIELDS = ("requests", "skipped_lines", "instances", "block_refs", "block_hi
                "steps", "steps_waited", "requests_waited", "store_plans_refused",
                "requests_rejected", "rejected_blocks", "gpu_blocks", "admission_rule",
                "hash_convention", "sessions", "store_blocks_deferred", "store_blocks_shed",
-               "cascades_shed", "promotions_lost", "step_time_p50_s", "step_time_p99_s",
-               "wall_s")
+               "cascades_shed", "store_waits", "store_wait_s", "promotions_lost",
+               "step_time_p50_s", "step_time_p99_s", "wall_s")
 
 
 def _share(part: int, whole: int) -> float:

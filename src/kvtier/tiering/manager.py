@@ -143,6 +143,7 @@ class TieringManager:
         if metrics is not None:
             metrics.bind_tiers(names)
         self._next_publish = 0.0
+        self._step_cpu_mark = time.thread_time()  # this thread's CPU time at the last step end
         self._state = _ManagerState.RUNNING
         self._owner: int | None = None  # the scheduler thread, bound by its first call
 
@@ -349,7 +350,11 @@ class TieringManager:
         self._transfers.submit()
         for tier in self._tiers:
             tier.flush()
-        self._transfers.yield_to_io()
+        # The scheduler thread's CPU time, not wall time: an engine that waits for its model
+        # between steps already leaves the GIL to the tiers' threads.
+        busy_s = time.thread_time() - self._step_cpu_mark
+        self._transfers.yield_to_io(busy_s)
+        self._step_cpu_mark = time.thread_time()
         if self._metrics is not None:
             now = self._clock()
             if now >= self._next_publish:

@@ -321,6 +321,11 @@ class SecondaryTier:
         return self._lookup
 
     @property
+    def store_stall_s(self) -> float:
+        """How long a store backlog is waited for without a finished job (back-pressure)."""
+        return self._settings.store_stall_s
+
+    @property
     def closed(self) -> bool:
         """True once :meth:`shutdown` has stopped the tier."""
         return self._state is _TierState.CLOSED
@@ -419,6 +424,13 @@ class SecondaryTier:
         self._counters.store_keys += len(keys)
         self._start(job)
         return job
+
+    def count_store_wait(self, seconds: float, *, stalled: bool) -> None:
+        """The scheduler waited ``seconds`` for this tier's store backlog (back-pressure);
+        ``stalled``: the wait ended because the tier finished nothing within its stall time."""
+        self._counters.store_waits += 1
+        self._counters.store_wait_seconds += seconds
+        self._counters.store_stalls += stalled
 
     def count_shed(self, keys: int) -> None:
         """``keys`` cascades to this tier were shed by the manager before submission."""

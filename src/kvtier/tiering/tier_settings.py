@@ -51,10 +51,11 @@ class TierSettings:
                                     maximum=MAX_IO_THREADS, env="KVTIER_IO_THREADS")
     max_pending_store_bytes: int = setting_field(
         Kind.SIZE, 256 * 1024**2,
-        "backpressure: store payload in flight beyond this is shed (counted)", minimum=0,
+        "backpressure: store payload in flight at most this; more waits its turn (see "
+        "store_stall_s)", minimum=0,
         env="KVTIER_MAX_PENDING_STORE_BYTES")
     max_pending_store_jobs: int = setting_field(
-        Kind.INT, 1024, "backpressure: store jobs in flight beyond this are shed (counted)",
+        Kind.INT, 1024, "backpressure: store jobs in flight at most this; more wait their turn",
         minimum=1, env="KVTIER_MAX_PENDING_STORE_JOBS")
     load_timeout_s: float = setting_field(
         Kind.FLOAT, DEFAULT_LOAD_TIMEOUT_S,
@@ -71,6 +72,14 @@ class TierSettings:
         "(kvtier_loads_declined_total); unset: never declined",
         minimum=0.0, strict_min=True, maximum=MAX_PREFILL_TOKENS_PER_S, unit="tokens/s",
         nullable=True, env="KVTIER_PREFILL_TOKENS_PER_S")
+
+    store_stall_s: float = setting_field(
+        Kind.FLOAT, 5.0,
+        "back-pressure: when more stores wait for this tier than half the CPU pool, the "
+        "scheduler waits for its store jobs as long as one finishes at least this often; a "
+        "tier that finishes none for this long is stalled and the excess is shed (counted)",
+        minimum=MIN_LOAD_TIMEOUT_S, maximum=MAX_TIMEOUT_S, unit="seconds",
+        env="KVTIER_STORE_STALL_S")
 
     def __post_init__(self) -> None:
         check_record(self, TIER_IO_SETTINGS, "tier")

@@ -39,6 +39,9 @@ class TierCounters:
     store_keys_failed: int = 0
     stores_shed: int = 0
     store_keys_shed: int = 0
+    store_waits: int = 0            # steps that waited for this tier's store backlog
+    store_wait_seconds: float = 0.0  # scheduler time spent in those waits
+    store_stalls: int = 0           # waits ended because the tier finished nothing in time
     store_keys_read_back: int = 0
     quarantines_lifted: int = 0
     read_bytes: int = 0

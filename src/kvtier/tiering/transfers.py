@@ -18,9 +18,10 @@ from kvtier.tiering.promotions import PromotionTable
 from kvtier.tiering.tier import IO_YIELD_S, JobKind, SecondaryTier, TierJob
 from kvtier.tiering.writeback import Backlog, WriteBack
 
-__all__ = ["Transfers"]
+__all__ = ["IO_YIELD_MAX_S", "Transfers"]
 
 _log = logging.getLogger("kvtier.tiering.manager")
+IO_YIELD_MAX_S = 0.05  # the longest end-of-step wait for in-flight I/O: a step stays short
 
 
 class Transfers:
@@ -59,11 +60,18 @@ class Transfers:
             if self._promotions.has_retired:
                 self._promotions.reclaim(index, tier)
 
-    def yield_to_io(self) -> None:
-        """With transfers or probes in flight, wait at most ``IO_YIELD_S`` for them (applying
-        what finishes), which hands the GIL to the tiers' threads: a scheduler that steps back
-        to back would otherwise starve them (see :data:`kvtier.tiering.tier.IO_YIELD_S`)."""
-        deadline = time.monotonic() + IO_YIELD_S
+    def yield_to_io(self, step_busy_s: float = 0.0) -> None:
+        """With transfers or probes in flight, wait for them (applying what finishes) for at
+        most the scheduler thread's CPU time since the last step ``step_busy_s`` (at least
+        ``IO_YIELD_S``, at most ``IO_YIELD_MAX_S``), which hands the GIL to the tiers' threads.
+
+        A scheduler thread that steps back to back in pure Python holds the GIL for the
+        switch interval (5 ms) each time an I/O thread returns from a system call, and a
+        file probe or transfer makes one or more per block: a 1,024-key probe took 5 s that
+        way. Waiting as long as the step ran (only while the tiers have work) gives their
+        threads at least half of the scheduler's time, uncontended."""
+        budget = min(IO_YIELD_MAX_S, max(IO_YIELD_S, step_busy_s))
+        deadline = time.monotonic() + budget
         for index, tier in enumerate(self._tiers):
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -10,8 +10,17 @@ write_through queues every stored block for every tier, its slot pinned (a casca
 pin budget; the rest stay unwritten (resident, evictable) and go oldest first as the budget
 frees. write_back leaves every block unwritten until the pool evicts it. An unwritten block that
 is evicted is copied out and written from the copy; a lookup meanwhile re-admits it from the
-copy, so a block is always in some tier. Cascades a backlogged tier cannot take wait for the
-next step; beyond ``MAX_WAITING_CASCADE_FRACTION`` of the pool per tier the oldest are shed.
+copy, so a block is always in some tier.
+
+Back-pressure: cascades a backlogged tier cannot take wait for the next step, up to
+``MAX_WAITING_CASCADE_FRACTION`` of the pool per tier. Beyond that the scheduler thread waits,
+inside the step, for the tier's store jobs to finish (counted by the tier: ``store_waits``,
+``store_wait_seconds``, ``store_stalls``): a slow tier costs time, not hits. The wait depends
+only on the tier's I/O threads, which never wait for the scheduler, so it cannot deadlock with
+pins or staged loads.
+Only a tier that finishes no job for its ``store_stall_s`` is *stalled*: the excess is shed
+(counted) and later steps shed without waiting until one of its jobs finishes again, so a dead
+tier costs one stall, not one per step.
 """
 
 from __future__ import annotations
@@ -65,11 +74,11 @@ class _Copy:
 class WriteBack:
     """Unwritten blocks, evicted blocks' copies and the per-tier store queues."""
 
-    __slots__ = ("_copies", "_counters", "_events", "_max_waiting", "_pins", "_pool",
-                 "_queued", "_tiers", "_unwritten")
+    __slots__ = ("_clock", "_copies", "_counters", "_events", "_max_waiting", "_pins", "_pool",
+                 "_queued", "_stalled", "_tiers", "_unwritten")
 
     def __init__(self, pool: PrimaryPool, num_tiers: int, pins: PinLedger, counters: Counters,
-                 events: EventLog) -> None:
+                 events: EventLog, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._pool = pool
         self._tiers = num_tiers
         self._pins = pins
@@ -79,6 +88,8 @@ class WriteBack:
         self._copies: dict[BlockKey, _Copy] = {}
         self._queued: list[list[QueuedStore]] = [[] for _ in range(num_tiers)]
         self._max_waiting = max(1, int(pool.num_slots * MAX_WAITING_CASCADE_FRACTION))
+        self._clock = clock  # times back-pressure waits (real time: they block on the tier)
+        self._stalled = [False] * num_tiers  # finished no store job within a wait's stall time
 
     # ---- what is unwritten -------------------------------------------------------------------
     def note_stored(self, keys: Iterable[BlockKey]) -> None:
@@ -174,10 +185,11 @@ class WriteBack:
     def submit(self, tier_index: int, tier: SecondaryTier, *,
                backlog: Backlog = Backlog.WAIT_NEXT_STEP, deadline: float | None = None,
                apply: Callable[[int, TierJob], None] | None = None) -> None:
-        """Submit the stores queued for ``tier`` in chunks. What a backlogged tier cannot
-        take waits for the next step (the oldest excess shed), or with
-        ``Backlog.WAIT_FOR_ROOM`` (shutdown) this call waits for room until ``deadline``,
-        applying finished jobs with ``apply``, and then sheds."""
+        """Submit the stores queued for ``tier`` in chunks, applying finished jobs with
+        ``apply`` while it waits. What a backlogged tier cannot take waits for the next step
+        up to the bound; beyond it this call waits for the tier's jobs (the excess is shed only
+        when the tier is stalled, or without ``apply``). With ``Backlog.WAIT_FOR_ROOM``
+        (shutdown) it waits for room until ``deadline``, then sheds."""
         stores = self._queued[tier_index]
         if not stores:
             return
@@ -188,8 +200,11 @@ class WriteBack:
             payloads = [item.payload for item in chunk]
             nbytes = sum(memoryview(p).nbytes for p in payloads)
             if backlog is Backlog.WAIT_NEXT_STEP and not tier.can_accept_store(nbytes):
-                self._wait_or_shed(tier_index, tier, stores[start:])
-                break
+                left = len(stores) - start
+                if (left <= self._max_waiting or apply is None
+                        or not self._wait_for_tier(tier_index, tier, nbytes, apply)):
+                    self._wait_or_shed(tier_index, tier, stores[start:])
+                    break
             if backlog is Backlog.WAIT_FOR_ROOM:
                 self._wait_for_room(tier_index, tier, nbytes, deadline, apply)
             job = tier.submit_store(keys, payloads)
@@ -201,6 +216,28 @@ class WriteBack:
             elif any(item.pinned for item in chunk):
                 self._pins.note_store_job(tier_index, job.job_id,
                                           tuple(item.pinned for item in chunk))
+
+    def _wait_for_tier(self, tier_index: int, tier: SecondaryTier, nbytes: int,
+                       apply: Callable[[int, TierJob], None]) -> bool:
+        """Back-pressure: wait until ``tier`` can take ``nbytes`` more, applying the jobs it
+        finishes; False (do not wait) when it is stalled. Every finished job restarts the stall
+        clock, so a slow tier is waited for as long as it makes progress."""
+        if self._stalled[tier_index]:
+            return False
+        clock = self._clock
+        started = last_progress = clock()
+        while not tier.can_accept_store(nbytes):
+            remaining = last_progress + tier.store_stall_s - clock()
+            if remaining <= 0:
+                self._stalled[tier_index] = True
+                break
+            finished = tier.get_finished_jobs(wait=True, timeout=remaining)
+            if finished:
+                last_progress = clock()
+            for job in finished:
+                apply(tier_index, job)
+        tier.count_store_wait(clock() - started, stalled=self._stalled[tier_index])
+        return not self._stalled[tier_index]
 
     def _wait_for_room(self, tier_index: int, tier: SecondaryTier, nbytes: int,
                        deadline: float | None,
@@ -232,6 +269,7 @@ class WriteBack:
         """A store job of tier ``tier_index`` finished: release its pins or copies."""
         stored: list[BlockKey] = []
         pinned = self._pins.pop_store_job(tier_index, job.job_id)
+        self._stalled[tier_index] = False  # it makes progress again: worth waiting for
         for position, (key, ok) in enumerate(zip(job.keys, job.results, strict=True)):
             self._release(key, pinned is not None and pinned[position])
             if ok:
