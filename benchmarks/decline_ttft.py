@@ -288,7 +288,8 @@ def summarize(result: dict[str, Any]) -> str:
              f"{'engine':<11} {'p50 ms':>8} {'/ recompute':>12} {'tier tokens':>12} "
              f"{'declined':>9}"]
     for name, median in medians.items():
-        declined = result["metrics"].get(name, {}).get("vllm:kvtier_loads_declined")
+        tiered = result["metrics"].get(name)  # vLLM exports a counter once it moved
+        declined = None if tiered is None else tiered.get("vllm:kvtier_loads_declined", 0.0)
         lines.append(f"{name:<11} {median * 1e3:8.1f} {median / baseline:12.2f} "
                      f"{statistics.median(cached[name]):12.0f} "
                      f"{'-' if declined is None else f'{declined:.0f}':>9}")

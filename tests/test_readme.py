@@ -39,6 +39,9 @@ NOT_RUN_HERE: dict[str, str] = {
     "scripts/setup-vllm-venv.sh .venv-vllm": "the vLLM lane of scripts/test.sh",
     "PYTHONPATH=src .venv-vllm/bin/python benchmarks/engine_load.py": "the engine-load benchmark "
     "(~13 min on 2 cores); its pure parts are tested in tests/test_engine_load_bench.py",
+    "PYTHONPATH=src .venv-vllm/bin/python benchmarks/decline_ttft.py": "the throttled-tier "
+    "TTFT benchmark (~6 min on 2 cores); the rule it measures is tested against a real throttled "
+    "Valkey in tests/tiering/test_decline.py and tests/integrations/test_vllm_decline.py",
     "kvtier replay sessions/": "needs your own directory of per-session JSON traces (the "
                                "replay tests build such directories: tests/replay)",
     ".venv/bin/pip install -e '.[docs]'": "the docs site: tests/test_docs.py runs mkdocs build "
