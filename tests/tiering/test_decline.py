@@ -194,3 +194,45 @@ def test_a_bad_prefill_rate_is_named_with_its_bounds(bad: object) -> None:
         open_manager({"block_bytes": BLOCK, "primary_bytes": BLOCK * 4,
                       "namespace": {"model": "m", "block_size": TOKENS},
                       "secondary_tiers": [{"url": "memory://", "prefill_tokens_per_s": bad}]})
+
+
+def test_the_lookup_answers_the_fast_tiers_part_and_declines_the_slow_rest(
+        redis_server: ValkeyServer, slow_link: ThrottledProxy) -> None:
+    """Two tiers in lookup order, both with the prefill rate: the prefix's first two blocks are
+    in the fast tier, the last two only behind the slow link. The answer is the fast part."""
+    model = f"decline-{uuid4().hex}"
+    direct = f"redis://127.0.0.1:{redis_server.port}"
+    fast_db, slow_db = DB + 1, DB + 2
+    opened: list[TieringManager] = []
+
+    def make(*tiers: dict[str, Any]) -> TieringManager:
+        manager = open_manager(
+            {"block_bytes": BLOCK, "primary_bytes": BLOCK * 16,
+             "namespace": {"model": model, "block_size": TOKENS},
+             "secondary_tiers": list(tiers)}, clock=FakeClock())
+        opened.append(manager)
+        return manager
+
+    try:
+        measure, measure_bytes = prefix(2, 9, model)
+        keys, payloads = prefix(4, 10, model)
+        store(make({"url": f"{direct}/{slow_db}"}), [*measure, *keys], [*measure_bytes, *payloads])
+        store(make({"url": f"{direct}/{fast_db}"}), keys[:2], payloads[:2])
+        reader = make({"url": f"{direct}/{fast_db}", "name": "fast",
+                       "prefill_tokens_per_s": PREFILL_TOKENS_PER_S},
+                      {"url": slow_link.url(slow_db), "name": "slow",
+                       "prefill_tokens_per_s": PREFILL_TOKENS_PER_S})
+        ctx = RequestContext("measure")  # only the slow tier has it: its first, measured load
+        assert settle(reader, measure, ctx) == 2
+        read(reader, measure, ctx)
+        ctx = RequestContext("partial")
+        assert settle(reader, keys, ctx) == 2
+        assert read(reader, keys[:2], ctx) == payloads[:2]
+        tiers = reader.get_stats()["tiers"]
+        assert tiers["fast"].counters.load_keys == 2
+        assert tiers["fast"].counters.loads_declined == 0
+        assert tiers["slow"].counters.load_keys == 2  # the measured prefix only
+        assert tiers["slow"].counters.loads_declined == 1  # once, for the final answer
+    finally:
+        for manager in opened:
+            manager.shutdown(20)

@@ -17,8 +17,10 @@ A hit is taken only when it pays: the first time a scan finds a key in a tier, t
 many of the prefix's remaining keys are worth loading from it
 (:meth:`~kvtier.tiering.tier.SecondaryTier.blocks_worth_loading`); the scan's allowance per tier
 (``_allowance``, reset by each scan) is spent by the promotions it starts there, and a hit past
-it is answered absent (a miss, counted by the tier as declined), so the prefix ends there and
-the engine recomputes the rest.
+it is answered absent, so the prefix ends there and the engine recomputes the rest. The tier
+counts it as declined once, when that is the scan's final answer (``_declined``: the tier whose
+hit ended this scan); while earlier keys are pending the request asks again, and a hit declined
+only for the load deadline is then asked again as the start of the next job.
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ class KeyFinder:
     """One key's status (``find``) and one request's prefix (``scan``) over the manager's
     tables; the staging turns of requests loading in pieces."""
 
-    __slots__ = ("_allowance", "_counters", "_piece_blocks", "_pins", "_pool", "_promotions",
-                 "_tiers", "_turns", "_writeback")
+    __slots__ = ("_allowance", "_counters", "_declined", "_piece_blocks", "_pins", "_pool",
+                 "_promotions", "_tiers", "_turns", "_writeback")
 
     def __init__(self, pool: PrimaryPool, tiers: tuple[SecondaryTier, ...], pins: PinLedger,
                  promotions: PromotionTable, writeback: WriteBack, counters: Counters) -> None:
@@ -72,6 +74,7 @@ class KeyFinder:
         self._piece_blocks = max(1, int(pool.num_slots * PIECE_FRACTION))
         self._turns: dict[str, int] = {}  # req_id -> step it last asked; order: the turns
         self._allowance: dict[int, int] = {}  # this scan: tier index -> blocks it may still load
+        self._declined: SecondaryTier | None = None  # this scan: the tier whose hit ended it
 
     def leave(self, req_id: str) -> None:
         """``req_id`` finished, or its prefix is complete: the next request's turn."""
@@ -131,10 +134,14 @@ class KeyFinder:
             allowance = tier.blocks_worth_loading(remaining, self._pool.block_bytes)
         if allowance <= 0:
             self._allowance[index] = 0
-            tier.count_declined(1)
+            self._declined = tier
             return False
         self._allowance[index] = allowance - 1
         return True
+
+    def _take_declined(self) -> SecondaryTier | None:
+        declined, self._declined = self._declined, None
+        return declined
 
     def _reserve_for(self, key: BlockKey, protect: set[BlockKey] | tuple[()],
                      room_is_miss: bool) -> int | None:
@@ -167,6 +174,7 @@ class KeyFinder:
             return scan
         scan.found.update(keys[:resident])
         self._allowance.clear()
+        self._declined = None
         req_id = ctx.req_id
         pieces = mode is ScanMode.PIECES
         room = self._room(req_id) if pieces else len(keys)
@@ -202,6 +210,9 @@ class KeyFinder:
                 scan.pending = True
                 staged += result is KeyStatus.HIT_PENDING
         self._settle_rounds(req_id, rounds, started, scan, pieces)
+        declined = self._take_declined()
+        if declined is not None and not (scan.pending or scan.waiting):
+            declined.count_declined(1)  # the final answer ends at a declined hit
         if pieces:
             self._settle_turn(req_id, scan)
         return scan
