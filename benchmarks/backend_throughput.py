@@ -246,7 +246,9 @@ class RedisBaseline:
             pipe = self._client.pipeline(transaction=False)
             for key in chunk:
                 pipe.get(b"raw:" + key)
-            pipe.execute()
+            view = out.data.cast("B")
+            for reply in pipe.execute():  # into the caller's buffer, as the backend must
+                view[:] = reply
 
     def exists(self, keys: Sequence[bytes]) -> None:
         pipe = self._client.pipeline(transaction=False)

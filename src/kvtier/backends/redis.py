@@ -3,31 +3,45 @@
 :mod:`kvtier.backends.redis_config`; inventory: :mod:`kvtier.backends.redis_kind`.
 
 State (used from any thread at once): the redis-py client and pools (redis-py's own locking;
-every batch builds its own pipeline); ``_cluster_client``, built lazily under ``_client_lock``
-(the seed may be down at open); counters, error log and lifecycle, each under its own lock.
+every batch takes its own connections); ``_cluster_client`` and ``_lanes`` (the thread pool
+that runs a call's extra lanes), built lazily under ``_client_lock``; counters, error log and
+lifecycle, each under its own lock. A lane thread owns only the connection it was handed and the
+reply buffers of its own pipelines.
 
 Layout: one string per block, ``kvtier:<namespace digest hex>:<key hex>``, holding the frame.
 No hash tag on purpose: blocks spread over every Cluster slot instead of one node.
 
-Round trips: ``exists``, ``put_many`` (``SET NX [PX]``), ``get_many`` (``GET`` / ``GETEX PX``)
-and ``delete`` (``UNLINK``) each send one pipeline (per node on a Cluster, written to all nodes
-before any reply is read). Payloads go to the socket without a copy on plain TCP: header and
-payload are separate chunks of one RESP bulk string (:class:`_FramePacker`).
+Batches: ``exists``, ``put_many`` (``SET NX [PX]``) and ``get_many`` (``GET`` / ``GETEX PX``)
+split a call's keys into pipelines of at most ``batch_bytes`` value bytes (and
+``_MAX_PIPELINE_COMMANDS`` commands), per node on a Cluster. Up to ``connections`` pipelines of
+one call run at once, each lane on its own connection (taken on the calling thread, so a call
+never waits for a connection another lane of it holds); the calling thread runs the first lane.
+``delete`` (``UNLINK``) and the rare paths send one redis-py pipeline.
 
-Failures: a lost connection, dead server or per-key error answers False for the keys, counts
-``errors`` and logs (rate-limited), never raises; one immediate retry reconnects after a server
-restart. On a Cluster a failed batch is rerun one pipeline per node, so a dead node costs only
-its keys. A wrong password or ACL user raises ``ValueError`` at open (when reachable).
-``ttl_s`` expires every block; a read (``GETEX``) pushes the expiry forward: the TTL bounds idle
-time, not age.
+Copies: payloads go to the socket without a copy on plain TCP (header and payload are separate
+chunks of one RESP bulk string, :class:`_FramePacker`); a ``GET`` reply of the expected size is
+read by :class:`_ReplyReader` with ``recv_into`` straight into the caller's buffer (the header
+into a small buffer of its own) and verified there; hiredis never sees it.
+
+Failures: a lost connection, dead server or per-key error answers False for the keys of that
+pipeline, counts ``errors`` and logs (rate-limited), never raises; one immediate retry
+reconnects after a server restart; a timeout is not retried and drops the connection (no stale
+reply is ever read). On a Cluster a failed pipeline, or keys answered MOVED / ASK / TRYAGAIN /
+CLUSTERDOWN, go once more through redis-py's cluster pipeline (which follows the new slot map),
+and if that fails, one pipeline per node, so a dead node costs only its keys. A wrong password or
+ACL user raises ``ValueError`` at open (when reachable). ``ttl_s`` expires every block; a read
+(``GETEX``) pushes the expiry forward: the TTL bounds idle time, not age.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
+import socket
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 import redis
@@ -43,6 +57,7 @@ from kvtier.backends.base import (
     Fetched,
     Outcome,
     StoredFrame,
+    Verdict,
 )
 from kvtier.backends.manifest import MAX_MANIFEST_BYTES
 from kvtier.backends.redis_config import (
@@ -51,6 +66,7 @@ from kvtier.backends.redis_config import (
     RedisTopology,
     parse_redis_url,
 )
+from kvtier.codec import HEADER_BYTES
 from kvtier.keys import BlockKey, Namespace
 
 __all__ = [
@@ -180,6 +196,187 @@ def _frame_packer_works() -> bool:
 _ZERO_COPY_SUPPORTED: Final = _frame_packer_works()
 
 
+# --------------------------------------------------------------------------- reading replies
+
+_SCRATCH_BYTES: Final = 64 * 1024
+_MAX_LINE_BYTES: Final = 64 * 1024  # a RESP header or error line; longer is a protocol error
+_MAX_PIPELINE_COMMANDS: Final = 1024
+_SERVED: Final = frozenset({Verdict.VALID, Verdict.OLDER_KEY, Verdict.OLDER_FORMAT})
+# Error replies that mean "ask the cluster again" (the slot moved, a failover is under way).
+_REDIRECTS: Final = (redis.exceptions.AskError, redis.exceptions.TryAgainError,
+                     redis.exceptions.ClusterDownError)
+_REDIRECT_WORDS: Final = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN"})
+
+
+def _is_redirect(reply: object) -> bool:
+    if isinstance(reply, _REDIRECTS):
+        return True
+    return (isinstance(reply, redis.ResponseError)
+            and str(reply).partition(" ")[0] in _REDIRECT_WORDS)
+
+
+class _InPlaceRead:
+    """``Fetched.token`` of a frame read into the caller's buffer: the object's SHA-1 is taken
+    (from the header and ``out``, while ``out`` still holds it) only if the frame is refused,
+    for the compare-and-delete script."""
+
+    __slots__ = ("digest", "header")
+
+    def __init__(self, header: bytearray) -> None:
+        self.header = header
+        self.digest = ""
+
+
+class _ReplyReader:
+    """Reads the replies of one ``GET`` pipeline off a socket (RESP2 bulk strings, nil, errors).
+
+    A value of exactly ``HEADER_BYTES + out.nbytes`` bytes lands in a fresh header buffer and in
+    ``out`` (``recv_into``: no intermediate ``bytes``; bytes already in the scratch buffer are
+    copied once); any other size is read whole and left to the codec to refuse. Raises
+    ``OSError`` / ``redis.ConnectionError`` / ``redis.InvalidResponse``; the caller drops the
+    connection then.
+    """
+
+    __slots__ = ("_buffer", "_end", "_sock", "_start", "_view")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buffer = bytearray(_SCRATCH_BYTES)
+        self._view = memoryview(self._buffer)
+        self._start = 0
+        self._end = 0
+
+    @property
+    def leftover(self) -> int:
+        return self._end - self._start
+
+    def _fill(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buffer):
+            held = self._end - self._start
+            self._view[:held] = self._view[self._start:self._end]
+            self._start, self._end = 0, held
+        got = self._sock.recv_into(self._view[self._end:])
+        if got == 0:
+            raise redis.ConnectionError("connection closed by the server")
+        self._end += got
+
+    def _line(self) -> bytes:
+        while True:
+            at = self._buffer.find(b"\r\n", self._start, self._end)
+            if at >= 0:
+                line = bytes(self._view[self._start:at])
+                self._start = at + 2
+                return line
+            if self._end - self._start >= _MAX_LINE_BYTES:
+                raise redis.InvalidResponse("reply line longer than 64 KiB")
+            self._fill()
+
+    def _read_into(self, target: memoryview) -> None:
+        wanted = target.nbytes
+        done = min(wanted, self._end - self._start)
+        if done:
+            target[:done] = self._view[self._start:self._start + done]
+            self._start += done
+        while done < wanted:
+            got = self._sock.recv_into(target[done:])
+            if got == 0:
+                raise redis.ConnectionError("connection closed by the server")
+            done += got
+
+    def _crlf(self) -> None:
+        while self._end - self._start < 2:
+            self._fill()
+        if self._buffer[self._start:self._start + 2] != b"\r\n":
+            raise redis.InvalidResponse("bulk string not followed by CRLF")
+        self._start += 2
+
+    def read_get(self, out: memoryview) -> Fetched | redis.ResponseError:
+        """The next reply, as what the medium read for ``out``'s key, or an error reply."""
+        line = self._line()
+        kind = line[:1]
+        if kind == b"$":
+            try:
+                size = int(line[1:])
+            except ValueError:
+                raise redis.InvalidResponse(f"bad bulk length {line[:32]!r}") from None
+            if size < 0:
+                return MISSING_FETCH
+            if size == HEADER_BYTES + out.nbytes:
+                header = bytearray(HEADER_BYTES)
+                self._read_into(memoryview(header))
+                self._read_into(out)
+                self._crlf()
+                return Fetched(Outcome.OK, header=header, payload_bytes=out.nbytes,
+                               token=_InPlaceRead(header))
+            frame = bytearray(size)  # not this caller's frame: read whole, the codec refuses it
+            self._read_into(memoryview(frame))
+            self._crlf()
+            return Fetched(Outcome.OK, frame=memoryview(frame))
+        if kind == b"-":
+            return redis.ResponseError(line[1:].decode("utf-8", "replace"))
+        if line == b"_":  # RESP3 null
+            return MISSING_FETCH
+        raise redis.InvalidResponse(f"unexpected reply {line[:32]!r} to GET")
+
+
+def _send(conn: Any, commands: list[tuple[Any, ...]]) -> None:
+    conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+
+
+def _exchange(conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """One pipeline on ``conn``: one reply per command, error replies as exception objects."""
+    _send(conn, commands)
+    replies: list[Any] = []
+    for _command in commands:
+        try:
+            replies.append(conn.read_response())  # drops the connection on an I/O error
+        except redis.ResponseError as exc:
+            replies.append(exc)
+    return replies
+
+
+def _exchange_gets(conn: Any, commands: list[tuple[Any, ...]],
+                   outs: list[memoryview]) -> list[Any]:
+    """One ``GET`` pipeline on ``conn``, the replies read by :class:`_ReplyReader`."""
+    _send(conn, commands)
+    try:
+        reader = _ReplyReader(conn._sock)
+        replies: list[Any] = [reader.read_get(out) for out in outs]
+        if reader.leftover:
+            raise redis.InvalidResponse(f"{reader.leftover} bytes after the last reply")
+    except TimeoutError:
+        conn.disconnect()
+        raise redis.TimeoutError(f"Timeout reading from {conn.host}:{conn.port}") from None
+    except OSError as exc:
+        conn.disconnect()
+        raise redis.ConnectionError(f"Error while reading from {conn.host}:{conn.port}: "
+                                    f"{exc}") from None
+    except BaseException:
+        conn.disconnect()  # a half-read reply: the connection can never be reused
+        raise
+    return replies
+
+
+@dataclass(slots=True)
+class _Unit:
+    """One pipeline of a call: the indexes of its items, all on the node behind ``pool``."""
+
+    pool: Any
+    indexes: list[int]
+    replies: list[Any] | None = None  # None: the pipeline failed (already counted)
+
+
+@dataclass(slots=True)
+class _Lane:
+    """Pipelines run one after another on one connection (taken on the calling thread)."""
+
+    pool: Any
+    units: list[_Unit]
+    connection: Any = None
+
+
 # --------------------------------------------------------------------------- the backend
 
 
@@ -197,6 +394,9 @@ class RedisBackend(Backend):
         self._prefix = _KEY_PREFIX + namespace.digest_hex.encode() + b":"
         self._zero_copy = _ZERO_COPY_SUPPORTED and not config.tls
         self._client_lock = threading.Lock()
+        self._lanes: concurrent.futures.ThreadPoolExecutor | None = None
+        # A bounded pool could make two calls wait on each other's extra connections.
+        self._lanes_per_node = 1 if config.max_connections is not None else config.connections
         self._standalone_client: redis.Redis | None = None
         self._cluster_client: redis.cluster.RedisCluster | None = None
         if config.topology is RedisTopology.STANDALONE:
@@ -387,6 +587,162 @@ class RedisBackend(Backend):
                 replies[index] = reply
         return replies
 
+    # -- batches over parallel connections ----------------------------------------------------
+
+    def _batched(self, operation: str, keys: list[BlockKey],
+                 command: Callable[[int], tuple[Any, ...]], sizes: list[int] | None = None,
+                 outs: list[memoryview] | None = None) -> list[Any]:
+        """One reply per key (``_FAILED`` where its pipeline failed, already counted): the keys
+        split into pipelines by node, ``batch_bytes`` of ``sizes`` and command count, run on up
+        to ``connections`` connections per node at once. ``outs``: ``GET`` replies are read
+        into them (:class:`_ReplyReader`)."""
+        replies: list[Any] = [_FAILED] * len(keys)
+        units, unplaced = self._plan(keys, sizes)
+
+        def exchange(conn: Any, unit: _Unit) -> list[Any]:
+            commands = [command(index) for index in unit.indexes]
+            if outs is None:
+                return _exchange(conn, commands)
+            return _exchange_gets(conn, commands, [outs[index] for index in unit.indexes])
+
+        self._run_lanes(operation, units, exchange)
+        again = list(unplaced)
+        for unit in units:
+            if unit.replies is None:
+                again += unit.indexes
+                continue
+            for index, reply in zip(unit.indexes, unit.replies, strict=True):
+                if self._cluster_client is not None and _is_redirect(reply):
+                    again.append(index)
+                else:
+                    replies[index] = reply
+        if again and self._cluster_client is not None:
+            # redis-py's cluster pipeline follows MOVED / refreshes the slot map after a
+            # failover; if that fails too, one pipeline per node (a dead node costs its keys).
+            again.sort()
+            rerun = self._run(operation, again,
+                              lambda pipe, index: pipe.execute_command(*command(index)),
+                              lambda index: keys[index])
+            for index, reply in zip(again, rerun, strict=True):
+                replies[index] = reply
+        return replies
+
+    def _plan(self, keys: list[BlockKey],
+              sizes: list[int] | None) -> tuple[list[_Unit], list[int]]:
+        """The pipelines of one call, and the indexes no node serves now (cluster only)."""
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        unplaced: list[int] = []
+        if self._standalone_client is not None:
+            pool = self._standalone_client.connection_pool
+            groups[id(pool)] = (pool, list(range(len(keys))))
+        else:
+            try:
+                client = self._connect_cluster()
+            except _IO_ERRORS as exc:
+                self._count_error("connect", len(keys), exc)
+                return [], []
+            for index, key in enumerate(keys):
+                try:
+                    node = client.nodes_manager.get_node_from_slot(
+                        client.keyslot(self._name(key)))  # type: ignore[no-untyped-call]
+                    pool = client.get_redis_connection(node).connection_pool
+                except _IO_ERRORS:  # no node serves the slot now: the cluster path decides
+                    unplaced.append(index)
+                    continue
+                groups.setdefault(id(pool), (pool, []))[1].append(index)
+        limit = self._config.batch_bytes
+        units: list[_Unit] = []
+        for pool, indexes in groups.values():
+            unit = _Unit(pool, [])
+            held = 0
+            for index in indexes:
+                size = 0 if sizes is None else sizes[index]
+                if unit.indexes and (held + size > limit
+                                     or len(unit.indexes) >= _MAX_PIPELINE_COMMANDS):
+                    units.append(unit)
+                    unit, held = _Unit(pool, []), 0
+                unit.indexes.append(index)
+                held += size
+            if unit.indexes:
+                units.append(unit)
+        return units, unplaced
+
+    def _run_lanes(self, operation: str, units: list[_Unit],
+                   exchange: Callable[[Any, _Unit], list[Any]]) -> None:
+        """Run ``units`` (setting their ``replies``): per node up to ``connections`` lanes,
+        the first on this thread, the others on the lane pool."""
+        lanes = self._lanes_for(operation, units)
+        if not lanes:
+            return
+        futures = []
+        if len(lanes) > 1:
+            executor = self._lane_pool()
+            futures = [executor.submit(self._run_lane, operation, lane, exchange)
+                       for lane in lanes[1:]]
+        self._run_lane(operation, lanes[0], exchange)
+        for future, lane in zip(futures, lanes[1:], strict=True):
+            try:
+                future.result()
+            except concurrent.futures.CancelledError:  # closed meanwhile: its units failed
+                lane.pool.release(lane.connection)
+
+    def _lanes_for(self, operation: str, units: list[_Unit]) -> list[_Lane]:
+        """Lanes with their connections, taken here so that lanes never wait for each other.
+        A node whose first connection fails gets no lane (its units stay failed)."""
+        by_pool: dict[int, list[_Unit]] = {}
+        for unit in units:
+            by_pool.setdefault(id(unit.pool), []).append(unit)
+        lanes: list[_Lane] = []
+        for pool_units in by_pool.values():
+            pool = pool_units[0].pool
+            connections: list[Any] = []
+            for _number in range(min(self._lanes_per_node, len(pool_units))):
+                try:
+                    connections.append(pool.get_connection())
+                except _IO_ERRORS as exc:
+                    if not connections:  # the node is down: one error for all its keys
+                        self._count_error(operation, sum(len(u.indexes) for u in pool_units),
+                                          exc)
+                    break  # else fewer lanes: the units go round the ones we have
+            for number, connection in enumerate(connections):
+                lanes.append(_Lane(pool, pool_units[number::len(connections)], connection))
+        return lanes
+
+    def _run_lane(self, operation: str, lane: _Lane,
+                  exchange: Callable[[Any, _Unit], list[Any]]) -> None:
+        try:
+            for unit in lane.units:
+                unit.replies = self._exchange_unit(operation, lane.connection, unit, exchange)
+        finally:
+            lane.pool.release(lane.connection)
+
+    def _exchange_unit(self, operation: str, conn: Any, unit: _Unit,
+                       exchange: Callable[[Any, _Unit], list[Any]]) -> list[Any] | None:
+        """One pipeline, retried once on a broken (not a timed-out) connection."""
+        for attempt in (1, 2):
+            self._stats.add("round_trips")
+            try:
+                return exchange(conn, unit)
+            except redis.ConnectionError as exc:  # reconnects on the next send
+                if attempt == 2:
+                    self._count_error(operation, len(unit.indexes), exc)
+            except _IO_ERRORS as exc:
+                conn.disconnect()
+                self._count_error(operation, len(unit.indexes), exc)
+                return None
+        return None
+
+    def _lane_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        lanes = self._lanes
+        if lanes is not None:
+            return lanes
+        with self._client_lock:
+            if self._lanes is None:
+                self._lanes = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=4 * self._config.connections,
+                    thread_name_prefix="kvtier-redis-lane")
+            return self._lanes
+
     # -- identity -----------------------------------------------------------------------------
 
     @property
@@ -400,7 +756,7 @@ class RedisBackend(Backend):
     # -- medium hooks -------------------------------------------------------------------------
 
     def _m_exists(self, keys: list[BlockKey]) -> list[Outcome]:
-        replies = self._run("exists", keys, lambda pipe, key: pipe.exists(self._name(key)))
+        replies = self._batched("exists", keys, lambda index: ("EXISTS", self._name(keys[index])))
         return self._outcomes("exists", replies,
                               lambda reply: Outcome.OK if reply == 1 else Outcome.MISSING)
 
@@ -413,14 +769,16 @@ class RedisBackend(Backend):
                 for reply in replies]
 
     def _m_store(self, frames: list[StoredFrame]) -> list[Outcome]:
-        ttl_ms = self._config.ttl_ms
+        expiry = () if self._config.ttl_ms is None else ("PX", self._config.ttl_ms)
 
-        def add(pipe: Any, frame: StoredFrame) -> None:
+        def command(index: int) -> tuple[Any, ...]:
+            frame = frames[index]
             value = (_FramedValue(frame.header, frame.payload) if self._zero_copy
                      else frame.joined())
-            pipe.set(self._name(frame.key), value, nx=True, px=ttl_ms)
+            return ("SET", self._name(frame.key), value, "NX", *expiry)
 
-        replies = self._run("put", frames, add, lambda frame: frame.key)
+        replies = self._batched("put", [frame.key for frame in frames], command,
+                                [frame.nbytes for frame in frames])
         # SET NX answers nil when the block is already stored: never overwritten
         return self._outcomes("put", replies,
                               lambda reply: Outcome.OK if reply else Outcome.PRESENT)
@@ -428,28 +786,39 @@ class RedisBackend(Backend):
     def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> list[Fetched]:
         ttl_ms = self._config.ttl_ms
 
-        def add(pipe: Any, key: BlockKey) -> None:
+        def command(index: int) -> tuple[Any, ...]:
             if ttl_ms is None:
-                pipe.get(self._name(key))
-            else:
-                pipe.getex(self._name(key), px=ttl_ms)
+                return ("GET", self._name(keys[index]))
+            return ("GETEX", self._name(keys[index]), "PX", ttl_ms)
 
-        replies = self._run("get", keys, add)
-        fetched: list[Fetched] = []
-        for reply in replies:
-            if reply is _FAILED:
-                fetched.append(FAILED_FETCH)
-            elif reply is None:
-                fetched.append(MISSING_FETCH)
-            elif isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
-                # Something that is not a string sits under our block's name: not our block.
-                fetched.append(CORRUPT_FETCH)
-            elif isinstance(reply, Exception):
-                self._fail("get", "1 key", reply)
-                fetched.append(FAILED_FETCH)
-            else:
-                fetched.append(Fetched(Outcome.OK, frame=memoryview(reply)))
-        return fetched
+        replies = self._batched("get", keys, command,
+                                [HEADER_BYTES + out.nbytes for out in outs], outs)
+        return [self._fetched(reply) for reply in replies]
+
+    def _fetched(self, reply: Any) -> Fetched:
+        if isinstance(reply, Fetched):  # read into the caller's buffer by _ReplyReader
+            return reply
+        if reply is _FAILED:
+            return FAILED_FETCH
+        if reply is None:
+            return MISSING_FETCH
+        if isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
+            # Something that is not a string sits under our block's name: not our block.
+            return CORRUPT_FETCH
+        if isinstance(reply, Exception):
+            self._fail("get", "1 key", reply)
+            return FAILED_FETCH
+        return Fetched(Outcome.OK, frame=memoryview(reply))
+
+    def _judge(self, key: BlockKey, out: memoryview, item: Fetched) -> Verdict | None:
+        verdict = super()._judge(key, out, item)
+        token = item.token
+        if isinstance(token, _InPlaceRead) and verdict is not None and verdict not in _SERVED:
+            # Now, before the next key's read can reuse ``out``: the object as read.
+            digest = hashlib.sha1(token.header, usedforsecurity=False)
+            digest.update(out)
+            token.digest = digest.hexdigest()
+        return verdict
 
     def _m_delete(self, keys: list[BlockKey]) -> None:
         self._unlink(keys, "delete")
@@ -462,11 +831,7 @@ class RedisBackend(Backend):
         free); a plain UNLINK would drop that good block. The script compares first: a string
         whose SHA-1 is the one we read, or ("" digest) a value of a non-string type.
         """
-        targets = [
-            (key, "" if item.frame is None
-             else hashlib.sha1(item.frame, usedforsecurity=False).hexdigest())
-            for key, item in bad
-        ]
+        targets = [(key, self._object_digest(item)) for key, item in bad]
         keys = [key for key, _digest in targets]
         replies = self._run(
             "delete corrupt", targets,
@@ -490,6 +855,15 @@ class RedisBackend(Backend):
         if refused:
             self._unlink(refused, "delete corrupt")
 
+    @staticmethod
+    def _object_digest(item: Fetched) -> str:
+        """The SHA-1 of the object as read ("" where none was read: a non-string value)."""
+        if isinstance(item.token, _InPlaceRead):
+            return item.token.digest
+        if item.frame is None:
+            return ""
+        return hashlib.sha1(item.frame, usedforsecurity=False).hexdigest()
+
     def _unlink(self, key_list: list[BlockKey], operation: str) -> None:
         # One UNLINK per key: a multi-key command would be CROSSSLOT on a Cluster.
         replies = self._run(operation, key_list, lambda pipe, key: pipe.unlink(self._name(key)))
@@ -502,6 +876,9 @@ class RedisBackend(Backend):
 
     def _client_close(self) -> None:
         with self._client_lock:
+            if self._lanes is not None:
+                # Lanes in flight end within a socket timeout; their callers answer False.
+                self._lanes.shutdown(wait=False, cancel_futures=True)
             if self._standalone_client is not None:
                 self._standalone_client.close()
                 self._standalone_client.connection_pool.disconnect()
