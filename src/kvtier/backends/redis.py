@@ -39,6 +39,8 @@ import concurrent.futures
 import hashlib
 import logging
 import socket
+import struct
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -237,10 +239,11 @@ class _ReplyReader:
     connection then.
     """
 
-    __slots__ = ("_buffer", "_end", "_sock", "_start", "_view")
+    __slots__ = ("_buffer", "_end", "_sock", "_start", "_view", "_whole")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, *, whole: bool) -> None:
         self._sock = sock
+        self._whole = whole
         self._buffer = bytearray(_SCRATCH_BYTES)
         self._view = memoryview(self._buffer)
         self._start = 0
@@ -273,24 +276,31 @@ class _ReplyReader:
                 raise redis.InvalidResponse("reply line longer than 64 KiB")
             self._fill()
 
-    def _read_into(self, target: memoryview) -> None:
-        wanted = target.nbytes
-        done = min(wanted, self._end - self._start)
-        if done:
-            target[:done] = self._view[self._start:self._start + done]
-            self._start += done
-        while done < wanted:
-            got = self._sock.recv_into(target[done:])
+    def _read_into(self, targets: list[memoryview]) -> None:
+        """Fill ``targets`` in order: first from the scratch buffer, then from the socket, in
+        one ``recvmsg_into(MSG_WAITALL)`` where the socket allows (one system call, so one
+        wait for the interpreter lock, per value instead of one per segment)."""
+        rest: list[memoryview] = []
+        for target in targets:
+            done = min(target.nbytes, self._end - self._start)
+            if done:
+                target[:done] = self._view[self._start:self._start + done]
+                self._start += done
+            if done < target.nbytes:
+                rest.append(target[done:])
+        while rest:
+            if self._whole:
+                got = self._sock.recvmsg_into(rest, 0, socket.MSG_WAITALL)[0]
+            else:
+                got = self._sock.recv_into(rest[0])
             if got == 0:
                 raise redis.ConnectionError("connection closed by the server")
-            done += got
-
-    def _crlf(self) -> None:
-        while self._end - self._start < 2:
-            self._fill()
-        if self._buffer[self._start:self._start + 2] != b"\r\n":
-            raise redis.InvalidResponse("bulk string not followed by CRLF")
-        self._start += 2
+            while got:
+                if got >= rest[0].nbytes:
+                    got -= rest.pop(0).nbytes
+                else:
+                    rest[0] = rest[0][got:]
+                    got = 0
 
     def read_get(self, out: memoryview) -> Fetched | redis.ResponseError:
         """The next reply, as what the medium read for ``out``'s key, or an error reply."""
@@ -303,22 +313,31 @@ class _ReplyReader:
                 raise redis.InvalidResponse(f"bad bulk length {line[:32]!r}") from None
             if size < 0:
                 return MISSING_FETCH
+            header, crlf = bytearray(HEADER_BYTES), bytearray(2)
             if size == HEADER_BYTES + out.nbytes:
-                header = bytearray(HEADER_BYTES)
-                self._read_into(memoryview(header))
-                self._read_into(out)
-                self._crlf()
-                return Fetched(Outcome.OK, header=header, payload_bytes=out.nbytes,
-                               token=_InPlaceRead(header))
-            frame = bytearray(size)  # not this caller's frame: read whole, the codec refuses it
-            self._read_into(memoryview(frame))
-            self._crlf()
-            return Fetched(Outcome.OK, frame=memoryview(frame))
+                self._read_into([memoryview(header), out, memoryview(crlf)])
+                fetched = Fetched(Outcome.OK, header=header, payload_bytes=out.nbytes,
+                                  token=_InPlaceRead(header))
+            else:  # not this caller's frame: read whole, the codec refuses it
+                frame = bytearray(size)
+                self._read_into([memoryview(frame), memoryview(crlf)])
+                fetched = Fetched(Outcome.OK, frame=memoryview(frame))
+            if crlf != b"\r\n":
+                raise redis.InvalidResponse("bulk string not followed by CRLF")
+            return fetched
         if kind == b"-":
             return redis.ResponseError(line[1:].decode("utf-8", "replace"))
         if line == b"_":  # RESP3 null
             return MISSING_FETCH
         raise redis.InvalidResponse(f"unexpected reply {line[:32]!r} to GET")
+
+
+_WAIT_ALL_SUPPORTED: Final = sys.platform.startswith("linux") and hasattr(socket, "MSG_WAITALL")
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1_000_000))
 
 
 def _send(conn: Any, commands: list[tuple[Any, ...]]) -> None:
@@ -341,12 +360,22 @@ def _exchange_gets(conn: Any, commands: list[tuple[Any, ...]],
                    outs: list[memoryview]) -> list[Any]:
     """One ``GET`` pipeline on ``conn``, the replies read by :class:`_ReplyReader`."""
     _send(conn, commands)
+    sock = conn._sock
+    timeout = sock.gettimeout()
+    # Plain TCP on Linux: a blocking socket bounded by the kernel's SO_RCVTIMEO, so that
+    # MSG_WAITALL reads a whole value per call (Python's own timeout polls per segment).
+    whole = (_WAIT_ALL_SUPPORTED and timeout is not None and type(sock) is socket.socket)
     try:
-        reader = _ReplyReader(conn._sock)
+        if whole:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
+            sock.settimeout(None)
+        reader = _ReplyReader(sock, whole=whole)
         replies: list[Any] = [reader.read_get(out) for out in outs]
         if reader.leftover:
             raise redis.InvalidResponse(f"{reader.leftover} bytes after the last reply")
-    except TimeoutError:
+        if whole:
+            sock.settimeout(timeout)
+    except (TimeoutError, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO ran out
         conn.disconnect()
         raise redis.TimeoutError(f"Timeout reading from {conn.host}:{conn.port}") from None
     except OSError as exc:
