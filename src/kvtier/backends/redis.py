@@ -340,13 +340,65 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("@ll", whole, int((seconds - whole) * 1_000_000))
 
 
-def _send(conn: Any, commands: list[tuple[Any, ...]]) -> None:
-    conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+_IOV_MAX: Final = 1024  # buffers per sendmsg (Linux's UIO_MAXIOV)
+
+
+def _kernel_timed(conn: Any) -> socket.socket | None:
+    """``conn``'s socket switched to blocking mode with the same timeout kept by the kernel
+    (SO_SNDTIMEO / SO_RCVTIMEO), so that a whole pipeline goes out in one ``sendmsg`` and a
+    whole value comes in with one ``MSG_WAITALL`` read: one system call, so one wait for the
+    interpreter lock, instead of Python's poll per segment. None where that is not available
+    (TLS, not Linux, no timeout): the caller uses redis-py's own calls."""
+    if conn._sock is None:
+        conn.connect()
+    sock = conn._sock
+    timeout = sock.gettimeout()
+    if not _WAIT_ALL_SUPPORTED or timeout is None or type(sock) is not socket.socket:
+        return None
+    limit = _timeval(timeout)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+    sock.settimeout(None)
+    return sock
+
+
+def _send_all(sock: socket.socket, chunks: list[Any]) -> None:
+    views = [memoryview(chunk).cast("B") for chunk in chunks]
+    while views:
+        sent = sock.sendmsg(views[:_IOV_MAX])
+        while sent:
+            if sent >= views[0].nbytes:
+                sent -= views.pop(0).nbytes
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+def _io_failure(conn: Any, exc: BaseException, doing: str) -> redis.RedisError:
+    """The redis-py error for a failed socket call of ours; the connection is dropped."""
+    where = f"{conn.host}:{conn.port}"
+    conn.disconnect()
+    if isinstance(exc, (TimeoutError, BlockingIOError)):  # BlockingIOError: SO_*TIMEO ran out
+        return redis.TimeoutError(f"Timeout {doing} {where}")
+    return redis.ConnectionError(f"Error {doing} {where}: {exc}")
 
 
 def _exchange(conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     """One pipeline on ``conn``: one reply per command, error replies as exception objects."""
-    _send(conn, commands)
+    chunks = conn.pack_commands(commands)
+    try:
+        sock = _kernel_timed(conn)
+        if sock is not None:
+            timeout = conn.socket_timeout
+            _send_all(sock, chunks)
+            sock.settimeout(timeout)  # hiredis reads with Python's timeout, as redis-py does
+    except OSError as exc:
+        raise _io_failure(conn, exc, "writing to") from None
+    except BaseException:
+        conn.disconnect()
+        raise
+    if sock is None:
+        conn.send_packed_command(chunks, check_health=False)
     replies: list[Any] = []
     for _command in commands:
         try:
@@ -359,29 +411,23 @@ def _exchange(conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
 def _exchange_gets(conn: Any, commands: list[tuple[Any, ...]],
                    outs: list[memoryview]) -> list[Any]:
     """One ``GET`` pipeline on ``conn``, the replies read by :class:`_ReplyReader`."""
-    _send(conn, commands)
-    sock = conn._sock
-    timeout = sock.gettimeout()
-    # Plain TCP on Linux: a blocking socket bounded by the kernel's SO_RCVTIMEO, so that
-    # MSG_WAITALL reads a whole value per call (Python's own timeout polls per segment).
-    whole = (_WAIT_ALL_SUPPORTED and timeout is not None and type(sock) is socket.socket)
+    chunks = conn.pack_commands(commands)
+    doing = "writing to"
     try:
-        if whole:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
-            sock.settimeout(None)
-        reader = _ReplyReader(sock, whole=whole)
+        sock = _kernel_timed(conn)
+        if sock is None:
+            conn.send_packed_command(chunks, check_health=False)
+            sock = conn._sock
+        else:
+            _send_all(sock, chunks)
+        doing = "reading from"
+        reader = _ReplyReader(sock, whole=sock.gettimeout() is None)
         replies: list[Any] = [reader.read_get(out) for out in outs]
         if reader.leftover:
             raise redis.InvalidResponse(f"{reader.leftover} bytes after the last reply")
-        if whole:
-            sock.settimeout(timeout)
-    except (TimeoutError, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO ran out
-        conn.disconnect()
-        raise redis.TimeoutError(f"Timeout reading from {conn.host}:{conn.port}") from None
+        sock.settimeout(conn.socket_timeout)
     except OSError as exc:
-        conn.disconnect()
-        raise redis.ConnectionError(f"Error while reading from {conn.host}:{conn.port}: "
-                                    f"{exc}") from None
+        raise _io_failure(conn, exc, doing) from None
     except BaseException:
         conn.disconnect()  # a half-read reply: the connection can never be reused
         raise
