@@ -25,11 +25,9 @@ from kvtier.backends import BackendClosedError, BackendUnavailableError, open_ba
 from kvtier.backends.redis import (
     RedisBackend,
     RedisTopology,
-    _FrameConnection,
-    _FramedValue,
-    _FramePacker,
     parse_redis_url,
 )
+from kvtier.backends.redis_wire import FrameConnection, FramedValue, FramePacker
 from kvtier.keys import Namespace
 from servers.valkey import TlsRedis, ValkeyCluster, ValkeyServer, free_port
 
@@ -328,21 +326,21 @@ def test_each_batch_is_one_pipelined_round_trip(
 
 def test_large_payloads_go_to_the_socket_without_a_copy(backend: RedisBackend) -> None:
     """The packer hands the caller's own buffer to ``sendall``; small payloads are joined."""
-    packer = _FramePacker(lambda value: value if isinstance(value, bytes) else value.encode())
+    packer = FramePacker(lambda value: value if isinstance(value, bytes) else value.encode())
     big = np.full(1 << 20, 7, dtype=np.uint8)
     view = memoryview(big)
     header = codec.encode_header(bytes(16), b"k", view)
-    chunks = packer.pack("SET", b"name", _FramedValue(header, view), "NX")
+    chunks = packer.pack("SET", b"name", FramedValue(header, view), "NX")
     payload_chunks = [c for c in chunks if isinstance(c, memoryview)]
     assert len(payload_chunks) == 1 and payload_chunks[0].obj is big
     wire = b"".join(bytes(c) for c in chunks)
     assert wire.startswith(b"*4\r\n$3\r\nSET\r\n$4\r\nname\r\n$%d\r\n" % (len(header) + (1 << 20)))
     assert wire.endswith(b"\r\n$2\r\nNX\r\n")
-    small = packer.pack("SET", b"n", _FramedValue(header, memoryview(b"tiny")))
+    small = packer.pack("SET", b"n", FramedValue(header, memoryview(b"tiny")))
     assert all(isinstance(c, bytes) for c in small)
     # The real backend uses this packer, and a 1 MiB block survives the trip intact.
     assert isinstance(backend._standalone_client, redis.Redis)
-    assert backend._standalone_client.connection_pool.connection_class is _FrameConnection
+    assert backend._standalone_client.connection_pool.connection_class is FrameConnection
     keys = random_keys(1)
     assert backend.put_many(keys, [view]) == [True]
     out = np.zeros(1 << 20, dtype=np.uint8)
@@ -949,4 +947,4 @@ def test_cluster_corrupt_object_and_zero_copy(
     assert backend.stats()["corrupt_objects"] == 1
     client = backend.raw_client()
     pools = [node.redis_connection.connection_pool for node in client.get_nodes()]
-    assert pools and all(pool.connection_class is _FrameConnection for pool in pools)
+    assert pools and all(pool.connection_class is FrameConnection for pool in pools)

@@ -1,6 +1,7 @@
 """Redis / Valkey backend: standalone (``redis://``), TLS (``rediss://``) and Redis Cluster
 (``redis+cluster://``, ``rediss+cluster://``), on redis-py with hiredis. URL and options:
-:mod:`kvtier.backends.redis_config`; inventory: :mod:`kvtier.backends.redis_kind`.
+:mod:`kvtier.backends.redis_config`; inventory: :mod:`kvtier.backends.redis_kind`; the bytes on
+the socket (packer, reply reader, one-pipeline exchanges): :mod:`kvtier.backends.redis_wire`.
 
 State (used from any thread at once): the redis-py client and pools (redis-py's own locking;
 every batch takes its own connections); ``_cluster_client`` and ``_lanes`` (the thread pool
@@ -19,9 +20,10 @@ never waits for a connection another lane of it holds); the calling thread runs 
 ``delete`` (``UNLINK``) and the rare paths send one redis-py pipeline.
 
 Copies: payloads go to the socket without a copy on plain TCP (header and payload are separate
-chunks of one RESP bulk string, :class:`_FramePacker`); a ``GET`` reply of the expected size is
-read by :class:`_ReplyReader` with ``recv_into`` straight into the caller's buffer (the header
-into a small buffer of its own) and verified there; hiredis never sees it.
+chunks of one RESP bulk string, :class:`~kvtier.backends.redis_wire.FramePacker`); a ``GET``
+reply of the expected size is read by :class:`~kvtier.backends.redis_wire.ReplyReader` with
+``recv_into`` straight into the caller's buffer (the header into a small buffer of its own) and
+verified there; hiredis never sees it.
 
 Failures: a lost connection, dead server or per-key error answers False for the keys of that
 pipeline, counts ``errors`` and logs (rate-limited), never raises; one immediate retry
@@ -38,9 +40,6 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import logging
-import socket
-import struct
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,6 +67,15 @@ from kvtier.backends.redis_config import (
     RedisTopology,
     parse_redis_url,
 )
+from kvtier.backends.redis_wire import (
+    ZERO_COPY_SUPPORTED,
+    FrameConnection,
+    FramedValue,
+    InPlaceRead,
+    exchange,
+    exchange_gets,
+    is_redirect,
+)
 from kvtier.codec import HEADER_BYTES
 from kvtier.keys import BlockKey, Namespace
 
@@ -88,7 +96,6 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _KEY_PREFIX: Final = b"kvtier:"
-_SEPARATE_CHUNK_BYTES: Final = 16 * 1024
 # Deletes a corrupt block only if it is still the object we read: a string whose SHA-1 is
 # ARGV[1], or (ARGV[1] empty) a value of a non-string type. A good block that a concurrent
 # writer stored after someone else removed the bad one is therefore never deleted.
@@ -126,312 +133,8 @@ def _identity(key: BlockKey) -> BlockKey:
     return key
 
 
-class _FramedValue:
-    """One RESP bulk string sent as two chunks: the frame header and the caller's payload."""
-
-    __slots__ = ("header", "payload")
-
-    def __init__(self, header: bytes, payload: memoryview) -> None:
-        self.header = header
-        self.payload = payload
-
-    def __len__(self) -> int:
-        return len(self.header) + self.payload.nbytes
-
-
-class _FramePacker:
-    """RESP command packer that never copies a large :class:`_FramedValue` payload.
-
-    redis-py's ``pack_commands`` keeps every ``memoryview`` chunk as its own ``sendall`` (no
-    join), so a large payload goes from the caller's buffer to the kernel. hiredis' packer would
-    copy each value twice (``bytes()`` and its output buffer); replies are still parsed by
-    hiredis. Payloads up to ``_SEPARATE_CHUNK_BYTES`` are joined into the command buffer instead:
-    copying a few KiB is cheaper than one more system call per block.
-    """
-
-    __slots__ = ("_encode",)
-
-    def __init__(self, encode: Any) -> None:
-        self._encode = encode
-
-    def pack(self, *args: Any) -> list[bytes | memoryview]:
-        if isinstance(args[0], str):
-            args = (*args[0].encode().split(), *args[1:])
-        elif b" " in args[0]:
-            args = (*args[0].split(), *args[1:])
-        output: list[bytes | memoryview] = []
-        pending: list[bytes] = [b"*%d\r\n" % len(args)]
-        for arg in args:
-            if isinstance(arg, _FramedValue) and arg.payload.nbytes > _SEPARATE_CHUNK_BYTES:
-                pending += (b"$%d\r\n" % len(arg), arg.header)
-                output.append(b"".join(pending))
-                output.append(arg.payload)
-                pending = [b"\r\n"]
-            elif isinstance(arg, _FramedValue):
-                pending += (b"$%d\r\n" % len(arg), arg.header, arg.payload.tobytes(), b"\r\n")
-            else:
-                raw = self._encode(arg)
-                pending += (b"$%d\r\n" % len(raw), bytes(raw), b"\r\n")
-        output.append(b"".join(pending))
-        return output
-
-
-class _FrameConnection(redis.Connection):
-    """A plain TCP connection that packs commands with :class:`_FramePacker`."""
-
-    def _construct_command_packer(self, packer: Any) -> Any:
-        if packer is not None:
-            return packer
-        return _FramePacker(self.encoder.encode)
-
-
-def _frame_packer_works() -> bool:
-    """Whether this redis-py still builds its packer through the hook we override.
-
-    The hook is redis-py internals; should a future release drop it, frames fall back to one
-    contiguous buffer instead of failing every put.
-    """
-    probe = _FrameConnection()  # type: ignore[no-untyped-call]  # no socket opened yet
-    return isinstance(getattr(probe, "_command_packer", None), _FramePacker)
-
-
-_ZERO_COPY_SUPPORTED: Final = _frame_packer_works()
-
-
-# --------------------------------------------------------------------------- reading replies
-
-_SCRATCH_BYTES: Final = 64 * 1024
-_MAX_LINE_BYTES: Final = 64 * 1024  # a RESP header or error line; longer is a protocol error
 _MAX_PIPELINE_COMMANDS: Final = 1024
 _SERVED: Final = frozenset({Verdict.VALID, Verdict.OLDER_KEY, Verdict.OLDER_FORMAT})
-# Error replies that mean "ask the cluster again" (the slot moved, a failover is under way).
-_REDIRECTS: Final = (redis.exceptions.AskError, redis.exceptions.TryAgainError,
-                     redis.exceptions.ClusterDownError)
-_REDIRECT_WORDS: Final = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN"})
-
-
-def _is_redirect(reply: object) -> bool:
-    if isinstance(reply, _REDIRECTS):
-        return True
-    return (isinstance(reply, redis.ResponseError)
-            and str(reply).partition(" ")[0] in _REDIRECT_WORDS)
-
-
-class _InPlaceRead:
-    """``Fetched.token`` of a frame read into the caller's buffer: the object's SHA-1 is taken
-    (from the header and ``out``, while ``out`` still holds it) only if the frame is refused,
-    for the compare-and-delete script."""
-
-    __slots__ = ("digest", "header")
-
-    def __init__(self, header: bytearray) -> None:
-        self.header = header
-        self.digest = ""
-
-
-class _ReplyReader:
-    """Reads the replies of one ``GET`` pipeline off a socket (RESP2 bulk strings, nil, errors).
-
-    A value of exactly ``HEADER_BYTES + out.nbytes`` bytes lands in a fresh header buffer and in
-    ``out`` (``recv_into``: no intermediate ``bytes``; bytes already in the scratch buffer are
-    copied once); any other size is read whole and left to the codec to refuse. Raises
-    ``OSError`` / ``redis.ConnectionError`` / ``redis.InvalidResponse``; the caller drops the
-    connection then.
-    """
-
-    __slots__ = ("_buffer", "_end", "_sock", "_start", "_view", "_whole")
-
-    def __init__(self, sock: socket.socket, *, whole: bool) -> None:
-        self._sock = sock
-        self._whole = whole
-        self._buffer = bytearray(_SCRATCH_BYTES)
-        self._view = memoryview(self._buffer)
-        self._start = 0
-        self._end = 0
-
-    @property
-    def leftover(self) -> int:
-        return self._end - self._start
-
-    def _fill(self) -> None:
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif self._end == len(self._buffer):
-            held = self._end - self._start
-            self._view[:held] = self._view[self._start:self._end]
-            self._start, self._end = 0, held
-        got = self._sock.recv_into(self._view[self._end:])
-        if got == 0:
-            raise redis.ConnectionError("connection closed by the server")
-        self._end += got
-
-    def _line(self) -> bytes:
-        while True:
-            at = self._buffer.find(b"\r\n", self._start, self._end)
-            if at >= 0:
-                line = bytes(self._view[self._start:at])
-                self._start = at + 2
-                return line
-            if self._end - self._start >= _MAX_LINE_BYTES:
-                raise redis.InvalidResponse("reply line longer than 64 KiB")
-            self._fill()
-
-    def _read_into(self, targets: list[memoryview]) -> None:
-        """Fill ``targets`` in order: first from the scratch buffer, then from the socket, in
-        one ``recvmsg_into(MSG_WAITALL)`` where the socket allows (one system call, so one
-        wait for the interpreter lock, per value instead of one per segment)."""
-        rest: list[memoryview] = []
-        for target in targets:
-            done = min(target.nbytes, self._end - self._start)
-            if done:
-                target[:done] = self._view[self._start:self._start + done]
-                self._start += done
-            if done < target.nbytes:
-                rest.append(target[done:])
-        while rest:
-            if self._whole:
-                got = self._sock.recvmsg_into(rest, 0, socket.MSG_WAITALL)[0]
-            else:
-                got = self._sock.recv_into(rest[0])
-            if got == 0:
-                raise redis.ConnectionError("connection closed by the server")
-            while got:
-                if got >= rest[0].nbytes:
-                    got -= rest.pop(0).nbytes
-                else:
-                    rest[0] = rest[0][got:]
-                    got = 0
-
-    def read_get(self, out: memoryview) -> Fetched | redis.ResponseError:
-        """The next reply, as what the medium read for ``out``'s key, or an error reply."""
-        line = self._line()
-        kind = line[:1]
-        if kind == b"$":
-            try:
-                size = int(line[1:])
-            except ValueError:
-                raise redis.InvalidResponse(f"bad bulk length {line[:32]!r}") from None
-            if size < 0:
-                return MISSING_FETCH
-            header, crlf = bytearray(HEADER_BYTES), bytearray(2)
-            if size == HEADER_BYTES + out.nbytes:
-                self._read_into([memoryview(header), out, memoryview(crlf)])
-                fetched = Fetched(Outcome.OK, header=header, payload_bytes=out.nbytes,
-                                  token=_InPlaceRead(header))
-            else:  # not this caller's frame: read whole, the codec refuses it
-                frame = bytearray(size)
-                self._read_into([memoryview(frame), memoryview(crlf)])
-                fetched = Fetched(Outcome.OK, frame=memoryview(frame))
-            if crlf != b"\r\n":
-                raise redis.InvalidResponse("bulk string not followed by CRLF")
-            return fetched
-        if kind == b"-":
-            return redis.ResponseError(line[1:].decode("utf-8", "replace"))
-        if line == b"_":  # RESP3 null
-            return MISSING_FETCH
-        raise redis.InvalidResponse(f"unexpected reply {line[:32]!r} to GET")
-
-
-_WAIT_ALL_SUPPORTED: Final = sys.platform.startswith("linux") and hasattr(socket, "MSG_WAITALL")
-
-
-def _timeval(seconds: float) -> bytes:
-    whole = int(seconds)
-    return struct.pack("@ll", whole, int((seconds - whole) * 1_000_000))
-
-
-_IOV_MAX: Final = 1024  # buffers per sendmsg (Linux's UIO_MAXIOV)
-
-
-def _kernel_timed(conn: Any) -> socket.socket | None:
-    """``conn``'s socket switched to blocking mode with the same timeout kept by the kernel
-    (SO_SNDTIMEO / SO_RCVTIMEO), so that a whole pipeline goes out in one ``sendmsg`` and a
-    whole value comes in with one ``MSG_WAITALL`` read: one system call, so one wait for the
-    interpreter lock, instead of Python's poll per segment. None where that is not available
-    (TLS, not Linux, no timeout): the caller uses redis-py's own calls."""
-    if conn._sock is None:
-        conn.connect()
-    sock = conn._sock
-    timeout = sock.gettimeout()
-    if not _WAIT_ALL_SUPPORTED or timeout is None or type(sock) is not socket.socket:
-        return None
-    limit = _timeval(timeout)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-    sock.settimeout(None)
-    return sock
-
-
-def _send_all(sock: socket.socket, chunks: list[Any]) -> None:
-    views = [memoryview(chunk).cast("B") for chunk in chunks]
-    while views:
-        sent = sock.sendmsg(views[:_IOV_MAX])
-        while sent:
-            if sent >= views[0].nbytes:
-                sent -= views.pop(0).nbytes
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
-
-
-def _io_failure(conn: Any, exc: BaseException, doing: str) -> redis.RedisError:
-    """The redis-py error for a failed socket call of ours; the connection is dropped."""
-    where = f"{conn.host}:{conn.port}"
-    conn.disconnect()
-    if isinstance(exc, (TimeoutError, BlockingIOError)):  # BlockingIOError: SO_*TIMEO ran out
-        return redis.TimeoutError(f"Timeout {doing} {where}")
-    return redis.ConnectionError(f"Error {doing} {where}: {exc}")
-
-
-def _exchange(conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """One pipeline on ``conn``: one reply per command, error replies as exception objects."""
-    chunks = conn.pack_commands(commands)
-    try:
-        sock = _kernel_timed(conn)
-        if sock is not None:
-            timeout = conn.socket_timeout
-            _send_all(sock, chunks)
-            sock.settimeout(timeout)  # hiredis reads with Python's timeout, as redis-py does
-    except OSError as exc:
-        raise _io_failure(conn, exc, "writing to") from None
-    except BaseException:
-        conn.disconnect()
-        raise
-    if sock is None:
-        conn.send_packed_command(chunks, check_health=False)
-    replies: list[Any] = []
-    for _command in commands:
-        try:
-            replies.append(conn.read_response())  # drops the connection on an I/O error
-        except redis.ResponseError as exc:
-            replies.append(exc)
-    return replies
-
-
-def _exchange_gets(conn: Any, commands: list[tuple[Any, ...]],
-                   outs: list[memoryview]) -> list[Any]:
-    """One ``GET`` pipeline on ``conn``, the replies read by :class:`_ReplyReader`."""
-    chunks = conn.pack_commands(commands)
-    doing = "writing to"
-    try:
-        sock = _kernel_timed(conn)
-        if sock is None:
-            conn.send_packed_command(chunks, check_health=False)
-            sock = conn._sock
-        else:
-            _send_all(sock, chunks)
-        doing = "reading from"
-        reader = _ReplyReader(sock, whole=sock.gettimeout() is None)
-        replies: list[Any] = [reader.read_get(out) for out in outs]
-        if reader.leftover:
-            raise redis.InvalidResponse(f"{reader.leftover} bytes after the last reply")
-        sock.settimeout(conn.socket_timeout)
-    except OSError as exc:
-        raise _io_failure(conn, exc, doing) from None
-    except BaseException:
-        conn.disconnect()  # a half-read reply: the connection can never be reused
-        raise
-    return replies
 
 
 @dataclass(slots=True)
@@ -467,7 +170,7 @@ class RedisBackend(Backend):
         super().__init__(namespace, name=f"redis backend {config.url}", logger=_log,
                          auth_key=config.auth_key)
         self._prefix = _KEY_PREFIX + namespace.digest_hex.encode() + b":"
-        self._zero_copy = _ZERO_COPY_SUPPORTED and not config.tls
+        self._zero_copy = ZERO_COPY_SUPPORTED and not config.tls
         self._client_lock = threading.Lock()
         self._lanes: concurrent.futures.ThreadPoolExecutor | None = None
         # A bounded pool could make two calls wait on each other's extra connections.
@@ -516,7 +219,7 @@ class RedisBackend(Backend):
             pool_class = redis.BlockingConnectionPool
             kwargs["timeout"] = config.socket_timeout_s
         return pool_class(
-            connection_class=redis.SSLConnection if config.tls else _FrameConnection,
+            connection_class=redis.SSLConnection if config.tls else FrameConnection,
             host=config.host,
             port=config.port,
             db=config.db,
@@ -536,7 +239,7 @@ class RedisBackend(Backend):
                 config = self._config
                 kwargs = self._common_kwargs()
                 if self._zero_copy:
-                    kwargs["connection_class"] = _FrameConnection
+                    kwargs["connection_class"] = FrameConnection
                 host = f"[{config.host}]" if ":" in config.host else config.host
                 # The seed goes in as a URL: only redis-py's URL path builds node pools from
                 # our kwargs, which is how the node connections get the zero-copy packer.
@@ -670,24 +373,24 @@ class RedisBackend(Backend):
         """One reply per key (``_FAILED`` where its pipeline failed, already counted): the keys
         split into pipelines by node, ``batch_bytes`` of ``sizes`` and command count, run on up
         to ``connections`` connections per node at once. ``outs``: ``GET`` replies are read
-        into them (:class:`_ReplyReader`)."""
+        into them (:class:`ReplyReader`)."""
         replies: list[Any] = [_FAILED] * len(keys)
         units, unplaced = self._plan(keys, sizes)
 
-        def exchange(conn: Any, unit: _Unit) -> list[Any]:
+        def run_unit(conn: Any, unit: _Unit) -> list[Any]:
             commands = [command(index) for index in unit.indexes]
             if outs is None:
-                return _exchange(conn, commands)
-            return _exchange_gets(conn, commands, [outs[index] for index in unit.indexes])
+                return exchange(conn, commands)
+            return exchange_gets(conn, commands, [outs[index] for index in unit.indexes])
 
-        self._run_lanes(operation, units, exchange)
+        self._run_lanes(operation, units, run_unit)
         again = list(unplaced)
         for unit in units:
             if unit.replies is None:
                 again += unit.indexes
                 continue
             for index, reply in zip(unit.indexes, unit.replies, strict=True):
-                if self._cluster_client is not None and _is_redirect(reply):
+                if self._cluster_client is not None and is_redirect(reply):
                     again.append(index)
                 else:
                     replies[index] = reply
@@ -743,7 +446,7 @@ class RedisBackend(Backend):
         return units, unplaced
 
     def _run_lanes(self, operation: str, units: list[_Unit],
-                   exchange: Callable[[Any, _Unit], list[Any]]) -> None:
+                   run_unit: Callable[[Any, _Unit], list[Any]]) -> None:
         """Run ``units`` (setting their ``replies``): per node up to ``connections`` lanes,
         the first on this thread, the others on the lane pool."""
         lanes = self._lanes_for(operation, units)
@@ -752,9 +455,9 @@ class RedisBackend(Backend):
         futures = []
         if len(lanes) > 1:
             executor = self._lane_pool()
-            futures = [executor.submit(self._run_lane, operation, lane, exchange)
+            futures = [executor.submit(self._run_lane, operation, lane, run_unit)
                        for lane in lanes[1:]]
-        self._run_lane(operation, lanes[0], exchange)
+        self._run_lane(operation, lanes[0], run_unit)
         for future, lane in zip(futures, lanes[1:], strict=True):
             try:
                 future.result()
@@ -784,20 +487,20 @@ class RedisBackend(Backend):
         return lanes
 
     def _run_lane(self, operation: str, lane: _Lane,
-                  exchange: Callable[[Any, _Unit], list[Any]]) -> None:
+                  run_unit: Callable[[Any, _Unit], list[Any]]) -> None:
         try:
             for unit in lane.units:
-                unit.replies = self._exchange_unit(operation, lane.connection, unit, exchange)
+                unit.replies = self._exchange_unit(operation, lane.connection, unit, run_unit)
         finally:
             lane.pool.release(lane.connection)
 
     def _exchange_unit(self, operation: str, conn: Any, unit: _Unit,
-                       exchange: Callable[[Any, _Unit], list[Any]]) -> list[Any] | None:
+                       run_unit: Callable[[Any, _Unit], list[Any]]) -> list[Any] | None:
         """One pipeline, retried once on a broken (not a timed-out) connection."""
         for attempt in (1, 2):
             self._stats.add("round_trips")
             try:
-                return exchange(conn, unit)
+                return run_unit(conn, unit)
             except redis.ConnectionError as exc:  # reconnects on the next send
                 if attempt == 2:
                     self._count_error(operation, len(unit.indexes), exc)
@@ -848,7 +551,7 @@ class RedisBackend(Backend):
 
         def command(index: int) -> tuple[Any, ...]:
             frame = frames[index]
-            value = (_FramedValue(frame.header, frame.payload) if self._zero_copy
+            value = (FramedValue(frame.header, frame.payload) if self._zero_copy
                      else frame.joined())
             return ("SET", self._name(frame.key), value, "NX", *expiry)
 
@@ -871,7 +574,7 @@ class RedisBackend(Backend):
         return [self._fetched(reply) for reply in replies]
 
     def _fetched(self, reply: Any) -> Fetched:
-        if isinstance(reply, Fetched):  # read into the caller's buffer by _ReplyReader
+        if isinstance(reply, Fetched):  # read into the caller's buffer by ReplyReader
             return reply
         if reply is _FAILED:
             return FAILED_FETCH
@@ -888,7 +591,7 @@ class RedisBackend(Backend):
     def _judge(self, key: BlockKey, out: memoryview, item: Fetched) -> Verdict | None:
         verdict = super()._judge(key, out, item)
         token = item.token
-        if isinstance(token, _InPlaceRead) and verdict is not None and verdict not in _SERVED:
+        if isinstance(token, InPlaceRead) and verdict is not None and verdict not in _SERVED:
             # Now, before the next key's read can reuse ``out``: the object as read.
             digest = hashlib.sha1(token.header, usedforsecurity=False)
             digest.update(out)
@@ -933,7 +636,7 @@ class RedisBackend(Backend):
     @staticmethod
     def _object_digest(item: Fetched) -> str:
         """The SHA-1 of the object as read ("" where none was read: a non-string value)."""
-        if isinstance(item.token, _InPlaceRead):
+        if isinstance(item.token, InPlaceRead):
             return item.token.digest
         if item.frame is None:
             return ""
