@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -475,6 +476,26 @@ def test_a_node_dead_mid_batch_fails_only_its_keys_over_parallel_pipelines(
     assert {key for key, ok in zip(keys, backend.exists(keys), strict=True) if not ok} == held
     stats = backend.stats()
     assert stats["errors"] >= 2 and stats["corrupt_objects"] == 0
+
+
+def test_a_large_get_lands_in_the_callers_buffer_without_an_intermediate_copy(
+    backend: RedisBackend,
+) -> None:
+    """Four 1 MiB blocks load while tracemalloc watches every Python allocation (hiredis builds
+    its replies as Python ``bytes``): nothing near a block's size is allocated, so each value
+    went from the socket into the caller's buffer (and was verified there)."""
+    keys, payloads = random_keys(4), random_payloads(4, 1 << 20)
+    assert backend.put_many(keys, payloads) == [True] * 4
+    outs = sentinel_outs(4, 1 << 20)
+    backend.get_many(keys[:1], outs[:1])  # connections and lane threads exist before we watch
+    tracemalloc.start()
+    try:
+        assert backend.get_many(keys, outs) == [True] * 4
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [bytes(out) for out in outs] == payloads
+    assert peak < 256 << 10, f"{peak} bytes allocated while loading 1 MiB blocks"
 
 
 # --------------------------------------------------------------------------- integrity

@@ -102,6 +102,7 @@ ZERO_COPY_SUPPORTED: Final = frame_packer_works()
 
 _SCRATCH_BYTES: Final = 64 * 1024
 _MAX_LINE_BYTES: Final = 64 * 1024  # a RESP header or error line; longer is a protocol error
+_PEEK_BYTES: Final = len(b"$%d\r\n" % (1 << 63)) + HEADER_BYTES  # a bulk line and a header
 # Error replies that mean "ask the cluster again" (the slot moved, a failover is under way).
 _REDIRECTS: Final = (redis.exceptions.AskError, redis.exceptions.TryAgainError,
                      redis.exceptions.ClusterDownError)
@@ -152,19 +153,20 @@ class ReplyReader:
     def leftover(self) -> int:
         return self._end - self._start
 
-    def _fill(self) -> None:
+    def _fill(self, limit: int) -> None:
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end == len(self._buffer):
             held = self._end - self._start
             self._view[:held] = self._view[self._start:self._end]
             self._start, self._end = 0, held
-        got = self._sock.recv_into(self._view[self._end:])
+        got = self._sock.recv_into(self._view[self._end:self._end + limit])
         if got == 0:
             raise redis.ConnectionError("connection closed by the server")
         self._end += got
 
-    def _line(self) -> bytes:
+    def _line(self, limit: int) -> bytes:
+        """The next CRLF-terminated line, reading at most ``limit`` bytes per system call."""
         while True:
             at = self._buffer.find(b"\r\n", self._start, self._end)
             if at >= 0:
@@ -173,7 +175,7 @@ class ReplyReader:
                 return line
             if self._end - self._start >= _MAX_LINE_BYTES:
                 raise redis.InvalidResponse("reply line longer than 64 KiB")
-            self._fill()
+            self._fill(limit)
 
     def _read_into(self, targets: list[memoryview]) -> None:
         """Fill ``targets`` in order: first from the scratch buffer, then from the socket, in
@@ -202,8 +204,12 @@ class ReplyReader:
                     got = 0
 
     def read_get(self, out: memoryview) -> Fetched | redis.ResponseError:
-        """The next reply, as what the medium read for ``out``'s key, or an error reply."""
-        line = self._line()
+        """The next reply, as what the medium read for ``out``'s key, or an error reply.
+
+        Before a large value the reader takes only the reply line and the frame header into
+        its scratch buffer (``_PEEK_BYTES``), so that the payload is not copied at all; before
+        small ones it reads as much as has arrived (several replies per system call)."""
+        line = self._line(_PEEK_BYTES if out.nbytes >= _SEPARATE_CHUNK_BYTES else _SCRATCH_BYTES)
         kind = line[:1]
         if kind == b"$":
             try:
