@@ -227,6 +227,9 @@ class DirectFileBaseline(FileBaseline):
 
 
 class RedisBaseline:
+    """Raw redis-py pipelines; a GET reply (a ``bytes``) is copied into the caller's buffer, as
+    any redis-py user must to get the block where the engine wants it."""
+
     name = "redis-py SET/GET"
     exists_name = "pipelined EXISTS"
 
