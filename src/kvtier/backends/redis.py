@@ -408,42 +408,49 @@ class RedisBackend(Backend):
     def _plan(self, keys: list[BlockKey],
               sizes: list[int] | None) -> tuple[list[_Unit], list[int]]:
         """The pipelines of one call, and the indexes no node serves now (cluster only)."""
+        groups, unplaced = self._by_node(keys)
+        units: list[_Unit] = []
+        for pool, indexes in groups:
+            units += self._split(pool, indexes, sizes)
+        return units, unplaced
+
+    def _by_node(self, keys: list[BlockKey]) -> tuple[list[tuple[Any, list[int]]], list[int]]:
+        """(connection pool, indexes) per node; and the indexes of keys no node serves now."""
+        if self._standalone_client is not None:
+            return [(self._standalone_client.connection_pool, list(range(len(keys))))], []
+        try:
+            client = self._connect_cluster()
+        except _IO_ERRORS as exc:
+            self._count_error("connect", len(keys), exc)
+            return [], []
         groups: dict[int, tuple[Any, list[int]]] = {}
         unplaced: list[int] = []
-        if self._standalone_client is not None:
-            pool = self._standalone_client.connection_pool
-            groups[id(pool)] = (pool, list(range(len(keys))))
-        else:
+        for index, key in enumerate(keys):
             try:
-                client = self._connect_cluster()
-            except _IO_ERRORS as exc:
-                self._count_error("connect", len(keys), exc)
-                return [], []
-            for index, key in enumerate(keys):
-                try:
-                    node = client.nodes_manager.get_node_from_slot(
-                        client.keyslot(self._name(key)))  # type: ignore[no-untyped-call]
-                    pool = client.get_redis_connection(node).connection_pool
-                except _IO_ERRORS:  # no node serves the slot now: the cluster path decides
-                    unplaced.append(index)
-                    continue
-                groups.setdefault(id(pool), (pool, []))[1].append(index)
+                node = client.nodes_manager.get_node_from_slot(
+                    client.keyslot(self._name(key)))  # type: ignore[no-untyped-call]
+                pool = client.get_redis_connection(node).connection_pool
+            except _IO_ERRORS:  # no node serves the slot now: the cluster path decides
+                unplaced.append(index)
+                continue
+            groups.setdefault(id(pool), (pool, []))[1].append(index)
+        return list(groups.values()), unplaced
+
+    def _split(self, pool: Any, indexes: list[int], sizes: list[int] | None) -> list[_Unit]:
+        """Consecutive runs of ``indexes`` of at most ``batch_bytes`` (a larger item alone)
+        and ``_MAX_PIPELINE_COMMANDS`` commands."""
         limit = self._config.batch_bytes
-        units: list[_Unit] = []
-        for pool, indexes in groups.values():
-            unit = _Unit(pool, [])
-            held = 0
-            for index in indexes:
-                size = 0 if sizes is None else sizes[index]
-                if unit.indexes and (held + size > limit
-                                     or len(unit.indexes) >= _MAX_PIPELINE_COMMANDS):
-                    units.append(unit)
-                    unit, held = _Unit(pool, []), 0
-                unit.indexes.append(index)
-                held += size
-            if unit.indexes:
-                units.append(unit)
-        return units, unplaced
+        units = [_Unit(pool, [])]
+        held = 0
+        for index in indexes:
+            size = 0 if sizes is None else sizes[index]
+            current = units[-1].indexes
+            if current and (held + size > limit or len(current) >= _MAX_PIPELINE_COMMANDS):
+                units.append(_Unit(pool, []))
+                held = 0
+            units[-1].indexes.append(index)
+            held += size
+        return units if units[0].indexes else []
 
     def _run_lanes(self, operation: str, units: list[_Unit],
                    run_unit: Callable[[Any, _Unit], list[Any]]) -> None:
@@ -452,13 +459,17 @@ class RedisBackend(Backend):
         lanes = self._lanes_for(operation, units)
         if not lanes:
             return
-        futures = []
-        if len(lanes) > 1:
-            executor = self._lane_pool()
-            futures = [executor.submit(self._run_lane, operation, lane, run_unit)
-                       for lane in lanes[1:]]
-        self._run_lane(operation, lanes[0], run_unit)
-        for future, lane in zip(futures, lanes[1:], strict=True):
+        futures: list[tuple[concurrent.futures.Future[None], _Lane]] = []
+        here = [lanes[0]]
+        for lane in lanes[1:]:
+            try:
+                futures.append((self._lane_pool().submit(self._run_lane, operation, lane,
+                                                         run_unit), lane))
+            except RuntimeError:  # the backend closed meanwhile: the lane runs here
+                here.append(lane)
+        for lane in here:
+            self._run_lane(operation, lane, run_unit)
+        for future, lane in futures:
             try:
                 future.result()
             except concurrent.futures.CancelledError:  # closed meanwhile: its units failed
