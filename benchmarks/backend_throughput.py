@@ -227,6 +227,9 @@ class DirectFileBaseline(FileBaseline):
 
 
 class RedisBaseline:
+    """Raw redis-py pipelines; a GET reply (a ``bytes``) is copied into the caller's buffer, as
+    any redis-py user must to get the block where the engine wants it."""
+
     name = "redis-py SET/GET"
     exists_name = "pipelined EXISTS"
 
@@ -246,7 +249,9 @@ class RedisBaseline:
             pipe = self._client.pipeline(transaction=False)
             for key in chunk:
                 pipe.get(b"raw:" + key)
-            pipe.execute()
+            view = out.data.cast("B")
+            for reply in pipe.execute():  # into the caller's buffer, as the backend must
+                view[:] = reply
 
     def exists(self, keys: Sequence[bytes]) -> None:
         pipe = self._client.pipeline(transaction=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,11 +26,9 @@ from kvtier.backends import BackendClosedError, BackendUnavailableError, open_ba
 from kvtier.backends.redis import (
     RedisBackend,
     RedisTopology,
-    _FrameConnection,
-    _FramedValue,
-    _FramePacker,
     parse_redis_url,
 )
+from kvtier.backends.redis_wire import FrameConnection, FramedValue, FramePacker
 from kvtier.keys import Namespace
 from servers.valkey import TlsRedis, ValkeyCluster, ValkeyServer, free_port
 
@@ -173,6 +172,15 @@ def test_tls_options(tmp_path: Path) -> None:
          "redis.max_connections: expected an integer >= 1, got 0"),
         ("redis+cluster://h:1", {"max_connections": 4}, "max_connections is only supported"),
         ("redis://h:1/0", {"password": 123}, "redis.password: expected a string, got int '***'"),
+        ("redis://h:1/0", {"batch_bytes": 100},
+         "redis.batch_bytes: expected a size >= 4096 and <= 1073741824 bytes, got 100"),
+        ("redis://h:1/0?batch_bytes=2GiB", {},
+         "redis.batch_bytes: expected a size >= 4096 and <= 1073741824 bytes, got '2GiB'"),
+        ("redis://h:1/0", {"batch_bytes": "lots"}, "redis.batch_bytes: expected a byte count"),
+        ("redis://h:1/0?connections=0", {},
+         "redis.connections: expected an integer >= 1 and <= 64, got '0'"),
+        ("redis://h:1/0", {"connections": 65},
+         "redis.connections: expected an integer >= 1 and <= 64, got 65"),
     ],
 )
 def test_bad_url_or_option_names_the_bad_part(
@@ -319,26 +327,175 @@ def test_each_batch_is_one_pipelined_round_trip(
 
 def test_large_payloads_go_to_the_socket_without_a_copy(backend: RedisBackend) -> None:
     """The packer hands the caller's own buffer to ``sendall``; small payloads are joined."""
-    packer = _FramePacker(lambda value: value if isinstance(value, bytes) else value.encode())
+    packer = FramePacker(lambda value: value if isinstance(value, bytes) else value.encode())
     big = np.full(1 << 20, 7, dtype=np.uint8)
     view = memoryview(big)
     header = codec.encode_header(bytes(16), b"k", view)
-    chunks = packer.pack("SET", b"name", _FramedValue(header, view), "NX")
+    chunks = packer.pack("SET", b"name", FramedValue(header, view), "NX")
     payload_chunks = [c for c in chunks if isinstance(c, memoryview)]
     assert len(payload_chunks) == 1 and payload_chunks[0].obj is big
     wire = b"".join(bytes(c) for c in chunks)
     assert wire.startswith(b"*4\r\n$3\r\nSET\r\n$4\r\nname\r\n$%d\r\n" % (len(header) + (1 << 20)))
     assert wire.endswith(b"\r\n$2\r\nNX\r\n")
-    small = packer.pack("SET", b"n", _FramedValue(header, memoryview(b"tiny")))
+    small = packer.pack("SET", b"n", FramedValue(header, memoryview(b"tiny")))
     assert all(isinstance(c, bytes) for c in small)
     # The real backend uses this packer, and a 1 MiB block survives the trip intact.
     assert isinstance(backend._standalone_client, redis.Redis)
-    assert backend._standalone_client.connection_pool.connection_class is _FrameConnection
+    assert backend._standalone_client.connection_pool.connection_class is FrameConnection
     keys = random_keys(1)
     assert backend.put_many(keys, [view]) == [True]
     out = np.zeros(1 << 20, dtype=np.uint8)
     assert backend.get_many(keys, [memoryview(out)]) == [True]
     np.testing.assert_array_equal(out, big)
+
+
+def _data_commands(raw: redis.Redis, before: dict[str, int], handshake: int) -> list[int]:
+    """Commands each connection but ``raw``'s own ran since ``before`` (CLIENT LIST
+    ``tot-cmds``; a connection opened since then is counted without its ``handshake``)."""
+    mine = str(raw.client_id())
+    counts = []
+    for client in raw.client_list():
+        if client["id"] == mine:
+            continue
+        total = int(client["tot-cmds"])
+        delta = total - before[client["id"]] if client["id"] in before else total - handshake
+        if delta:
+            counts.append(delta)
+    return sorted(counts)
+
+
+def _tot_cmds(raw: redis.Redis) -> dict[str, int]:
+    return {client["id"]: int(client["tot-cmds"]) for client in raw.client_list()}
+
+
+def _handshake_commands(server: ValkeyServer) -> int:
+    """What redis-py sends on connect (HELLO, CLIENT SETINFO ...), counted on a real one."""
+    with server.client() as probe:
+        probe.ping()
+        me = str(probe.client_id())
+        total = next(int(c["tot-cmds"]) for c in probe.client_list() if c["id"] == me)
+        return total - 2  # the PING and CLIENT ID
+
+
+@pytest.mark.parametrize(("connections", "expected"), [(4, [4, 4, 4, 4]), (2, [8, 8])])
+def test_a_batch_larger_than_batch_bytes_goes_as_pipelines_on_parallel_connections(
+    valkey_factory: Callable[..., ValkeyServer], open_redis: Callable[..., RedisBackend],
+    connections: int, expected: list[int],
+) -> None:
+    """16 frames with ``batch_bytes`` of four: four pipelines of four commands, over
+    ``connections`` connections at once. The server's CLIENT LIST shows the split: each
+    connection ran exactly its lanes' commands (taken on the calling thread, so the lanes are
+    distinct connections), and commandstats one command per key."""
+    server = valkey_factory()
+    frame = codec.frame_size(BLOCK)
+    backend = open_redis(server.url, batch_bytes=4 * frame, connections=connections)
+    keys, payloads = random_keys(16), random_payloads(16)
+    handshake = _handshake_commands(server)
+    with server.client() as raw:
+        raw.config_resetstat()
+        before = _tot_cmds(raw)
+        assert backend.put_many(keys, payloads) == [True] * 16
+        assert _data_commands(raw, before, handshake) == expected
+        before = _tot_cmds(raw)
+        outs = sentinel_outs(16)
+        assert backend.get_many(keys, outs) == [True] * 16
+        assert [bytes(out) for out in outs] == payloads
+        assert _data_commands(raw, before, handshake) == expected
+        commands = raw.info("commandstats")
+        assert commands["cmdstat_set"]["calls"] == 16 and commands["cmdstat_get"]["calls"] == 16
+    assert backend.stats()["round_trips"] == 2 * 4 and backend.stats()["errors"] == 0
+
+
+def test_a_batch_within_batch_bytes_is_one_pipeline_on_one_connection(
+    valkey_factory: Callable[..., ValkeyServer], open_redis: Callable[..., RedisBackend]
+) -> None:
+    """The same 16 frames under the default ``batch_bytes``: one connection, one pipeline, even
+    with four connections allowed; a block larger than ``batch_bytes`` goes alone."""
+    server = valkey_factory()
+    backend = open_redis(server.url, connections=4)
+    keys, payloads = random_keys(16), random_payloads(16)
+    handshake = _handshake_commands(server)
+    with server.client() as raw:
+        before = _tot_cmds(raw)
+        assert backend.put_many(keys, payloads) == [True] * 16
+        assert backend.get_many(keys, sentinel_outs(16)) == [True] * 16
+        assert _data_commands(raw, before, handshake) == [32]
+    small = open_redis(server.url, batch_bytes=4096)
+    big = random_keys(2)
+    assert small.put_many(big, random_payloads(2, 3 * BLOCK)) == [True, True]
+    assert small.get_many(big, sentinel_outs(2, 3 * BLOCK)) == [True, True]
+    assert small.stats()["round_trips"] == 2 * 2
+
+
+def test_a_connection_the_server_drops_mid_batch_fails_only_its_keys(
+    valkey_factory: Callable[..., ValkeyServer], open_redis: Callable[..., RedisBackend]
+) -> None:
+    """A real server-side fault in the middle of one call: the server refuses a bulk string
+    over ``proto-max-bulk-len`` (1 MiB) and closes that connection. The call's 200 KiB blocks
+    go one per pipeline and are stored; its 1.5 MiB block goes alone and only that key answers
+    False - counted, no hang, and the next calls on the pool get their own replies."""
+    server = valkey_factory("--proto-max-bulk-len", "1mb")
+    backend = open_redis(server.url, batch_bytes=256 << 10, connections=2)
+    sizes = [200 << 10, 200 << 10, 1536 << 10, 200 << 10, 200 << 10]
+    keys = random_keys(len(sizes))
+    payloads = [os.urandom(size) for size in sizes]
+    assert backend.put_many(keys, payloads) == [True, True, False, True, True]
+    assert backend.stats()["errors"] == 1
+    good = [index for index in range(len(keys)) if index != 2]
+    for _round in range(2):  # the dropped connection is never handed out again
+        outs = [memoryview(bytearray(sizes[index])) for index in good]
+        assert backend.get_many([keys[i] for i in good], outs) == [True] * len(good)
+        assert [bytes(out) for out in outs] == [payloads[i] for i in good]
+        assert backend.exists(keys) == [True, True, False, True, True]
+    assert backend.stats()["errors"] == 1 and backend.stats()["corrupt_objects"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_node_dead_mid_batch_fails_only_its_keys_over_parallel_pipelines(
+    redis_cluster_factory: Callable[..., ValkeyCluster], open_redis: Callable[..., RedisBackend]
+) -> None:
+    """A batch split into several pipelines per node, two connections per node: one node killed
+    (a crash, no replica) costs exactly its keys, reads and writes, within the socket timeouts;
+    the frames read into the callers' buffers are the right ones."""
+    cluster = redis_cluster_factory(masters=3, node_timeout_ms=1000, full_coverage=False)
+    backend = open_redis(cluster.url, batch_bytes=4 * codec.frame_size(BLOCK), connections=2,
+                         socket_timeout_s=0.5, connect_timeout_s=0.5)
+    keys, payloads = random_keys(60), random_payloads(60)
+    assert backend.put_many(keys, payloads) == [True] * 60
+    victim = cluster.masters[1]
+    with victim.client() as raw:
+        names = set(raw.scan_iter(match=f"kvtier:{backend.namespace.digest_hex}:*", count=1000))
+        held = {key for key in keys if object_name(backend.namespace, key) in names}
+    assert 0 < len(held) < 60
+    victim.kill()
+    outs = sentinel_outs(60)
+    loaded = backend.get_many(keys, outs)
+    assert {key for key, ok in zip(keys, loaded, strict=True) if not ok} == held
+    assert all(bytes(out) == payload for ok, out, payload in zip(loaded, outs, payloads,
+                                                                  strict=True) if ok)
+    assert {key for key, ok in zip(keys, backend.exists(keys), strict=True) if not ok} == held
+    stats = backend.stats()
+    assert stats["errors"] >= 2 and stats["corrupt_objects"] == 0
+
+
+def test_a_large_get_lands_in_the_callers_buffer_without_an_intermediate_copy(
+    backend: RedisBackend,
+) -> None:
+    """Four 1 MiB blocks load while tracemalloc watches every Python allocation (hiredis builds
+    its replies as Python ``bytes``): nothing near a block's size is allocated, so each value
+    went from the socket into the caller's buffer (and was verified there)."""
+    keys, payloads = random_keys(4), random_payloads(4, 1 << 20)
+    assert backend.put_many(keys, payloads) == [True] * 4
+    outs = sentinel_outs(4, 1 << 20)
+    backend.get_many(keys[:1], outs[:1])  # connections and lane threads exist before we watch
+    tracemalloc.start()
+    try:
+        assert backend.get_many(keys, outs) == [True] * 4
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [bytes(out) for out in outs] == payloads
+    assert peak < 256 << 10, f"{peak} bytes allocated while loading 1 MiB blocks"
 
 
 # --------------------------------------------------------------------------- integrity
@@ -404,7 +561,9 @@ def test_corrupt_object_is_false_counted_and_deleted(
         raw.set(name, damage(frame, backend.namespace, keys[0]))
         outs = sentinel_outs(2)
         assert backend.get_many(keys, outs) == [False, True]
-        assert untouched(outs[0]) and bytes(outs[1]) == payloads[1]
+        # outs[0] is unspecified after False (the load contract): a value of the frame's size
+        # is read into the caller's buffer, then refused there.
+        assert bytes(outs[1]) == payloads[1]
         assert raw.exists(name) == 0
     assert backend.stats()["corrupt_objects"] == 1
     # The slot is free again: a fresh put stores the real block.
@@ -421,7 +580,7 @@ def test_good_block_stored_after_the_corrupt_read_is_not_deleted(
 ) -> None:
     """A reader finds a corrupt object; before it deletes it, another reader removes it and a
     writer stores the good block (SET NX succeeds on the free name). The first reader's delete
-    must spare that good block. The wrapper around ``codec.FrameCodec.decode`` only pins that
+    must spare that good block. The wrappers around the codec's verification only pin that
     interleaving (a real server cannot be paused between two of our commands); the servers,
     objects and deletes are real."""
     fixture = "redis_server" if topology == "standalone" else "redis_cluster"
@@ -433,19 +592,23 @@ def test_good_block_stored_after_the_corrupt_read_is_not_deleted(
     with server.client() as raw:
         raw.set(name, _flip_payload_byte(codec.encode(namespace.digest, keys[0], payloads[0]),
                                          namespace, keys[0]))
-        real_decode = codec.FrameCodec.decode
 
-        def decode_then_race(self: Any, frame: Any, key: bytes, out: memoryview, **kw: Any) -> None:
-            try:
-                real_decode(self, frame, key, out, **kw)
-            except codec.FrameError:
-                raw.delete(name)  # someone else dropped the bad object ...
-                assert writer.put_many(keys, payloads) == [True]  # ... and the block came back
-                raise
+        def then_race(real: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(self: Any, *args: Any, **kw: Any) -> Any:
+                try:
+                    return real(self, *args, **kw)
+                except codec.FrameError:
+                    raw.delete(name)  # someone else dropped the bad object ...
+                    assert writer.put_many(keys, payloads) == [True]  # ... and it came back
+                    raise
+            return wrapped
 
-        monkeypatch.setattr(codec.FrameCodec, "decode", decode_then_race)
+        # Whole frames are decoded, frames read into the caller's buffer verified in place.
+        for method in ("decode", "verify_in_place"):
+            monkeypatch.setattr(codec.FrameCodec, method,
+                                then_race(getattr(codec.FrameCodec, method)))
         outs = sentinel_outs(1)
-        assert reader.get_many(keys, outs) == [False] and untouched(outs[0])
+        assert reader.get_many(keys, outs) == [False]
         monkeypatch.undo()
         assert raw.exists(name) == 1
     assert reader.stats()["corrupt_objects"] == 1 and reader.stats()["errors"] == 0
@@ -591,15 +754,19 @@ def test_server_killed_mid_run_never_returns_wrong_data(
     assert backend.stats()["errors"] >= 1
 
 
+@pytest.mark.parametrize("connections", [1, 4])
 def test_hung_server_times_out_and_leaves_no_stale_replies(
-    valkey_factory: Callable[..., ValkeyServer], open_redis: Callable[..., RedisBackend]
+    valkey_factory: Callable[..., ValkeyServer], open_redis: Callable[..., RedisBackend],
+    connections: int,
 ) -> None:
     """A SIGSTOPped server accepts bytes but never answers: calls give False after the socket
     timeout. Once it resumes it answers those abandoned pipelines too; the next calls must get
     their own replies, not the stale ones (a poisoned pooled connection would answer
-    ``exists`` wrongly and make ``get`` delete good blocks as "corrupt")."""
+    ``exists`` wrongly and make ``get`` delete good blocks as "corrupt"). With four
+    connections every block is its own pipeline: no lane hangs either."""
     server = valkey_factory()
-    backend = open_redis(server.url, socket_timeout_s=0.3)
+    backend = open_redis(server.url, socket_timeout_s=0.3, connections=connections,
+                         batch_bytes=4096)
     present, absent = random_keys(3), random_keys(3)
     payloads = random_payloads(3)
     assert backend.put_many(present, payloads) == [True] * 3
@@ -730,7 +897,7 @@ def test_corrupt_object_is_deleted_when_scripting_is_denied(
     with server.client() as raw:
         raw.set(name, _flip_payload_byte(raw.get(name), backend.namespace, keys[0]))
         outs = sentinel_outs(1)
-        assert backend.get_many(keys, outs) == [False] and untouched(outs[0])
+        assert backend.get_many(keys, outs) == [False]
         assert raw.exists(name) == 0
     assert backend.stats()["corrupt_objects"] == 1
 
@@ -801,4 +968,4 @@ def test_cluster_corrupt_object_and_zero_copy(
     assert backend.stats()["corrupt_objects"] == 1
     client = backend.raw_client()
     pools = [node.redis_connection.connection_pool for node in client.get_nodes()]
-    assert pools and all(pool.connection_class is _FrameConnection for pool in pools)
+    assert pools and all(pool.connection_class is FrameConnection for pool in pools)

@@ -1,33 +1,48 @@
 """Redis / Valkey backend: standalone (``redis://``), TLS (``rediss://``) and Redis Cluster
 (``redis+cluster://``, ``rediss+cluster://``), on redis-py with hiredis. URL and options:
-:mod:`kvtier.backends.redis_config`; inventory: :mod:`kvtier.backends.redis_kind`.
+:mod:`kvtier.backends.redis_config`; inventory: :mod:`kvtier.backends.redis_kind`; the bytes on
+the socket (packer, reply reader, one-pipeline exchanges): :mod:`kvtier.backends.redis_wire`.
 
 State (used from any thread at once): the redis-py client and pools (redis-py's own locking;
-every batch builds its own pipeline); ``_cluster_client``, built lazily under ``_client_lock``
-(the seed may be down at open); counters, error log and lifecycle, each under its own lock.
+every batch takes its own connections); ``_cluster_client`` and ``_lanes`` (the thread pool
+that runs a call's extra lanes), built lazily under ``_client_lock``; counters, error log and
+lifecycle, each under its own lock. A lane thread owns only the connection it was handed and the
+reply buffers of its own pipelines.
 
 Layout: one string per block, ``kvtier:<namespace digest hex>:<key hex>``, holding the frame.
 No hash tag on purpose: blocks spread over every Cluster slot instead of one node.
 
-Round trips: ``exists``, ``put_many`` (``SET NX [PX]``), ``get_many`` (``GET`` / ``GETEX PX``)
-and ``delete`` (``UNLINK``) each send one pipeline (per node on a Cluster, written to all nodes
-before any reply is read). Payloads go to the socket without a copy on plain TCP: header and
-payload are separate chunks of one RESP bulk string (:class:`_FramePacker`).
+Batches: ``exists``, ``put_many`` (``SET NX [PX]``) and ``get_many`` (``GET`` / ``GETEX PX``)
+split a call's keys into pipelines of at most ``batch_bytes`` value bytes (and
+``_MAX_PIPELINE_COMMANDS`` commands), per node on a Cluster. Up to ``connections`` pipelines of
+one call run at once, each lane on its own connection (taken on the calling thread, so a call
+never waits for a connection another lane of it holds); the calling thread runs the first lane.
+``delete`` (``UNLINK``) and the rare paths send one redis-py pipeline.
 
-Failures: a lost connection, dead server or per-key error answers False for the keys, counts
-``errors`` and logs (rate-limited), never raises; one immediate retry reconnects after a server
-restart. On a Cluster a failed batch is rerun one pipeline per node, so a dead node costs only
-its keys. A wrong password or ACL user raises ``ValueError`` at open (when reachable).
-``ttl_s`` expires every block; a read (``GETEX``) pushes the expiry forward: the TTL bounds idle
-time, not age.
+Copies: payloads go to the socket without a copy on plain TCP (header and payload are separate
+chunks of one RESP bulk string, :class:`~kvtier.backends.redis_wire.FramePacker`); a ``GET``
+reply of the expected size is read by :class:`~kvtier.backends.redis_wire.ReplyReader` with
+``recv_into`` straight into the caller's buffer (the header into a small buffer of its own) and
+verified there; hiredis never sees it.
+
+Failures: a lost connection, dead server or per-key error answers False for the keys of that
+pipeline, counts ``errors`` and logs (rate-limited), never raises; one immediate retry
+reconnects after a server restart; a timeout is not retried and drops the connection (no stale
+reply is ever read). On a Cluster a failed pipeline, or keys answered MOVED / ASK / TRYAGAIN /
+CLUSTERDOWN, go once more through redis-py's cluster pipeline (which follows the new slot map),
+and if that fails, one pipeline per node, so a dead node costs only its keys. A wrong password or
+ACL user raises ``ValueError`` at open (when reachable). ``ttl_s`` expires every block; a read
+(``GETEX``) pushes the expiry forward: the TTL bounds idle time, not age.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 import redis
@@ -43,6 +58,7 @@ from kvtier.backends.base import (
     Fetched,
     Outcome,
     StoredFrame,
+    Verdict,
 )
 from kvtier.backends.manifest import MAX_MANIFEST_BYTES
 from kvtier.backends.redis_config import (
@@ -51,6 +67,16 @@ from kvtier.backends.redis_config import (
     RedisTopology,
     parse_redis_url,
 )
+from kvtier.backends.redis_wire import (
+    ZERO_COPY_SUPPORTED,
+    FrameConnection,
+    FramedValue,
+    InPlaceRead,
+    exchange,
+    exchange_gets,
+    is_redirect,
+)
+from kvtier.codec import HEADER_BYTES
 from kvtier.keys import BlockKey, Namespace
 
 __all__ = [
@@ -70,7 +96,6 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _KEY_PREFIX: Final = b"kvtier:"
-_SEPARATE_CHUNK_BYTES: Final = 16 * 1024
 # Deletes a corrupt block only if it is still the object we read: a string whose SHA-1 is
 # ARGV[1], or (ARGV[1] empty) a value of a non-string type. A good block that a concurrent
 # writer stored after someone else removed the bad one is therefore never deleted.
@@ -108,76 +133,26 @@ def _identity(key: BlockKey) -> BlockKey:
     return key
 
 
-class _FramedValue:
-    """One RESP bulk string sent as two chunks: the frame header and the caller's payload."""
-
-    __slots__ = ("header", "payload")
-
-    def __init__(self, header: bytes, payload: memoryview) -> None:
-        self.header = header
-        self.payload = payload
-
-    def __len__(self) -> int:
-        return len(self.header) + self.payload.nbytes
+_MAX_PIPELINE_COMMANDS: Final = 1024
+_SERVED: Final = frozenset({Verdict.VALID, Verdict.OLDER_KEY, Verdict.OLDER_FORMAT})
 
 
-class _FramePacker:
-    """RESP command packer that never copies a large :class:`_FramedValue` payload.
+@dataclass(slots=True)
+class _Unit:
+    """One pipeline of a call: the indexes of its items, all on the node behind ``pool``."""
 
-    redis-py's ``pack_commands`` keeps every ``memoryview`` chunk as its own ``sendall`` (no
-    join), so a large payload goes from the caller's buffer to the kernel. hiredis' packer would
-    copy each value twice (``bytes()`` and its output buffer); replies are still parsed by
-    hiredis. Payloads up to ``_SEPARATE_CHUNK_BYTES`` are joined into the command buffer instead:
-    copying a few KiB is cheaper than one more system call per block.
-    """
-
-    __slots__ = ("_encode",)
-
-    def __init__(self, encode: Any) -> None:
-        self._encode = encode
-
-    def pack(self, *args: Any) -> list[bytes | memoryview]:
-        if isinstance(args[0], str):
-            args = (*args[0].encode().split(), *args[1:])
-        elif b" " in args[0]:
-            args = (*args[0].split(), *args[1:])
-        output: list[bytes | memoryview] = []
-        pending: list[bytes] = [b"*%d\r\n" % len(args)]
-        for arg in args:
-            if isinstance(arg, _FramedValue) and arg.payload.nbytes > _SEPARATE_CHUNK_BYTES:
-                pending += (b"$%d\r\n" % len(arg), arg.header)
-                output.append(b"".join(pending))
-                output.append(arg.payload)
-                pending = [b"\r\n"]
-            elif isinstance(arg, _FramedValue):
-                pending += (b"$%d\r\n" % len(arg), arg.header, arg.payload.tobytes(), b"\r\n")
-            else:
-                raw = self._encode(arg)
-                pending += (b"$%d\r\n" % len(raw), bytes(raw), b"\r\n")
-        output.append(b"".join(pending))
-        return output
+    pool: Any
+    indexes: list[int]
+    replies: list[Any] | None = None  # None: the pipeline failed (already counted)
 
 
-class _FrameConnection(redis.Connection):
-    """A plain TCP connection that packs commands with :class:`_FramePacker`."""
+@dataclass(slots=True)
+class _Lane:
+    """Pipelines run one after another on one connection (taken on the calling thread)."""
 
-    def _construct_command_packer(self, packer: Any) -> Any:
-        if packer is not None:
-            return packer
-        return _FramePacker(self.encoder.encode)
-
-
-def _frame_packer_works() -> bool:
-    """Whether this redis-py still builds its packer through the hook we override.
-
-    The hook is redis-py internals; should a future release drop it, frames fall back to one
-    contiguous buffer instead of failing every put.
-    """
-    probe = _FrameConnection()  # type: ignore[no-untyped-call]  # no socket opened yet
-    return isinstance(getattr(probe, "_command_packer", None), _FramePacker)
-
-
-_ZERO_COPY_SUPPORTED: Final = _frame_packer_works()
+    pool: Any
+    units: list[_Unit]
+    connection: Any = None
 
 
 # --------------------------------------------------------------------------- the backend
@@ -195,8 +170,11 @@ class RedisBackend(Backend):
         super().__init__(namespace, name=f"redis backend {config.url}", logger=_log,
                          auth_key=config.auth_key)
         self._prefix = _KEY_PREFIX + namespace.digest_hex.encode() + b":"
-        self._zero_copy = _ZERO_COPY_SUPPORTED and not config.tls
+        self._zero_copy = ZERO_COPY_SUPPORTED and not config.tls
         self._client_lock = threading.Lock()
+        self._lanes: concurrent.futures.ThreadPoolExecutor | None = None
+        # A bounded pool could make two calls wait on each other's extra connections.
+        self._lanes_per_node = 1 if config.max_connections is not None else config.connections
         self._standalone_client: redis.Redis | None = None
         self._cluster_client: redis.cluster.RedisCluster | None = None
         if config.topology is RedisTopology.STANDALONE:
@@ -241,7 +219,7 @@ class RedisBackend(Backend):
             pool_class = redis.BlockingConnectionPool
             kwargs["timeout"] = config.socket_timeout_s
         return pool_class(
-            connection_class=redis.SSLConnection if config.tls else _FrameConnection,
+            connection_class=redis.SSLConnection if config.tls else FrameConnection,
             host=config.host,
             port=config.port,
             db=config.db,
@@ -261,7 +239,7 @@ class RedisBackend(Backend):
                 config = self._config
                 kwargs = self._common_kwargs()
                 if self._zero_copy:
-                    kwargs["connection_class"] = _FrameConnection
+                    kwargs["connection_class"] = FrameConnection
                 host = f"[{config.host}]" if ":" in config.host else config.host
                 # The seed goes in as a URL: only redis-py's URL path builds node pools from
                 # our kwargs, which is how the node connections get the zero-copy packer.
@@ -387,6 +365,173 @@ class RedisBackend(Backend):
                 replies[index] = reply
         return replies
 
+    # -- batches over parallel connections ----------------------------------------------------
+
+    def _batched(self, operation: str, keys: list[BlockKey],
+                 command: Callable[[int], tuple[Any, ...]], sizes: list[int] | None = None,
+                 outs: list[memoryview] | None = None) -> list[Any]:
+        """One reply per key (``_FAILED`` where its pipeline failed, already counted): the keys
+        split into pipelines by node, ``batch_bytes`` of ``sizes`` and command count, run on up
+        to ``connections`` connections per node at once. ``outs``: ``GET`` replies are read
+        into them (:class:`ReplyReader`)."""
+        replies: list[Any] = [_FAILED] * len(keys)
+        units, unplaced = self._plan(keys, sizes)
+
+        def run_unit(conn: Any, unit: _Unit) -> list[Any]:
+            commands = [command(index) for index in unit.indexes]
+            if outs is None:
+                return exchange(conn, commands)
+            return exchange_gets(conn, commands, [outs[index] for index in unit.indexes])
+
+        self._run_lanes(operation, units, run_unit)
+        again = list(unplaced)
+        for unit in units:
+            if unit.replies is None:
+                again += unit.indexes
+                continue
+            for index, reply in zip(unit.indexes, unit.replies, strict=True):
+                if self._cluster_client is not None and is_redirect(reply):
+                    again.append(index)
+                else:
+                    replies[index] = reply
+        if again and self._cluster_client is not None:
+            # redis-py's cluster pipeline follows MOVED / refreshes the slot map after a
+            # failover; if that fails too, one pipeline per node (a dead node costs its keys).
+            again.sort()
+            rerun = self._run(operation, again,
+                              lambda pipe, index: pipe.execute_command(*command(index)),
+                              lambda index: keys[index])
+            for index, reply in zip(again, rerun, strict=True):
+                replies[index] = reply
+        return replies
+
+    def _plan(self, keys: list[BlockKey],
+              sizes: list[int] | None) -> tuple[list[_Unit], list[int]]:
+        """The pipelines of one call, and the indexes no node serves now (cluster only)."""
+        groups, unplaced = self._by_node(keys)
+        units: list[_Unit] = []
+        for pool, indexes in groups:
+            units += self._split(pool, indexes, sizes)
+        return units, unplaced
+
+    def _by_node(self, keys: list[BlockKey]) -> tuple[list[tuple[Any, list[int]]], list[int]]:
+        """(connection pool, indexes) per node; and the indexes of keys no node serves now."""
+        if self._standalone_client is not None:
+            return [(self._standalone_client.connection_pool, list(range(len(keys))))], []
+        try:
+            client = self._connect_cluster()
+        except _IO_ERRORS as exc:
+            self._count_error("connect", len(keys), exc)
+            return [], []
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        unplaced: list[int] = []
+        for index, key in enumerate(keys):
+            try:
+                node = client.nodes_manager.get_node_from_slot(
+                    client.keyslot(self._name(key)))  # type: ignore[no-untyped-call]
+                pool = client.get_redis_connection(node).connection_pool
+            except _IO_ERRORS:  # no node serves the slot now: the cluster path decides
+                unplaced.append(index)
+                continue
+            groups.setdefault(id(pool), (pool, []))[1].append(index)
+        return list(groups.values()), unplaced
+
+    def _split(self, pool: Any, indexes: list[int], sizes: list[int] | None) -> list[_Unit]:
+        """Consecutive runs of ``indexes`` of at most ``batch_bytes`` (a larger item alone)
+        and ``_MAX_PIPELINE_COMMANDS`` commands."""
+        limit = self._config.batch_bytes
+        units = [_Unit(pool, [])]
+        held = 0
+        for index in indexes:
+            size = 0 if sizes is None else sizes[index]
+            current = units[-1].indexes
+            if current and (held + size > limit or len(current) >= _MAX_PIPELINE_COMMANDS):
+                units.append(_Unit(pool, []))
+                held = 0
+            units[-1].indexes.append(index)
+            held += size
+        return units if units[0].indexes else []
+
+    def _run_lanes(self, operation: str, units: list[_Unit],
+                   run_unit: Callable[[Any, _Unit], list[Any]]) -> None:
+        """Run ``units`` (setting their ``replies``): per node up to ``connections`` lanes,
+        the first on this thread, the others on the lane pool."""
+        lanes = self._lanes_for(operation, units)
+        if not lanes:
+            return
+        futures: list[tuple[concurrent.futures.Future[None], _Lane]] = []
+        here = [lanes[0]]
+        for lane in lanes[1:]:
+            try:
+                futures.append((self._lane_pool().submit(self._run_lane, operation, lane,
+                                                         run_unit), lane))
+            except RuntimeError:  # the backend closed meanwhile: the lane runs here
+                here.append(lane)
+        for lane in here:
+            self._run_lane(operation, lane, run_unit)
+        for future, lane in futures:
+            try:
+                future.result()
+            except concurrent.futures.CancelledError:  # closed meanwhile: its units failed
+                lane.pool.release(lane.connection)
+
+    def _lanes_for(self, operation: str, units: list[_Unit]) -> list[_Lane]:
+        """Lanes with their connections, taken here so that lanes never wait for each other.
+        A node whose first connection fails gets no lane (its units stay failed)."""
+        by_pool: dict[int, list[_Unit]] = {}
+        for unit in units:
+            by_pool.setdefault(id(unit.pool), []).append(unit)
+        lanes: list[_Lane] = []
+        for pool_units in by_pool.values():
+            pool = pool_units[0].pool
+            connections: list[Any] = []
+            for _number in range(min(self._lanes_per_node, len(pool_units))):
+                try:
+                    connections.append(pool.get_connection())
+                except _IO_ERRORS as exc:
+                    if not connections:  # the node is down: one error for all its keys
+                        self._count_error(operation, sum(len(u.indexes) for u in pool_units),
+                                          exc)
+                    break  # else fewer lanes: the units go round the ones we have
+            for number, connection in enumerate(connections):
+                lanes.append(_Lane(pool, pool_units[number::len(connections)], connection))
+        return lanes
+
+    def _run_lane(self, operation: str, lane: _Lane,
+                  run_unit: Callable[[Any, _Unit], list[Any]]) -> None:
+        try:
+            for unit in lane.units:
+                unit.replies = self._exchange_unit(operation, lane.connection, unit, run_unit)
+        finally:
+            lane.pool.release(lane.connection)
+
+    def _exchange_unit(self, operation: str, conn: Any, unit: _Unit,
+                       run_unit: Callable[[Any, _Unit], list[Any]]) -> list[Any] | None:
+        """One pipeline, retried once on a broken (not a timed-out) connection."""
+        for attempt in (1, 2):
+            self._stats.add("round_trips")
+            try:
+                return run_unit(conn, unit)
+            except redis.ConnectionError as exc:  # reconnects on the next send
+                if attempt == 2:
+                    self._count_error(operation, len(unit.indexes), exc)
+            except _IO_ERRORS as exc:
+                conn.disconnect()
+                self._count_error(operation, len(unit.indexes), exc)
+                return None
+        return None
+
+    def _lane_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        lanes = self._lanes
+        if lanes is not None:
+            return lanes
+        with self._client_lock:
+            if self._lanes is None:
+                self._lanes = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=4 * self._config.connections,
+                    thread_name_prefix="kvtier-redis-lane")
+            return self._lanes
+
     # -- identity -----------------------------------------------------------------------------
 
     @property
@@ -400,7 +545,7 @@ class RedisBackend(Backend):
     # -- medium hooks -------------------------------------------------------------------------
 
     def _m_exists(self, keys: list[BlockKey]) -> list[Outcome]:
-        replies = self._run("exists", keys, lambda pipe, key: pipe.exists(self._name(key)))
+        replies = self._batched("exists", keys, lambda index: ("EXISTS", self._name(keys[index])))
         return self._outcomes("exists", replies,
                               lambda reply: Outcome.OK if reply == 1 else Outcome.MISSING)
 
@@ -413,14 +558,16 @@ class RedisBackend(Backend):
                 for reply in replies]
 
     def _m_store(self, frames: list[StoredFrame]) -> list[Outcome]:
-        ttl_ms = self._config.ttl_ms
+        expiry = () if self._config.ttl_ms is None else ("PX", self._config.ttl_ms)
 
-        def add(pipe: Any, frame: StoredFrame) -> None:
-            value = (_FramedValue(frame.header, frame.payload) if self._zero_copy
+        def command(index: int) -> tuple[Any, ...]:
+            frame = frames[index]
+            value = (FramedValue(frame.header, frame.payload) if self._zero_copy
                      else frame.joined())
-            pipe.set(self._name(frame.key), value, nx=True, px=ttl_ms)
+            return ("SET", self._name(frame.key), value, "NX", *expiry)
 
-        replies = self._run("put", frames, add, lambda frame: frame.key)
+        replies = self._batched("put", [frame.key for frame in frames], command,
+                                [frame.nbytes for frame in frames])
         # SET NX answers nil when the block is already stored: never overwritten
         return self._outcomes("put", replies,
                               lambda reply: Outcome.OK if reply else Outcome.PRESENT)
@@ -428,28 +575,39 @@ class RedisBackend(Backend):
     def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> list[Fetched]:
         ttl_ms = self._config.ttl_ms
 
-        def add(pipe: Any, key: BlockKey) -> None:
+        def command(index: int) -> tuple[Any, ...]:
             if ttl_ms is None:
-                pipe.get(self._name(key))
-            else:
-                pipe.getex(self._name(key), px=ttl_ms)
+                return ("GET", self._name(keys[index]))
+            return ("GETEX", self._name(keys[index]), "PX", ttl_ms)
 
-        replies = self._run("get", keys, add)
-        fetched: list[Fetched] = []
-        for reply in replies:
-            if reply is _FAILED:
-                fetched.append(FAILED_FETCH)
-            elif reply is None:
-                fetched.append(MISSING_FETCH)
-            elif isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
-                # Something that is not a string sits under our block's name: not our block.
-                fetched.append(CORRUPT_FETCH)
-            elif isinstance(reply, Exception):
-                self._fail("get", "1 key", reply)
-                fetched.append(FAILED_FETCH)
-            else:
-                fetched.append(Fetched(Outcome.OK, frame=memoryview(reply)))
-        return fetched
+        replies = self._batched("get", keys, command,
+                                [HEADER_BYTES + out.nbytes for out in outs], outs)
+        return [self._fetched(reply) for reply in replies]
+
+    def _fetched(self, reply: Any) -> Fetched:
+        if isinstance(reply, Fetched):  # read into the caller's buffer by ReplyReader
+            return reply
+        if reply is _FAILED:
+            return FAILED_FETCH
+        if reply is None:
+            return MISSING_FETCH
+        if isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
+            # Something that is not a string sits under our block's name: not our block.
+            return CORRUPT_FETCH
+        if isinstance(reply, Exception):
+            self._fail("get", "1 key", reply)
+            return FAILED_FETCH
+        return Fetched(Outcome.OK, frame=memoryview(reply))
+
+    def _judge(self, key: BlockKey, out: memoryview, item: Fetched) -> Verdict | None:
+        verdict = super()._judge(key, out, item)
+        token = item.token
+        if isinstance(token, InPlaceRead) and verdict is not None and verdict not in _SERVED:
+            # Now, before the next key's read can reuse ``out``: the object as read.
+            digest = hashlib.sha1(token.header, usedforsecurity=False)
+            digest.update(out)
+            token.digest = digest.hexdigest()
+        return verdict
 
     def _m_delete(self, keys: list[BlockKey]) -> None:
         self._unlink(keys, "delete")
@@ -462,11 +620,7 @@ class RedisBackend(Backend):
         free); a plain UNLINK would drop that good block. The script compares first: a string
         whose SHA-1 is the one we read, or ("" digest) a value of a non-string type.
         """
-        targets = [
-            (key, "" if item.frame is None
-             else hashlib.sha1(item.frame, usedforsecurity=False).hexdigest())
-            for key, item in bad
-        ]
+        targets = [(key, self._object_digest(item)) for key, item in bad]
         keys = [key for key, _digest in targets]
         replies = self._run(
             "delete corrupt", targets,
@@ -490,6 +644,15 @@ class RedisBackend(Backend):
         if refused:
             self._unlink(refused, "delete corrupt")
 
+    @staticmethod
+    def _object_digest(item: Fetched) -> str:
+        """The SHA-1 of the object as read ("" where none was read: a non-string value)."""
+        if isinstance(item.token, InPlaceRead):
+            return item.token.digest
+        if item.frame is None:
+            return ""
+        return hashlib.sha1(item.frame, usedforsecurity=False).hexdigest()
+
     def _unlink(self, key_list: list[BlockKey], operation: str) -> None:
         # One UNLINK per key: a multi-key command would be CROSSSLOT on a Cluster.
         replies = self._run(operation, key_list, lambda pipe, key: pipe.unlink(self._name(key)))
@@ -502,6 +665,9 @@ class RedisBackend(Backend):
 
     def _client_close(self) -> None:
         with self._client_lock:
+            if self._lanes is not None:
+                # Lanes in flight end within a socket timeout; their callers answer False.
+                self._lanes.shutdown(wait=False, cancel_futures=True)
             if self._standalone_client is not None:
                 self._standalone_client.close()
                 self._standalone_client.connection_pool.disconnect()

@@ -25,6 +25,8 @@ _SCHEMES: Final = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 _DEFAULT_PORT: Final = 6379
 _DEFAULT_SOCKET_TIMEOUT_S: Final = 5.0
 _DEFAULT_CONNECT_TIMEOUT_S: Final = 2.0
+_DEFAULT_BATCH_BYTES: Final = 4 << 20
+_DEFAULT_CONNECTIONS: Final = 4
 
 
 class RedisTopology(enum.Enum):
@@ -51,6 +53,8 @@ class RedisConfig:
     socket_timeout_s: float
     connect_timeout_s: float
     max_connections: int | None
+    batch_bytes: int = _DEFAULT_BATCH_BYTES
+    connections: int = _DEFAULT_CONNECTIONS
     auth_key: AuthKey | None = field(default=None, repr=False)
 
     @property
@@ -92,6 +96,12 @@ SETTINGS = SettingsTable("redis backend", (
             maximum=MAX_TIMEOUT_S, strict_min=True, unit="s", help="connect timeout"),
     Setting("max_connections", Kind.INT, None, nullable=True, minimum=1,
             help="bound on pooled connections; callers wait for a free one (standalone only)"),
+    Setting("batch_bytes", Kind.SIZE, _DEFAULT_BATCH_BYTES, minimum=4096, maximum=1 << 30,
+            help="value bytes per pipeline: a larger batch call goes as several pipelines "
+                 "(a block larger than this goes alone)"),
+    Setting("connections", Kind.INT, _DEFAULT_CONNECTIONS, minimum=1, maximum=64,
+            help="connections (per Cluster node) that one call's pipelines use at once; "
+                 "1 with max_connections set"),
     *COMMON_SETTINGS,
 ))
 
@@ -142,6 +152,8 @@ def parse_redis_url(url: str, options: dict[str, Any]) -> RedisConfig:
         socket_timeout_s=parsed["socket_timeout_s"],
         connect_timeout_s=parsed["connect_timeout_s"],
         max_connections=parsed["max_connections"],
+        batch_bytes=parsed["batch_bytes"],
+        connections=parsed["connections"],
         auth_key=load_auth_key(parsed, "redis"),
     )
 
