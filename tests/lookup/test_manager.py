@@ -430,7 +430,7 @@ def test_cache_hits_refresh_recency_and_the_release_queue_stays_bounded(
     for round_ in range(500):  # key 0 is served from the cache and released again and again
         assert tier.lookup(key(0), ctx(f"again{round_}")) is True
         tier.cleanup(f"again{round_}")
-    assert len(tier._keys.verdicts) <= 2
+    assert len(tier._keys.cached) <= 2
     tier.lookup(key(2), ctx("r2"))
     step(tier)
     tier.cleanup("r2")  # evicts the least recently released verdict: key 1, not key 0
