@@ -22,11 +22,12 @@ average. Every step the scheduler:
    with no None has its answer and leaves the waiting list;
 4. ``flush()`` once.
 
-Then the model runs (untimed). With ``--pacing answered`` (the default) the next step starts
-once the probe worker answered the step's batch: a model step (tens of ms) is longer than a
-probe, and the numbers do not depend on how busy the machine is. With ``--pacing paced`` steps
-start every ``--step-ms`` (default 2 ms) whatever the worker did; on a busy machine a worker
-that makes one call per request then falls behind, and the replay measures that backlog.
+Then the model runs (untimed) for ``--step-ms`` (default 2 ms). With ``--pacing answered`` (the
+default) the step also lasts until the probe worker answered its batch, as when a model step
+(tens of ms) is longer than a probe: the steps a request waits then depend on the manager, not
+on how busy the machine is. With ``--pacing paced`` the next step starts on time whatever the
+worker did; on a busy machine a worker that makes one call per request then falls behind, and
+the replay measures that backlog.
 
 The tier starts with every block that two or more of the replayed requests share (a warm tier),
 so the blocks that stores add are ones no later request asks for, and the two managers' answers
@@ -454,14 +455,13 @@ def _replay(plan: _Plan, args: argparse.Namespace, scan: _Scan,
         result.scan_ns += scanned - drained
         result.flush_ns += end - scanned
         step += 1
-        # The model runs.
-        if paced:
-            next_start += step_s
-            pause = next_start - time.perf_counter()
-            if pause > 0:
-                time.sleep(pause)
-        else:
+        # The model runs for a step; with --pacing answered at least until the worker answered.
+        if not paced:
             wait_for_answers()
+        next_start += step_s
+        pause = next_start - time.perf_counter()
+        if pause > 0:
+            time.sleep(pause)
     cpu_start = cpu_clock()
     start = clock()
     for finished_now in finishing.values():  # the tail: requests still running finish at once
@@ -643,7 +643,7 @@ def _trace_main(args: argparse.Namespace, vllm_module: Any) -> int:
     print(f"\nowner-thread check: {_owner_check_ns():.0f} ns per scheduler call "
           "(get_ident() and a compare), included in kvtier's numbers")
     pacing = (f"steps every {args.step_ms} ms" if args.pacing == "paced"
-              else "each step ends when the worker answered it")
+              else f"steps every {args.step_ms} ms or when the worker answered, if later")
     print(f"python {sys.version.split()[0]}; {pacing}, "
           f"{args.arrivals} arrivals per step, backend {args.call_us} us + {args.key_us} us/key")
     if over:
@@ -697,15 +697,15 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument("--rounds", type=int, default=7,
                        help="interleaved rounds per contender (median reported)")
     trace.add_argument("--step-ms", type=float, default=2.0,
-                       help="engine step length with --pacing paced")
+                       help="model time per engine step")
     trace.add_argument("--arrivals", type=float, default=1.0,
                        help="mean requests arriving per step")
     trace.add_argument("--run-steps", type=int, default=32,
                        help="steps a request runs after its answer before cleanup()")
     trace.add_argument("--pacing", choices=("answered", "paced"), default="answered",
-                       help="when the next step starts: once the probe worker answered the "
-                            "step's batch (default; a model step is longer than a probe), or "
-                            "every --step-ms whatever the worker did")
+                       help="when the next step starts: after --step-ms and once the probe "
+                            "worker answered the step's batch (default; a model step is longer "
+                            "than a probe), or after --step-ms whatever the worker did")
     trace.add_argument("--scan", choices=("both", *(scan.value for scan in _Scan)),
                        default="both", help="what a request's scan does after a None: stop "
                        "for this step, or continue to start every probe (default: both)")

@@ -293,15 +293,27 @@ class AsyncLookupManager(abc.ABC):
                 attached[key] = state
                 self._pending.append((key, generation, req_context))
                 return None
-            if not state.refs or state.source is _SOURCE_FAULT:
-                return self._attach(key, state, req_context, attached)  # cached, orphan, fault
-            # Held by other requests: join their probe or verdict.
+            if state.refs:
+                if state.source is _SOURCE_FAULT:
+                    return self._reprobe_after_fault(state, req_context, attached)
+                # Held by other requests: join their probe or verdict.
+                if state.phase is not _PHASE_RESOLVED:
+                    self._counters.inflight_reuses += 1
+            elif state.phase is _PHASE_RESOLVED:
+                # Nobody holds it and it is resolved: a cached verdict (KeyTable's invariant).
+                expiry = state.cache_expiry
+                if expiry is None or self._clock() >= expiry:
+                    return self._attach(key, state, req_context, attached)  # lapsed: forget it
+                cached = self._keys.cached
+                if cached.pop(key, None) is not state:
+                    self._violation("cached verdict of key %s is not in the cache", key.hex())
+                self._counters.verdict_cache_hits += 1
+            else:
+                self._counters.inflight_reuses += 1  # an orphan probe in flight: adopt it
             if not attached:
                 self._request_keys[req_id] = attached
             attached[key] = state
             state.refs += 1
-            if state.phase is not _PHASE_RESOLVED:
-                self._counters.inflight_reuses += 1
         verdict = state.verdict
         if (verdict is None and state.phase is _PHASE_IN_FLIGHT
                 and (now := self._clock()) >= state.deadline):
@@ -709,7 +721,14 @@ class AsyncLookupManager(abc.ABC):
                 quarantine.pop(key)
             state = states.get(key)
             if state is not None:
-                table.override(state, verdict, _SOURCE_NOTED, expiry)
+                if (expiry is not None and not state.refs and state.phase is _PHASE_RESOLVED
+                        and cached.get(key) is state):
+                    # A cached verdict (the request that computed the block released it): set
+                    # it in place and make it the newest (KeyTable.override() inlined).
+                    state.verdict, state.source, state.cache_expiry = verdict, _SOURCE_NOTED, expiry
+                    cached.move_to_end(key)
+                else:
+                    table.override(state, verdict, _SOURCE_NOTED, expiry)
             elif expiry is not None:
                 # A key nobody holds (the common store): a new cached verdict, the newest.
                 state = KeyState(key, next(self._generations), _PHASE_RESOLVED, 0, verdict,
