@@ -160,8 +160,11 @@ class AsyncLookupManager(abc.ABC):
     flush, and in ``lookup`` only on slow paths: a verdict-cache hit (its expiry), the
     quarantine and breaker checks of a new key, and a key still in flight (its deadline) — so a
     probe's timeout is detected at the latest at the next flush or at the next lookup of any of
-    its keys. Releasing a request (``cleanup``) is one pass over its keys; a released verdict
-    stays in place as the cache entry.
+    its keys. The common first lookups (a new key, a key other requests hold, a cached verdict)
+    and the released-verdict paths of ``cleanup`` and ``note_stored`` make no method call per
+    key. Releasing a request (``cleanup``) is one pass over its keys; a released verdict stays
+    in place as the cache entry. ``flush`` costs what the step brought (new keys, answers,
+    lapsed entries): each piece of upkeep with nothing to do is skipped by one test.
 
     Verdicts from faults (errors, malformed results, timeouts, an open breaker) are False and are
     shared by the requests attached to that key while they live, but are never cached for
