@@ -3,32 +3,51 @@
 One command: ``python benchmarks/lookup_overhead.py`` (``--help`` for the knobs). Run it with a
 Python that can import ``vllm`` to get the comparison; without it only kvtier is measured.
 
-Trace mode (the default) replays the first ``--requests`` requests (default 1,500) of each bundled
-trace (``--trace``, repeatable; default ``builtin:conversation``, plus ``builtin:agentic`` when
-it is bundled) the way an engine scheduler scans them. Steps start every ``--step-ms`` (default
-2 ms; the rest of the step is the model running, when the probe worker works). Requests arrive in
+Trace mode (the default) replays the first ``--requests`` requests (default 1,500) of each given
+trace (``--trace``, repeatable; default ``builtin:conversation``; ``builtin:agentic`` is for
+``--scan continue``: with ``stop`` a request asks one unknown key per step, and its 2,500-key
+prompts wait thousands of steps) the way an engine scheduler scans them. Requests arrive in
 trace order, their relative timing compressed so that ``--arrivals`` requests (default 1) arrive
 per step on average. Every step the scheduler:
 
-1. ``drain_results()``;
-2. for each waiting request, scans its keys with ``lookup()`` the way vLLM's
-   ``_maximal_prefix_lookup`` does: True counts, None ("not yet") defers the request to the next
-   step but the scan goes on (so every unknown key gets its probe started), False ends the scan;
-   a request with no None has its answer and leaves the waiting list;
-3. ``flush()`` once;
-4. ``cleanup()`` of requests that got their answer ``--run-steps`` steps ago (default 32).
+1. finishes the requests that got their answer ``--run-steps`` steps ago (default 32):
+   ``cleanup()``, and their stores land: the blocks a request computed (those after its hit
+   prefix) are added to the tier, and kvtier is told with ``note_stored()`` as its tiering
+   layer does (vLLM's manager has no such call; it learns of them from its next probe);
+2. ``drain_results()``;
+3. for each waiting request, scans its keys with ``lookup()``: True counts, False ends the
+   prefix, and None ("not yet") defers the request to the next step. What the scan does after a
+   None is ``--scan``: ``stop`` (the scan ends there for this step, as kvtier's own tiering
+   finder does) or ``continue`` (the scan goes on so every unknown key gets its probe started,
+   as vLLM's ``_maximal_prefix_lookup`` does); ``both`` (the default) reports each. A request
+   with no None has its answer and leaves the waiting list;
+4. ``flush()`` once.
 
-The tier holds every block that two or more of the replayed requests share (a warm tier); its
-``batch_lookup`` sleeps 0.5 ms + 2 us per key on the probe worker thread (``--call-us``,
-``--key-us``). Both managers see the same scan and the same tier; vLLM's is
-``vllm.v1.kv_offload.tiering.async_lookup.AsyncLookupManager``, kvtier's runs with its defaults.
+Then the model runs (untimed) for ``--step-ms`` (default 2 ms). With ``--pacing answered`` (the
+default) the step also lasts until the probe worker answered its batch, as when a model step
+(tens of ms) is longer than a probe: the steps a request waits then depend on the manager, not
+on how busy the machine is. With ``--pacing paced`` the next step starts on time whatever the
+worker did; on a busy machine a worker that makes one call per request then falls behind, and
+the replay measures that backlog.
 
-Timed: everything the scheduler thread spends in steps 1-4, including the scan loop itself.
-Reported per contender, median over ``--rounds`` rounds run interleaved (kvtier, vLLM, vLLM,
-kvtier, ...): scheduler time per request and per step, ``lookup()`` calls per request and ns per
-call, backend calls, probes per probed key (how often each probed key was asked), and steps a
-request waited for its answer. Ratios are kvtier / vLLM. Both must give every request the same
-number of hit blocks; the benchmark fails if they do not.
+The tier starts with every block that two or more of the replayed requests share (a warm tier),
+so the blocks that stores add are ones no later request asks for, and the two managers' answers
+do not depend on when a store lands. Its ``batch_lookup`` sleeps 0.5 ms + 2 us per key on the
+probe worker thread (``--call-us``, ``--key-us``). Both managers see the same scan and the same
+tier; vLLM's is ``vllm.v1.kv_offload.tiering.async_lookup.AsyncLookupManager``, kvtier's runs
+with its defaults.
+
+Timed: everything the scheduler thread spends in steps 1-4, including the scan loop itself, as
+wall time (the measure) and as the thread's CPU time (``time.thread_time_ns``: without the
+time the operating system gave the core to other threads and processes, which on a busy machine
+is most of the spread between rounds).
+Reported per scan style and contender, median over ``--rounds`` rounds run interleaved (kvtier,
+vLLM, vLLM, kvtier, ...): scheduler time per request and per step, ``lookup()`` calls per
+request and ns per call, backend calls, probes per probed key (how often each probed key was
+asked), and steps a request waited for its answer. Ratios are kvtier / vLLM. Both must give
+every request the same number of hit blocks; the benchmark fails if they do not. With
+``--max-ratio X`` it also fails (exit 2) when kvtier's median time per request is above X times
+vLLM's on any scan.
 
 ``--mode synthetic`` runs the older synthetic step (64 requests x 32 keys, half shared, instant
 tier); it does not look like a scheduler scanning a trace and is kept only for comparison.
@@ -37,6 +56,7 @@ tier); it does not look like a scheduler scanning a trace and is kept only for c
 from __future__ import annotations
 
 import argparse
+import enum
 import gc
 import hashlib
 import importlib
@@ -52,9 +72,8 @@ from typing import Any
 
 from kvtier.keys import KEY_BYTES, BlockKey, Namespace, RequestContext, chain_keys
 from kvtier.lookup.manager import AsyncLookupManager
-from kvtier.replay import trace as _trace_module
 from kvtier.replay.reader import read_trace
-from kvtier.replay.trace import BUILTIN_PREFIX, BUILTIN_TRACES
+from kvtier.replay.trace import BUILTIN_PREFIX
 
 _VLLM_MODULE = "vllm.v1.kv_offload.tiering.async_lookup"
 
@@ -242,6 +261,7 @@ class _Round:
     """One contender's numbers for one replay of the plan."""
 
     sched_ns: int = 0
+    cpu_ns: int = 0
     drain_ns: int = 0
     scan_ns: int = 0
     flush_ns: int = 0
@@ -258,6 +278,10 @@ class _Round:
     @property
     def us_per_request(self) -> float:
         return self.sched_ns / self.requests / 1e3
+
+    @property
+    def cpu_us_per_request(self) -> float:
+        return self.cpu_ns / self.requests / 1e3
 
     @property
     def drain_us(self) -> float:
@@ -300,7 +324,7 @@ class _ModelledBackend:
     """The tier: a frozen set, answered after a modelled latency on the probe worker thread."""
 
     def __init__(self, present: frozenset[BlockKey], call_s: float, key_s: float) -> None:
-        self._present = present
+        self._present = set(present)
         self._call_s = call_s
         self._key_s = key_s
         self.calls = 0
@@ -315,6 +339,10 @@ class _ModelledBackend:
         time.sleep(self._call_s + self._key_s * len(keys))
         present = self._present
         return [key in present for key in keys]
+
+    def store(self, keys: list[BlockKey]) -> None:
+        """Stores landed (on the scheduler thread; one set update is atomic under the GIL)."""
+        self._present.update(keys)
 
 
 def _load_plan(source: str, args: argparse.Namespace) -> _Plan:
@@ -344,13 +372,24 @@ def _load_plan(source: str, args: argparse.Namespace) -> _Plan:
     return _Plan(trace.name, requests, present)
 
 
-def _replay(plan: _Plan, args: argparse.Namespace, make_context: Callable[[str], Any],
-            manager: Any, backend: _ModelledBackend,
-            wait_for_answers: Callable[[], None] | None) -> _Round:
-    """Drive ``manager`` through the plan like a scheduler; see the module docstring. With
-    ``wait_for_answers`` every step ends (untimed, unpaced) when the worker answered it."""
+class _Scan(enum.Enum):
+    """What the scheduler's scan of one request does after a None."""
+
+    STOP = "stop"  # the scan ends for this step (kvtier's tiering finder)
+    CONTINUE = "continue"  # the scan goes on until a False (vLLM's _maximal_prefix_lookup)
+
+
+def _replay(plan: _Plan, args: argparse.Namespace, scan: _Scan,
+            make_context: Callable[[str], Any], manager: Any, backend: _ModelledBackend,
+            note_stored: Callable[[list[BlockKey]], None] | None,
+            wait_for_answers: Callable[[], None]) -> _Round:
+    """Drive ``manager`` through the plan like a scheduler; see the module docstring. Between
+    two steps the model runs (untimed): until the worker answered (``--pacing answered``) or
+    until the next step is due (``--pacing paced``)."""
     lookup, flush = manager.lookup, manager.flush
     drain, cleanup = manager.drain_results, manager.cleanup
+    stop_at_none = scan is _Scan.STOP
+    paced = args.pacing == "paced"
     step_s = args.step_ms / 1e3
     arrivals: dict[int, list[tuple[Any, list[BlockKey], str, int]]] = {}
     for request in plan.requests:
@@ -358,20 +397,33 @@ def _replay(plan: _Plan, args: argparse.Namespace, make_context: Callable[[str],
             (make_context(request.req_id), request.keys, request.req_id, request.arrival_step))
     last_arrival = plan.requests[-1].arrival_step
     waiting: list[tuple[Any, list[BlockKey], str, int]] = []
-    finishing: dict[int, list[str]] = {}
+    finishing: dict[int, list[tuple[str, list[BlockKey]]]] = {}
     result = _Round(requests=len(plan.requests))
     hits_of: dict[str, int] = {}
-    clock = time.perf_counter_ns
+    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
+
+    def finish(req_id: str, computed: list[BlockKey]) -> None:
+        cleanup(req_id)
+        if computed:  # the request's stores land (the blocks it computed)
+            backend.store(computed)
+            if note_stored is not None:
+                note_stored(computed)
+
+    # Objects from before the round (the interpreter's, vLLM's and torch's when imported) are
+    # frozen: a full collection during the round then walks what the round allocated (each
+    # manager's own state), not a heap that belongs to neither (about 0.2 s on this machine).
+    # The round's caller unfreezes them when the round ends.
     gc.collect()
+    gc.freeze()
     step = 0
     lookups = 0
     next_start = time.perf_counter()
     while step <= last_arrival or waiting:
-        pause = next_start - time.perf_counter()
-        if pause > 0 and wait_for_answers is None:
-            time.sleep(pause)
-        next_start += step_s
+        cpu_start = cpu_clock()
         start = clock()
+        for req_id, computed in finishing.pop(step, ()):  # the last step's model run ended
+            finish(req_id, computed)
+        finished = clock()
         drain()
         drained = clock()
         waiting.extend(arrivals.get(step, ()))
@@ -385,6 +437,8 @@ def _replay(plan: _Plan, args: argparse.Namespace, make_context: Callable[[str],
                 verdict = lookup(block, context)
                 if verdict is None:
                     deferred = True
+                    if stop_at_none:
+                        break
                 elif verdict:
                     hits += 1
                 else:
@@ -394,28 +448,34 @@ def _replay(plan: _Plan, args: argparse.Namespace, make_context: Callable[[str],
             else:
                 hits_of[entry[2]] = hits
                 result.steps_waited += step - entry[3]
-                finishing.setdefault(step + args.run_steps, []).append(entry[2])
+                finishing.setdefault(step + args.run_steps, []).append((entry[2], keys[hits:]))
         waiting = still_waiting
         scanned = clock()
         flush()
-        flushed = clock()
-        for req_id in finishing.pop(step, ()):
-            cleanup(req_id)
         end = clock()
+        result.cpu_ns += cpu_clock() - cpu_start
         result.sched_ns += end - start
-        result.drain_ns += drained - start
+        result.cleanup_ns += finished - start
+        result.drain_ns += drained - finished
         result.scan_ns += scanned - drained
-        result.flush_ns += flushed - scanned
-        result.cleanup_ns += end - flushed
+        result.flush_ns += end - scanned
         step += 1
-        if wait_for_answers is not None:
+        # The model runs for a step; with --pacing answered at least until the worker answered.
+        if not paced:
             wait_for_answers()
+        next_start += step_s
+        pause = next_start - time.perf_counter()
+        if pause > 0:
+            time.sleep(pause)
+    cpu_start = cpu_clock()
     start = clock()
-    for req_ids in finishing.values():  # the tail: requests still running finish at once
-        for req_id in req_ids:
-            cleanup(req_id)
-    result.sched_ns += clock() - start
-    result.cleanup_ns += clock() - start
+    for finished_now in finishing.values():  # the tail: requests still running finish at once
+        for req_id, computed in finished_now:
+            finish(req_id, computed)
+    end = clock()
+    result.cpu_ns += cpu_clock() - cpu_start
+    result.sched_ns += end - start
+    result.cleanup_ns += end - start
     result.steps = step
     result.hits = [hits_of[request.req_id] for request in plan.requests]
     result.lookups = lookups
@@ -425,7 +485,7 @@ def _replay(plan: _Plan, args: argparse.Namespace, make_context: Callable[[str],
     return result
 
 
-def _kvtier_round(plan: _Plan, args: argparse.Namespace) -> _Round:
+def _kvtier_round(plan: _Plan, args: argparse.Namespace, scan: _Scan) -> _Round:
     backend = _ModelledBackend(plan.present, args.call_us / 1e6, args.key_us / 1e6)
 
     class ModelledTier(AsyncLookupManager):
@@ -440,13 +500,14 @@ def _kvtier_round(plan: _Plan, args: argparse.Namespace) -> _Round:
             raise RuntimeError("kvtier's probe worker did not answer within 60 s")
 
     try:
-        return _replay(plan, args, RequestContext, tier, backend,
-                       wait_for_answers if args.wait_for_answers else None)
+        return _replay(plan, args, scan, RequestContext, tier, backend, tier.note_stored,
+                       wait_for_answers)
     finally:
+        gc.unfreeze()
         tier.shutdown(timeout=10.0)
 
 
-def _vllm_round(plan: _Plan, args: argparse.Namespace, module: Any) -> _Round:
+def _vllm_round(plan: _Plan, args: argparse.Namespace, scan: _Scan, module: Any) -> _Round:
     from vllm.v1.kv_offload.base import ReqContext
 
     backend = _ModelledBackend(plan.present, args.call_us / 1e6, args.key_us / 1e6)
@@ -459,8 +520,8 @@ def _vllm_round(plan: _Plan, args: argparse.Namespace, module: Any) -> _Round:
     sent = [0, 0]  # batches handed to vLLM's worker, answers seen
 
     class Counting:
-        """vLLM has no test hook: count the flushes that hand keys to the worker (wait mode
-        only; one call per step)."""
+        """vLLM has no test hook: count the flushes that hand keys to the worker (``--pacing
+        answered`` only; one call per step, the rest is vLLM's own methods)."""
 
         lookup, drain_results, cleanup = tier.lookup, tier.drain_results, tier.cleanup
 
@@ -483,17 +544,18 @@ def _vllm_round(plan: _Plan, args: argparse.Namespace, module: Any) -> _Round:
             sent[1] += 1
 
     try:
-        if args.wait_for_answers:
-            return _replay(plan, args, lambda req_id: ReqContext(req_id=req_id), Counting,
-                           backend, wait_for_answers)
-        return _replay(plan, args, lambda req_id: ReqContext(req_id=req_id), tier, backend, None)
+        return _replay(plan, args, scan, lambda req_id: ReqContext(req_id=req_id),
+                       tier if args.pacing == "paced" else Counting, backend, None,
+                       wait_for_answers)
     finally:
+        gc.unfreeze()
         tier.shutdown()
 
 
 def _default_traces() -> list[str]:
-    bundled = {*BUILTIN_TRACES, *getattr(_trace_module, "BUILTIN_GENERATED", ())}
-    return [BUILTIN_PREFIX + name for name in ("conversation", "agentic") if name in bundled]
+    # Not builtin:agentic by default: with --scan stop a request asks one unknown key per step,
+    # so its 2,500-key prompts wait thousands of steps (give it with --scan continue).
+    return [BUILTIN_PREFIX + "conversation"]
 
 
 def _median_of(rounds: list[_Round], attribute: str) -> float:
@@ -502,10 +564,11 @@ def _median_of(rounds: list[_Round], attribute: str) -> float:
 
 _ROWS: tuple[tuple[str, str, str], ...] = (
     ("scheduler us / request", "us_per_request", "{:.1f}"),
+    ("  of it on the CPU", "cpu_us_per_request", "{:.1f}"),
+    ("  finish (cleanup, stores)", "cleanup_us", "{:.1f}"),
     ("  drain_results()", "drain_us", "{:.1f}"),
     ("  scan (lookup() calls)", "scan_us", "{:.1f}"),
     ("  flush()", "flush_us", "{:.1f}"),
-    ("  cleanup()", "cleanup_us", "{:.1f}"),
     ("scheduler us / step", "us_per_step", "{:.1f}"),
     ("lookup() calls / request", "lookups_per_request", "{:.1f}"),
     ("step ns / lookup() call", "ns_per_lookup", "{:.0f}"),
@@ -516,10 +579,11 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _report(plan: _Plan, ours: list[_Round], theirs: list[_Round]) -> None:
-    print(f"\n{plan.trace}: {len(plan.requests):,} requests, "
+def _report(plan: _Plan, scan: _Scan, ours: list[_Round], theirs: list[_Round]) -> float | None:
+    """Print one table; return kvtier's median time per request over vLLM's (None: no vLLM)."""
+    print(f"\n{plan.trace}, scan {scan.value}: {len(plan.requests):,} requests, "
           f"{sum(len(r.keys) for r in plan.requests):,} keys, {len(plan.present):,} held by the "
-          f"tier; median of {len(ours)} interleaved rounds")
+          f"tier at the start; median of {len(ours)} interleaved rounds")
     header = f"{'':26}{'kvtier':>12}"
     if theirs:
         header += f"{'vLLM 0.32':>12}{'kvtier/vLLM':>13}"
@@ -532,10 +596,12 @@ def _report(plan: _Plan, ours: list[_Round], theirs: list[_Round]) -> None:
             ratio = f"{mine / other:.2f}x" if other else "-"
             line += f"{spec.format(other):>12}{ratio:>13}"
         print(line)
-    if theirs:
-        spread = sorted(mine.us_per_request / other.us_per_request
-                        for mine, other in zip(ours, theirs, strict=True))
-        print("per-request ratio by round: " + ", ".join(f"{x:.2f}" for x in spread))
+    if not theirs:
+        return None
+    spread = sorted(mine.us_per_request / other.us_per_request
+                    for mine, other in zip(ours, theirs, strict=True))
+    print("per-request ratio by round: " + ", ".join(f"{x:.2f}" for x in spread))
+    return _median_of(ours, "us_per_request") / _median_of(theirs, "us_per_request")
 
 
 def _owner_check_ns() -> float:
@@ -548,30 +614,49 @@ def _owner_check_ns() -> float:
     return max(0.0, check - empty) / loops * 1e9
 
 
+def _scans(args: argparse.Namespace) -> list[_Scan]:
+    return list(_Scan) if args.scan == "both" else [_Scan(args.scan)]
+
+
+def _compare(plan: _Plan, args: argparse.Namespace, scan: _Scan,
+             vllm_module: Any) -> tuple[list[_Round], list[_Round]]:
+    ours: list[_Round] = []
+    theirs: list[_Round] = []
+    for index in range(args.rounds):
+        # alternate who goes first so drift hits both contenders alike
+        order = ("kvtier", "vllm") if index % 2 == 0 else ("vllm", "kvtier")
+        for contender in order:
+            if contender == "kvtier":
+                ours.append(_kvtier_round(plan, args, scan))
+            elif vllm_module is not None:
+                theirs.append(_vllm_round(plan, args, scan, vllm_module))
+    return ours, theirs
+
+
 def _trace_main(args: argparse.Namespace, vllm_module: Any) -> int:
+    over: list[str] = []
     for source in args.trace or _default_traces():
         plan = _load_plan(source, args)
-        ours: list[_Round] = []
-        theirs: list[_Round] = []
-        for index in range(args.rounds):
-            # alternate who goes first so drift hits both contenders alike
-            order = ("kvtier", "vllm") if index % 2 == 0 else ("vllm", "kvtier")
-            for contender in order:
-                if contender == "kvtier":
-                    ours.append(_kvtier_round(plan, args))
-                elif vllm_module is not None:
-                    theirs.append(_vllm_round(plan, args, vllm_module))
-        for mine, other in zip(ours, theirs, strict=True):
-            if mine.hits != other.hits:
-                differ = sum(a != b for a, b in zip(mine.hits, other.hits, strict=True))
-                print(f"{plan.trace}: kvtier and vLLM disagree on the hits of {differ} "
-                      "requests", file=sys.stderr)
-                return 1
-        _report(plan, ours, theirs)
+        for scan in _scans(args):
+            ours, theirs = _compare(plan, args, scan, vllm_module)
+            for mine, other in zip(ours, theirs or ours, strict=True):  # no vLLM: nothing
+                if mine.hits != other.hits:
+                    differ = sum(a != b for a, b in zip(mine.hits, other.hits, strict=True))
+                    print(f"{plan.trace}, scan {scan.value}: kvtier and vLLM disagree on the "
+                          f"hits of {differ} requests", file=sys.stderr)
+                    return 1
+            ratio = _report(plan, scan, ours, theirs)
+            if ratio is not None and args.max_ratio is not None and ratio > args.max_ratio:
+                over.append(f"{plan.trace} scan {scan.value}: {ratio:.2f}x")
     print(f"\nowner-thread check: {_owner_check_ns():.0f} ns per scheduler call "
           "(get_ident() and a compare), included in kvtier's numbers")
-    print(f"python {sys.version.split()[0]}; steps every {args.step_ms} ms, "
+    pacing = (f"steps every {args.step_ms} ms" if args.pacing == "paced"
+              else f"steps every {args.step_ms} ms or when the worker answered, if later")
+    print(f"python {sys.version.split()[0]}; {pacing}, "
           f"{args.arrivals} arrivals per step, backend {args.call_us} us + {args.key_us} us/key")
+    if over:
+        print(f"kvtier above --max-ratio {args.max_ratio}: " + "; ".join(over), file=sys.stderr)
+        return 2
     return 0
 
 
@@ -619,14 +704,21 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument("--requests", type=int, default=1_500, help="requests per trace")
     trace.add_argument("--rounds", type=int, default=7,
                        help="interleaved rounds per contender (median reported)")
-    trace.add_argument("--step-ms", type=float, default=2.0, help="engine step length")
+    trace.add_argument("--step-ms", type=float, default=2.0,
+                       help="model time per engine step")
     trace.add_argument("--arrivals", type=float, default=1.0,
                        help="mean requests arriving per step")
     trace.add_argument("--run-steps", type=int, default=32,
                        help="steps a request runs after its answer before cleanup()")
-    trace.add_argument("--wait-for-answers", action="store_true",
-                       help="end every step (untimed) when the worker answered it: both "
-                            "managers then answer in one step, so only bookkeeping is compared")
+    trace.add_argument("--pacing", choices=("answered", "paced"), default="answered",
+                       help="when the next step starts: after --step-ms and once the probe "
+                            "worker answered the step's batch (default; a model step is longer "
+                            "than a probe), or after --step-ms whatever the worker did")
+    trace.add_argument("--scan", choices=("both", *(scan.value for scan in _Scan)),
+                       default="both", help="what a request's scan does after a None: stop "
+                       "for this step, or continue to start every probe (default: both)")
+    trace.add_argument("--max-ratio", type=float, default=None, metavar="X",
+                       help="exit 2 when kvtier's time per request is above X times vLLM's")
     trace.add_argument("--call-us", type=float, default=500.0, help="backend latency per call")
     trace.add_argument("--key-us", type=float, default=2.0, help="backend latency per key")
     synthetic = parser.add_argument_group("synthetic mode")
@@ -646,6 +738,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "steps", "reps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_ratio is not None and not args.max_ratio > 0:
+        parser.error(f"--max-ratio must be > 0, got {args.max_ratio}")
     for name in ("step_ms", "arrivals"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")

@@ -71,7 +71,7 @@ def test_release_caches_a_cacheable_verdict_and_forgets_the_rest() -> None:
     fault = _resolved(table, 2, None)
     table.release(cached)
     table.release(fault)
-    assert key(1) in table.verdicts and key(2) not in table.states
+    assert key(1) in table.cached and key(2) not in table.states
     assert (len(table.states), table.tracked) == (1, 0)
 
 
@@ -80,7 +80,7 @@ def test_cache_bound_drops_the_evicted_states() -> None:
     for index in range(3):
         table.release(_resolved(table, index, 10.0))
     assert sorted(table.states) == [key(1), key(2)]
-    assert table.verdicts.evictions == 1
+    assert table.evictions == 1
 
 
 def test_reuse_cached_takes_a_live_verdict_and_forgets_a_lapsed_one() -> None:
@@ -90,9 +90,9 @@ def test_reuse_cached_takes_a_live_verdict_and_forgets_a_lapsed_one() -> None:
     table.release(live)
     table.release(lapsed)
     assert table.reuse_cached(live, 9.0) is True
-    assert key(1) in table.states and key(1) not in table.verdicts and table.tracked == 1
+    assert key(1) in table.states and key(1) not in table.cached and table.tracked == 1
     assert table.reuse_cached(lapsed, 5.0) is False
-    assert key(2) not in table.states and key(2) not in table.verdicts
+    assert key(2) not in table.states and key(2) not in table.cached
 
 
 def test_override_supersedes_a_running_probe_and_releases_an_unheld_state() -> None:
@@ -102,9 +102,9 @@ def test_override_supersedes_a_running_probe_and_releases_an_unheld_state() -> N
     old_generation = state.generation
     table.override(state, True, VerdictSource.NOTED, 30.0)
     assert state.generation > old_generation and state.phase is LookupPhase.RESOLVED
-    assert table.verdicts.get(key(1)) is state  # nobody holds it: cached at once
+    assert table.cached.get(key(1)) is state  # nobody holds it: cached at once
     table.override(state, False, VerdictSource.MISS_MARKED, None)
-    assert key(1) not in table.states and key(1) not in table.verdicts
+    assert key(1) not in table.states and key(1) not in table.cached
 
 
 def test_forget_leaves_a_newer_state_of_the_same_key_alone() -> None:
@@ -119,7 +119,7 @@ def test_sweep_and_restart() -> None:
     table = KeyTable(max_cached_verdicts=4)
     table.release(_resolved(table, 1, 5.0))
     table.sweep(5.0)
-    assert not table.states and not table.verdicts
+    assert not table.states and not table.cached
     state = _resolved(table, 2, 5.0, refs=1)
     state.restart(next(table.generations))
     assert (state.phase, state.verdict, state.source, state.cache_expiry) == (

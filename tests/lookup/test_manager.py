@@ -430,7 +430,7 @@ def test_cache_hits_refresh_recency_and_the_release_queue_stays_bounded(
     for round_ in range(500):  # key 0 is served from the cache and released again and again
         assert tier.lookup(key(0), ctx(f"again{round_}")) is True
         tier.cleanup(f"again{round_}")
-    assert len(tier._keys.verdicts) <= 2
+    assert len(tier._keys.cached) <= 2
     tier.lookup(key(2), ctx("r2"))
     step(tier)
     tier.cleanup("r2")  # evicts the least recently released verdict: key 1, not key 0
@@ -1165,3 +1165,98 @@ def test_lookup_of_a_resolved_key_does_not_read_the_clock(make: Callable[..., Se
         assert tier.lookup(key(1), ctx("r1")) is True
         assert tier.lookup(key(1), ctx("r2")) is True
     assert reads[0] == 0
+
+
+# --------------------------------------------------------------------------- hot-path shortcuts
+
+
+class _OneScopeTier(AsyncLookupManager):
+    """Keeps the default ``lookup_scope``: the worker then skips its per-key scope calls."""
+
+    def __init__(self, present: set[BlockKey], **options: Any) -> None:
+        self.present = present
+        self.calls: list[tuple[list[BlockKey], str]] = []
+        super().__init__("one-scope", **options)
+
+    def batch_lookup(self, keys: list[BlockKey], req_context: RequestContext) -> Sequence[bool]:
+        self.calls.append((list(keys), req_context.req_id))
+        return [key in self.present for key in keys]
+
+
+def test_default_scope_is_one_call_in_chunks_with_the_first_requests_context(
+    clock: FakeClock,
+) -> None:
+    tier = _OneScopeTier({key(0), key(3)}, clock=clock, max_batch_keys=2)
+    try:
+        tier.lookup(key(0), ctx("first"))
+        tier.lookup(key(1), ctx("second"))
+        tier.lookup(key(2), ctx("third"))
+        step(tier)
+        assert tier.calls == [([key(0), key(1)], "first"), ([key(2)], "first")]
+        assert [tier.lookup(key(i), ctx("second")) for i in range(3)] == [True, False, False]
+    finally:
+        tier.shutdown(timeout=WAIT_S)
+
+
+def test_note_stored_flips_a_released_verdict_in_place_and_makes_it_the_newest(
+    make: Callable[..., SetTier],
+) -> None:
+    """The finish of a request: cleanup caches its False verdicts, then its stores land."""
+    tier = make(key(9), max_cached_verdicts=2, verdict_ttl_s=60)
+    tier.lookup(key(1), ctx("r1"))
+    tier.lookup(key(9), ctx("r9"))
+    step(tier)
+    tier.cleanup("r1")  # key 1 released first (False), then key 9 (True)
+    tier.cleanup("r9")
+    tier.note_stored([key(1)])  # key 1: True now, and the most recently released
+    tier.lookup(key(5), ctx("r5"))
+    step(tier)
+    tier.cleanup("r5")  # a third verdict evicts the oldest: key 9, not key 1
+    stats = tier.stats
+    assert (stats.cached_verdicts, stats.verdict_cache_evictions) == (2, 1)
+    assert tier.lookup(key(1), ctx("r6")) is True  # served from the cache, no probe
+    assert tier.lookup(key(9), ctx("r6")) is None
+    assert stats.invariant_violations == 0
+    assert [sorted(keys) for keys, _ in tier.calls] == [[key(1), key(9)], [key(5)]]
+
+
+def test_note_stored_with_the_cache_disabled_drops_a_released_state(
+    make: Callable[..., SetTier],
+) -> None:
+    tier = make(verdict_ttl_s=0)
+    tier.lookup(key(1), ctx("r1"))
+    step(tier)
+    tier.cleanup("r1")
+    tier.note_stored([key(1), key(2)])
+    assert (tier.tracked_keys, tier.stats.cached_verdicts) == (0, 0)
+    assert tier.lookup(key(1), ctx("r2")) is None  # nothing cached: probed again
+
+
+def test_a_lapsed_cached_verdict_is_probed_again_and_the_quarantine_still_refuses(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    tier = make(key(1), key(2), verdict_ttl_s=1.0)
+    tier.lookup(key(1), ctx("r1"))
+    tier.lookup(key(2), ctx("r1"))
+    step(tier)
+    tier.cleanup("r1")
+    clock.advance(1.0)  # both cached verdicts lapse (not swept yet: no flush)
+    tier.mark_miss([key(2)])
+    assert tier.lookup(key(1), ctx("r2")) is None  # lapsed: a new probe
+    assert tier.lookup(key(2), ctx("r2")) is False  # quarantined, not probed
+    step(tier)
+    assert tier.lookup(key(1), ctx("r2")) is True
+    assert [sorted(keys) for keys, _ in tier.calls] == [[key(1), key(2)], [key(1)]]
+    assert tier.stats.verdict_cache_hits == 0
+
+
+def test_bad_keys_in_a_long_note_are_named_and_nothing_changes(
+    make: Callable[..., SetTier],
+) -> None:
+    tier = make()
+    good = [key(i) for i in range(5)]
+    with pytest.raises(ValueError, match=r"keys\[5\] must be 1..255 bytes long, got 0"):
+        tier.note_stored([*good, b""])
+    with pytest.raises(TypeError, match=r"keys\[2\] must be a BlockKey \(bytes\), got str"):
+        tier.note_removed(iter([key(1), key(2), "x"]))  # type: ignore[list-item]
+    assert tier.stats.cached_verdicts == 0

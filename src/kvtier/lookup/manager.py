@@ -34,7 +34,7 @@ from typing import Final
 
 from kvtier.backends.base import RateLimitedLog
 from kvtier.errors import ClosedError, KvtierError
-from kvtier.keys import BlockKey, RequestContext, check_key, validate_keys
+from kvtier.keys import MAX_KEY_BYTES, BlockKey, RequestContext, check_key, validate_keys
 from kvtier.lookup.breaker import BreakerState, CircuitBreaker
 from kvtier.lookup.expiry import ExpiryMap
 from kvtier.lookup.settings import LOOKUP_SETTINGS
@@ -117,6 +117,16 @@ def _check_number(name: str, value: object, *, minimum: float, maximum: float = 
     return number
 
 
+def _checked_keys(keys: Iterable[BlockKey]) -> list[BlockKey]:
+    """``keys`` as a list of block keys; one type and length test per key on the good path,
+    :func:`~kvtier.keys.validate_keys` (which names the first bad key) otherwise."""
+    checked = keys if type(keys) is list else list(keys)
+    for key in checked:
+        if key.__class__ is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
+            return validate_keys(checked, "keys")
+    return checked
+
+
 def _clock_reader(clock: Callable[[], float], now: float | None) -> Callable[[], float]:
     return clock if now is None else (lambda: now)
 
@@ -150,8 +160,11 @@ class AsyncLookupManager(abc.ABC):
     flush, and in ``lookup`` only on slow paths: a verdict-cache hit (its expiry), the
     quarantine and breaker checks of a new key, and a key still in flight (its deadline) — so a
     probe's timeout is detected at the latest at the next flush or at the next lookup of any of
-    its keys. Releasing a request (``cleanup``) is one pass over its keys; a released verdict
-    stays in place as the cache entry.
+    its keys. The common first lookups (a new key, a key other requests hold, a cached verdict)
+    and the released-verdict paths of ``cleanup`` and ``note_stored`` make no method call per
+    key. Releasing a request (``cleanup``) is one pass over its keys; a released verdict stays
+    in place as the cache entry. ``flush`` costs what the step brought (new keys, answers,
+    lapsed entries): each piece of upkeep with nothing to do is skipped by one test.
 
     Verdicts from faults (errors, malformed results, timeouts, an open breaker) are False and are
     shared by the requests attached to that key while they live, but are never cached for
@@ -218,7 +231,10 @@ class AsyncLookupManager(abc.ABC):
         self._lookup_count = 0
         self._lifecycle = _LIFECYCLE_RUNNING
         self._gate = _GATE_READY
-        self._worker = ProbeWorker(tier_name, self.batch_lookup, self.lookup_scope,
+        # The default scope (one for every request) spares the worker a call per key.
+        scoped = type(self).lookup_scope is not AsyncLookupManager.lookup_scope
+        self._worker = ProbeWorker(tier_name, self.batch_lookup,
+                                   self.lookup_scope if scoped else None,
                                    self._max_batch_keys, clock)
 
     # ------------------------------------------------------------------ subclass API
@@ -244,6 +260,9 @@ class AsyncLookupManager(abc.ABC):
 
     def lookup(self, key: BlockKey, req_context: RequestContext) -> bool | None:
         """True present, False absent, None not yet known (ask again next step). Never blocks."""
+        # The hot path of the whole manager: a scheduler calls this for every key of every
+        # waiting request every step. The common cases are inlined (a method call costs about
+        # as much as the rest of a call), and only slow or rare cases leave this function.
         if _get_ident() != self._owner:
             self._claim("lookup")
         if self._gate is not _GATE_READY:
@@ -262,23 +281,47 @@ class AsyncLookupManager(abc.ABC):
         else:
             attached = self._switch_request(req_id, req_context)
         state = attached.get(key)
-        if state is not None:  # this request already holds the key: the common scan
-            verdict = state.verdict
-            if verdict is None and state.phase is _PHASE_IN_FLIGHT:
-                return self._in_flight_verdict(state)
-            return verdict
-        state = self._states.get(key)
-        if state is not None or self._check_new_keys:
-            return self._attach(key, state, req_context, attached)
-        # A key nobody holds, nothing refusing new keys: start its probe (inlined: hot).
-        check_key(key)
-        generation = next(self._generations)
-        state = self._states[key] = KeyState(key, generation, _PHASE_PENDING)
-        if not attached:
-            self._request_keys[req_id] = attached
-        attached[key] = state
-        self._pending.append((key, generation, req_context))
-        return None
+        if state is None:  # the first lookup of this key by this request
+            state = self._states.get(key)
+            if state is None:
+                if self._check_new_keys:
+                    return self._attach(key, None, req_context, attached)
+                # A key nobody holds, nothing refusing new keys: start its probe.
+                if key.__class__ is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
+                    check_key(key)  # raises naming what was expected (or passes a subclass)
+                generation = next(self._generations)
+                state = self._states[key] = KeyState(key, generation, _PHASE_PENDING)
+                if not attached:
+                    self._request_keys[req_id] = attached
+                attached[key] = state
+                self._pending.append((key, generation, req_context))
+                return None
+            if state.refs:
+                if state.source is _SOURCE_FAULT:
+                    return self._reprobe_after_fault(state, req_context, attached)
+                # Held by other requests: join their probe or verdict.
+                if state.phase is not _PHASE_RESOLVED:
+                    self._counters.inflight_reuses += 1
+            elif state.phase is _PHASE_RESOLVED:
+                # Nobody holds it and it is resolved: a cached verdict (KeyTable's invariant).
+                expiry = state.cache_expiry
+                if expiry is None or self._clock() >= expiry:
+                    return self._attach(key, state, req_context, attached)  # lapsed: forget it
+                cached = self._keys.cached
+                if cached.pop(key, None) is not state:
+                    self._violation("cached verdict of key %s is not in the cache", key.hex())
+                self._counters.verdict_cache_hits += 1
+            else:
+                self._counters.inflight_reuses += 1  # an orphan probe in flight: adopt it
+            if not attached:
+                self._request_keys[req_id] = attached
+            attached[key] = state
+            state.refs += 1
+        verdict = state.verdict
+        if (verdict is None and state.phase is _PHASE_IN_FLIGHT
+                and (now := self._clock()) >= state.deadline):
+            return self._past_deadline(state, now)
+        return verdict
 
     def flush(self) -> None:
         """Once per engine step: apply finished results, then send the step's new keys."""
@@ -287,10 +330,21 @@ class AsyncLookupManager(abc.ABC):
         if self._lifecycle is _LIFECYCLE_CLOSED:
             raise _closed_error(self._tier_name, "flush")
         now = self._clock()
-        self._drain(now)
-        self._expire_timed_out(now)
-        self._keys.sweep(now)
-        self._quarantine.sweep(now)
+        # Each piece of per-step upkeep is skipped by one test when it has nothing to do, so
+        # a flush costs what the step brought (new keys, answers, lapsed entries), not a
+        # pass over the manager's state.
+        if not self._worker.results.empty():
+            self._drain(now)
+        inflight = self._inflight_batches
+        if inflight and next(iter(inflight.values())).deadline <= now:
+            self._expire_timed_out(now)
+        cached = self._keys.cached
+        if cached:
+            expiry = next(iter(cached.values())).cache_expiry
+            if expiry is None or expiry <= now:
+                self._keys.sweep(now)
+        if self._quarantine:
+            self._quarantine.sweep(now)
         self._check_new_keys = bool(self._quarantine) or self._breaker.state is not _BREAKER_CLOSED
         self._gate = _GATE_DRAIN_FIRST
         if not self._pending:
@@ -347,7 +401,10 @@ class AsyncLookupManager(abc.ABC):
         attached = self._request_keys.pop(req_id, None)
         if not attached:
             return
-        release = self._keys.release
+        # KeyTable.release() inlined: this loop runs once per key of every finished request.
+        # A state held until now is not in the cache, so caching it is one insertion.
+        table = self._keys
+        cached, states = table.cached, self._states
         for state in attached.values():
             refs = state.refs - 1
             state.refs = refs
@@ -357,13 +414,19 @@ class AsyncLookupManager(abc.ABC):
                                     state.key.hex())
                     state.refs = 0
                 continue
-            release(state)
+            if state.cache_expiry is None:
+                if states.get(state.key) is state:
+                    del states[state.key]
+            else:
+                cached[state.key] = state
+        if len(cached) > table.capacity:
+            table.evict_over_capacity()
 
     def mark_miss(self, keys: Iterable[BlockKey]) -> None:
         """A load failed: force False now and quarantine the keys for ``quarantine_s``."""
         if _get_ident() != self._owner:
             self._claim("mark_miss")
-        checked = validate_keys(keys, "keys")
+        checked = _checked_keys(keys)
         if self._lifecycle is _LIFECYCLE_CLOSED or not checked:
             return
         until = self._clock() + self._quarantine_s
@@ -376,7 +439,7 @@ class AsyncLookupManager(abc.ABC):
             state = self._states.get(key)
             if state is None:
                 continue
-            if key in table.verdicts:
+            if key in table.cached:
                 table.forget(state)
             else:
                 table.override(state, False, _SOURCE_MISS_MARKED, None)
@@ -420,7 +483,7 @@ class AsyncLookupManager(abc.ABC):
         """The phase of ``key``'s live probe; None when it has none (a cached verdict is not a
         live probe)."""
         state = self._states.get(key)
-        return None if state is None or key in self._keys.verdicts else state.phase
+        return None if state is None or key in self._keys.cached else state.phase
 
     @property
     def tracked_keys(self) -> int:
@@ -433,9 +496,9 @@ class AsyncLookupManager(abc.ABC):
         return replace(
             self._counters,
             lookups=self._lookup_count,
-            verdict_cache_evictions=self._keys.verdicts.evictions,
+            verdict_cache_evictions=self._keys.evictions,
             quarantine_evictions=self._quarantine.evictions,
-            cached_verdicts=len(self._keys.verdicts),
+            cached_verdicts=len(self._keys.cached),
             quarantined_keys=len(self._quarantine),
             inflight_batches=len(self._inflight_batches),
             breaker_state=self._breaker.state,
@@ -489,7 +552,7 @@ class AsyncLookupManager(abc.ABC):
                 attached: dict[BlockKey, KeyState]) -> bool | None:
         """First lookup of ``key`` by this request, when the key has a state (a probe, a verdict,
         a cached verdict) or new keys may be refused (quarantine entries, breaker not closed)."""
-        if state is not None and key in self._keys.verdicts:
+        if state is not None and key in self._keys.cached:
             if self._keys.reuse_cached(state, self._clock()):
                 self._counters.verdict_cache_hits += 1
             else:
@@ -515,8 +578,9 @@ class AsyncLookupManager(abc.ABC):
         attached[key] = state
         state.refs += 1
         verdict = state.verdict
-        if verdict is None and state.phase is _PHASE_IN_FLIGHT:
-            return self._in_flight_verdict(state)
+        if (verdict is None and state.phase is _PHASE_IN_FLIGHT
+                and (now := self._clock()) >= state.deadline):
+            return self._past_deadline(state, now)
         return verdict
 
     def _refuse_new(self, key: BlockKey) -> VerdictSource | None:
@@ -536,12 +600,11 @@ class AsyncLookupManager(abc.ABC):
             return _SOURCE_FAULT
         return None
 
-    def _in_flight_verdict(self, state: KeyState) -> bool | None:
-        now = self._clock()
-        if now >= state.deadline:
-            # An answer already posted by the worker is not a timeout (as in flush).
-            self._drain(now)
-            self._expire_timed_out(now)
+    def _past_deadline(self, state: KeyState, now: float) -> bool | None:
+        """A key in flight past its deadline: an answer the worker already posted is applied
+        (not a timeout, as in flush); otherwise the batch times out if the worker is stuck."""
+        self._drain(now)
+        self._expire_timed_out(now)
         return state.verdict
 
     def _reprobe_after_fault(self, state: KeyState, req_context: RequestContext,
@@ -648,22 +711,34 @@ class AsyncLookupManager(abc.ABC):
                 self._tier_name, timed_out, self._probe_timeout_s)
 
     def _note(self, keys: Iterable[BlockKey], verdict: bool) -> None:
-        checked = validate_keys(keys, "keys")
+        checked = _checked_keys(keys)
         if self._lifecycle is _LIFECYCLE_CLOSED or not checked:
             return
         ttl = self._verdict_ttl_s
         expiry = self._clock() + ttl if ttl > 0 else None
-        states = self._states
+        table = self._keys
+        states, cached = self._states, table.cached
+        quarantine = self._quarantine if verdict and self._quarantine else None
         for key in checked:
-            if verdict:
-                self._quarantine.pop(key)
+            if quarantine is not None:
+                quarantine.pop(key)
             state = states.get(key)
-            if state is None:
-                if expiry is None:
-                    continue
-                state = KeyState(key, next(self._generations), _PHASE_RESOLVED, 0)
-                states[key] = state
-            self._keys.override(state, verdict, _SOURCE_NOTED, expiry)
+            if state is not None:
+                if (expiry is not None and not state.refs and state.phase is _PHASE_RESOLVED
+                        and cached.get(key) is state):
+                    # A cached verdict (the request that computed the block released it): set
+                    # it in place and make it the newest (KeyTable.override() inlined).
+                    state.verdict, state.source, state.cache_expiry = verdict, _SOURCE_NOTED, expiry
+                    cached.move_to_end(key)
+                else:
+                    table.override(state, verdict, _SOURCE_NOTED, expiry)
+            elif expiry is not None:
+                # A key nobody holds (the common store): a new cached verdict, the newest.
+                state = KeyState(key, next(self._generations), _PHASE_RESOLVED, 0, verdict,
+                                 _SOURCE_NOTED, math.inf, expiry)
+                states[key] = cached[key] = state
+        if len(cached) > table.capacity:
+            table.evict_over_capacity()
 
     def _violation(self, message: str, *args: object) -> None:
         self._counters.invariant_violations += 1

@@ -19,7 +19,7 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -72,14 +72,17 @@ def as_verdict(item: object) -> bool | None:
 
 class ProbeWorker:
     """Unions each batch's keys per lookup scope and calls ``batch_lookup`` in chunks of at most
-    ``max_batch_keys``; every batch gets exactly one result, whatever the backend does."""
+    ``max_batch_keys``; every batch gets exactly one result, whatever the backend does.
+    ``lookup_scope`` None: every request shares one scope (the manager's default), so the
+    worker does not call it per key."""
 
     __slots__ = ("_batch_lookup", "_clock", "_lookup_scope", "_max_batch_keys", "_posted",
                  "_posted_cond", "_requests", "_stop", "_tier", "busy_since", "results",
                  "thread")
 
-    def __init__(self, tier_name: str, batch_lookup: BatchLookup, lookup_scope: LookupScope,
-                 max_batch_keys: int, clock: Callable[[], float]) -> None:
+    def __init__(self, tier_name: str, batch_lookup: BatchLookup,
+                 lookup_scope: LookupScope | None, max_batch_keys: int,
+                 clock: Callable[[], float]) -> None:
         self._tier = tier_name
         self._batch_lookup = batch_lookup
         self._lookup_scope = lookup_scope
@@ -147,33 +150,42 @@ class ProbeWorker:
             return -math.inf
 
     def _probe(self, batch: ProbeBatch, logs: dict[str, RateLimitedLog]) -> ProbeResult:
-        groups: dict[Hashable, tuple[RequestContext, list[tuple[BlockKey, int]]]] = {}
-        for key, generation, req_context in batch.entries:
-            scope = self._lookup_scope(req_context)
-            group = groups.get(scope)
-            if group is None:
-                groups[scope] = (req_context, [(key, generation)])
-            else:
-                group[1].append((key, generation))
         answers: list[tuple[BlockKey, int, bool, bool]] = []
         outcomes: list[bool] = []
         error_keys = 0
         chunk_size = self._max_batch_keys
-        for req_context, members in groups.values():
-            for start in range(0, len(members), chunk_size):
-                chunk = members[start : start + chunk_size]
-                verdicts = self._call_backend([key for key, _ in chunk], req_context, logs)
+        for req_context, keys, generations in self._groups(batch.entries):
+            for start in range(0, len(keys), chunk_size):
+                chunk = keys[start : start + chunk_size]
+                chunk_generations = generations[start : start + chunk_size]
+                verdicts = self._call_backend(chunk, req_context, logs)
                 if verdicts is None:
                     outcomes.append(False)
                     error_keys += len(chunk)
-                    answers.extend((key, generation, False, False) for key, generation in chunk)
+                    answers.extend(zip(chunk, chunk_generations, itertools.repeat(False),
+                                       itertools.repeat(False)))
                 else:
                     outcomes.append(True)
-                    answers.extend(
-                        (key, generation, verdict, True)
-                        for (key, generation), verdict in zip(chunk, verdicts, strict=True)
-                    )
+                    answers.extend(zip(chunk, chunk_generations, verdicts,
+                                       itertools.repeat(True)))
         return ProbeResult(batch.batch_id, answers, outcomes, error_keys, self._clock())
+
+    def _groups(self, entries: list[Entry]
+                ) -> Iterable[tuple[RequestContext, list[BlockKey], list[int]]]:
+        """(context of the scope's first request, keys, generations) per lookup scope."""
+        if self._lookup_scope is None:  # one scope: no per-key scope call
+            return [(entries[0][2], [entry[0] for entry in entries],
+                     [entry[1] for entry in entries])] if entries else []
+        groups: dict[Hashable, tuple[RequestContext, list[BlockKey], list[int]]] = {}
+        for key, generation, req_context in entries:
+            scope = self._lookup_scope(req_context)
+            group = groups.get(scope)
+            if group is None:
+                groups[scope] = (req_context, [key], [generation])
+            else:
+                group[1].append(key)
+                group[2].append(generation)
+        return groups.values()
 
     def _call_backend(self, keys: list[BlockKey], req_context: RequestContext,
                       logs: dict[str, RateLimitedLog]) -> list[bool] | None:
@@ -182,7 +194,7 @@ class ProbeWorker:
         try:
             raw = self._batch_lookup(keys, req_context)
             # One more than expected is enough to detect a result that is too long.
-            items = list(itertools.islice(raw, len(keys) + 1))
+            items: list[object] = list(itertools.islice(raw, len(keys) + 1))
         except Exception as exc:
             logs["error"].warning("tier %s: batch_lookup of %d keys failed: %r",
                                   tier, len(keys), exc)
@@ -192,6 +204,11 @@ class ProbeWorker:
                                    f"{len(items)}" if len(items) <= len(keys) else "too many",
                                    len(keys))
             return None
+        for item in items:  # the common answer: only bools, nothing to convert
+            if item is not True and item is not False:
+                break
+        else:
+            return items  # type: ignore[return-value]  # every item is a bool (tested above)
         verdicts: list[bool] = []
         for index, item in enumerate(items):
             verdict = as_verdict(item)
