@@ -111,6 +111,7 @@ __all__ = [
     "kv_transfer_config",
     "kvtier_loaded_blocks",
     "kvtier_stored_blocks",
+    "later_turns",
     "machine_info",
     "main",
     "outputs_match",
