@@ -274,7 +274,9 @@ def run_benchmark(settings: BenchSettings) -> dict[str, Any]:
                   "cpu_tier_bytes": settings.cpu_tier_bytes},
         "trace": {"name": TRACES[settings.trace], "window_start": settings.window_start,
                   "requests": settings.requests, "output_len": settings.output_len,
-                  "passes": "warm + measured (same requests); restart and no-reuse: measured",
+                  "passes": ("measured (sessions: one pass)" if settings.trace == "agentic"
+                             else "warm + measured (same requests); restart and no-reuse: "
+                             "measured"),
                   "max_concurrency": settings.max_concurrency,
                   "request_rate": settings.request_rate,
                   "sessions": (settings.sessions if settings.trace == "agentic" else None),
