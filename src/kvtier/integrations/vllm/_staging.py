@@ -326,7 +326,18 @@ class PrefetchStaging:
             batch = self._batches.get()
             if batch is None:
                 return
-            self._read(batch)
+            try:
+                self._read(batch)
+            except Exception as exc:  # never leave a batch marked in flight: prefetch stops
+                self._io_log.warning("prefetch staging: batch of %d blocks dropped: %r",
+                                     len(batch), exc)
+                with self._lock:
+                    for entry in batch:
+                        if self._entries.get(entry.key) is entry:
+                            self._counts.cancelled_blocks += 1
+                            self._remove(entry)
+                    self._reading = False
+                    self._reader_idle.set()
 
     def _read(self, batch: list[_Entry]) -> None:
         buffers = [bytearray(self._block_bytes) for _ in batch]
