@@ -5,6 +5,7 @@ smoke test in ``test_vllm_serve.py``)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from pathlib import Path
 
@@ -115,3 +116,57 @@ def test_the_agentic_trace_feeds_the_client_with_distinct_sessions(tmp_path: Pat
     assert info["prompt_tokens"] == sum(min(len(r["hash_ids"]), 63) * 32 for r in rows)
     with pytest.raises(sb.ServeBenchError, match="unknown --trace 'nope'"):
         sb.trace_rows("nope", 1)
+
+
+def test_agentic_sessions_are_scaled_to_the_context_and_keep_growing_prefixes() -> None:
+    rows = sb.trace_rows("agentic", 30, sessions=3, speed=4.0, max_blocks=63)
+    assert all(0 < len(row["hash_ids"]) <= 63 for row in rows)
+    by_session: dict[object, list[list[int]]] = {}
+    for row in rows:
+        by_session.setdefault(row["session"], []).append(row["hash_ids"])
+    assert len(by_session) == 3
+    grew = False
+    for turns in by_session.values():
+        for earlier, later in itertools.pairwise(turns):
+            common = len(earlier) if len(later) >= len(earlier) else 0
+            if common and later[:common] == earlier:
+                grew = grew or len(later) > len(earlier)
+    assert grew  # a later turn extends the previous one's prefix
+    unscaled = sb.trace_rows("agentic", 30, sessions=3)
+    assert rows[-1]["timestamp"] == unscaled[-1]["timestamp"] / 4.0  # think time at 1/speed
+
+
+def test_later_turns_exclude_each_sessions_first_in_the_window() -> None:
+    rows = [{"session": 0}, {"session": 1}, {"session": 0}, {"session": 1}, {"session": 2}]
+    assert sb.later_turns(rows) == [False, False, True, True, False]
+    assert sb.later_turns([{"timestamp": 0}]) == [False]
+    raw = {"ttfts": [1.0, 2.0, 0.1, 0.3, 3.0], "itls": [[0.01]], "request_throughput": 1.0,
+           "completed": 5}
+    result = sb.summarize("kvtier-file-prefetch", sb.PassResult(raw, {}, "f.json"), 1.0, [],
+                          sb.later_turns(rows))
+    assert result.ttft_p50_later_turns_s == pytest.approx(0.2)
+    assert result.ttft_p50_s == 1.0
+    combined = sb.combine_rounds([result, result])
+    assert combined.ttft_p50_later_turns_s == pytest.approx(0.2)
+
+
+def test_prefetch_configs_give_the_kvtier_tier_a_staging_memory(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    sb.add_arguments(parser)
+    settings = sb.settings_from_args(parser.parse_args(
+        ["--workdir", str(tmp_path), "--trace", "agentic", "--prefetch-mib", "32"]))
+    specs = {spec.name: spec for spec in sb.server_specs(settings)}
+    for name in ("kvtier-file-prefetch", "kvtier-redis-prefetch"):
+        spec = specs[name]
+        assert spec.passes == (sb.Pass.MEASURED,)  # sessions: one pass
+        config = sb.kv_transfer_config(settings, spec.tier, spec.tier_dir, "redis://x:1/0",
+                                       spec.prefetch_bytes)
+        assert config is not None
+        tier = config["kv_connector_extra_config"]["secondary_tiers"][0]
+        assert tier["prefetch_bytes"] == 32 * sb.MIB
+    plain = sb.kv_transfer_config(settings, specs["kvtier-file"].tier,
+                                  specs["kvtier-file"].tier_dir, None)
+    assert plain is not None
+    assert "prefetch_bytes" not in plain["kv_connector_extra_config"]["secondary_tiers"][0]
+    with pytest.raises(sb.ServeBenchError, match=r"--speed must be > 0, got 0\.0"):
+        sb.settings_from_args(parser.parse_args(["--workdir", str(tmp_path), "--speed", "0"]))

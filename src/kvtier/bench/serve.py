@@ -57,6 +57,7 @@ from kvtier.bench.serve_inputs import (
     TRACES,
     build_random_llama,
     bundled_trace_rows,
+    later_turns,
     trace_rows,
     write_trace,
 )
@@ -110,6 +111,7 @@ __all__ = [
     "kv_transfer_config",
     "kvtier_loaded_blocks",
     "kvtier_stored_blocks",
+    "later_turns",
     "machine_info",
     "main",
     "outputs_match",
@@ -143,7 +145,11 @@ def server_specs(settings: BenchSettings, root: Path | None = None) -> list[Serv
     every round starts on empty tiers; default the workdir)."""
     root = settings.workdir if root is None else root
     file_dir = root / "kvtier-file-tier"
-    both = (Pass.WARM, Pass.MEASURED)
+    # Sessions measure each later turn against its own earlier turns: one pass. Otherwise a
+    # warm pass fills the tiers and the same requests are measured again.
+    both = ((Pass.MEASURED,) if settings.trace == "agentic"
+            else (Pass.WARM, Pass.MEASURED))
+    staging = settings.prefetch_bytes
     specs = {
         "prefix-cache-only": ServerSpec("prefix-cache-only", ServeTier.NONE, TraceKind.REUSE,
                                         both),
@@ -155,6 +161,11 @@ def server_specs(settings: BenchSettings, root: Path | None = None) -> list[Serv
                                           TraceKind.REUSE, (Pass.MEASURED,), file_dir),
         "kvtier-redis": ServerSpec("kvtier-redis", ServeTier.KVTIER_REDIS, TraceKind.REUSE,
                                    both),
+        "kvtier-file-prefetch": ServerSpec("kvtier-file-prefetch", ServeTier.KVTIER_FILE,
+                                           TraceKind.REUSE, both,
+                                           root / "kvtier-file-prefetch-tier", staging),
+        "kvtier-redis-prefetch": ServerSpec("kvtier-redis-prefetch", ServeTier.KVTIER_REDIS,
+                                            TraceKind.REUSE, both, None, staging),
         "no-reuse-baseline": ServerSpec("no-reuse-baseline", ServeTier.NONE, TraceKind.NO_REUSE,
                                         (Pass.MEASURED,)),
         "no-reuse-kvtier": ServerSpec("no-reuse-kvtier", ServeTier.KVTIER_FILE,
@@ -183,12 +194,15 @@ def round_order(specs: Sequence[ServerSpec], round_index: int) -> list[ServerSpe
 
 def run_one(settings: BenchSettings, spec: ServerSpec, model_dir: Path,
             traces: Mapping[TraceKind, Path], redis_url: str | None,
-            root: Path | None = None) -> ConfigResult:
+            root: Path | None = None, later: Sequence[bool] = ()) -> ConfigResult:
+    """One configuration on a fresh server; ``later`` marks the requests that are a later
+    turn of their session (for ``ttft_p50_later_turns_s``)."""
     result_dir = (settings.workdir if root is None else root) / "results"
     result_dir.mkdir(parents=True, exist_ok=True)
     if spec.tier_dir is not None:
         spec.tier_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    transfer = kv_transfer_config(settings, spec.tier, spec.tier_dir, redis_url)
+    transfer = kv_transfer_config(settings, spec.tier, spec.tier_dir, redis_url,
+                                  spec.prefetch_bytes)
     log_path = result_dir / f"{spec.name}.server.log"
     measured: PassResult | None = None
     files: list[str] = []
@@ -206,7 +220,8 @@ def run_one(settings: BenchSettings, spec: ServerSpec, model_dir: Path,
         startup = server.startup_s
     if measured is None:
         raise ServeBenchError(f"{spec.name}: no measured pass")
-    return summarize(spec.name, measured, startup, files)
+    return summarize(spec.name, measured, startup, files,
+                     later if spec.trace is TraceKind.REUSE else ())
 
 
 def machine_info() -> dict[str, Any]:
@@ -231,19 +246,22 @@ def run_benchmark(settings: BenchSettings) -> dict[str, Any]:
     settings.workdir.mkdir(parents=True, exist_ok=True)
     model_dir = settings.model_dir or settings.workdir / "model"
     build_random_llama(model_dir, settings.model, settings.max_model_len)
-    rows = trace_rows(settings.trace, settings.window_start + settings.requests)
+    max_prompt = settings.max_model_len - settings.output_len
+    rows = trace_rows(settings.trace, settings.window_start + settings.requests,
+                      sessions=settings.sessions, speed=settings.speed,
+                      max_blocks=max(1, max_prompt // settings.block_size))
     window = rows[settings.window_start : settings.window_start + settings.requests]
     if len(window) < settings.requests:
         raise ServeBenchError(f"--requests {settings.requests} from --window-start "
                               f"{settings.window_start}: the trace has {len(rows)} rows")
-    max_prompt = settings.max_model_len - settings.output_len
+    later = later_turns(window)
     traces = {kind: settings.workdir / f"trace-{kind.value}.jsonl" for kind in TraceKind}
     trace_info = {kind.value: write_trace(window, traces[kind], kind=kind,
                                           block_size=settings.block_size,
                                           max_prompt_tokens=max_prompt,
                                           output_len=settings.output_len)
                   for kind in TraceKind}
-    per_round = run_rounds(settings, model_dir, traces)
+    per_round = run_rounds(settings, model_dir, traces, later)
     names = [spec.name for spec in server_specs(settings)]
     results = {name: combine_rounds([each[name] for each in per_round]) for name in names}
     return {
@@ -256,9 +274,15 @@ def run_benchmark(settings: BenchSettings) -> dict[str, Any]:
                   "cpu_tier_bytes": settings.cpu_tier_bytes},
         "trace": {"name": TRACES[settings.trace], "window_start": settings.window_start,
                   "requests": settings.requests, "output_len": settings.output_len,
-                  "passes": "warm + measured (same requests); restart and no-reuse: measured",
+                  "passes": ("measured (sessions: one pass)" if settings.trace == "agentic"
+                             else "warm + measured (same requests); restart and no-reuse: "
+                             "measured"),
                   "max_concurrency": settings.max_concurrency,
-                  "request_rate": settings.request_rate, **trace_info},
+                  "request_rate": settings.request_rate,
+                  "sessions": (settings.sessions if settings.trace == "agentic" else None),
+                  "speed": (settings.speed if settings.trace == "agentic" else None),
+                  "later_turns": sum(later), **trace_info},
+        "prefetch_bytes": settings.prefetch_bytes,
         "rounds": settings.rounds,
         "statistic": "per-config median over interleaved rounds (order rotated each round)",
         "configs": {name: {**_config_json(result),
@@ -267,13 +291,15 @@ def run_benchmark(settings: BenchSettings) -> dict[str, Any]:
         "targets": targets(results),
         "outputs_match": {f"{name} vs prefix-cache-only":
                           outputs_match(results, name, "prefix-cache-only", per_round)
-                          for name in ("kvtier-file", "kvtier-redis", "kvtier-file-restart")},
+                          for name in ("vllm-fs", "kvtier-file", "kvtier-redis",
+                                       "kvtier-file-prefetch", "kvtier-redis-prefetch",
+                                       "kvtier-file-restart")},
         "_results": results,
     }
 
 
-def run_rounds(settings: BenchSettings, model_dir: Path,
-               traces: Mapping[TraceKind, Path]) -> list[dict[str, ConfigResult]]:
+def run_rounds(settings: BenchSettings, model_dir: Path, traces: Mapping[TraceKind, Path],
+               later: Sequence[bool] = ()) -> list[dict[str, ConfigResult]]:
     """Every configuration once per round, each round on fresh tiers, the order rotated."""
     specs = server_specs(settings)
     needs_redis = any(spec.tier is ServeTier.KVTIER_REDIS for spec in specs)
@@ -288,7 +314,7 @@ def run_rounds(settings: BenchSettings, model_dir: Path,
                 if spec.tier is ServeTier.KVTIER_REDIS and redis_url is not None:
                     _flush_valkey(redis_url)  # every round starts on an empty tier
                 results[spec.name] = run_one(settings, spec, model_dir, traces, redis_url,
-                                             root)
+                                             root, later)
                 print(f"== round {index + 1} {spec.name}: TTFT p50 "
                       f"{results[spec.name].ttft_p50_s:.3f}s", file=sys.stderr, flush=True)
             per_round.append(results)
@@ -306,7 +332,9 @@ def _flush_valkey(url: str) -> None:
 
 
 def _round_json(result: ConfigResult) -> dict[str, Any]:
-    return {"ttft_p50_s": result.ttft_p50_s, "ttft_p99_s": result.ttft_p99_s,
+    return {"ttft_p50_s": result.ttft_p50_s,
+            "ttft_p50_later_turns_s": result.ttft_p50_later_turns_s,
+            "ttft_p99_s": result.ttft_p99_s,
             "ttft_mean_s": result.ttft_mean_s, "throughput_req_s": result.throughput_req_s,
             "cached_prompt_tokens": result.cached_prompt_tokens,
             "cached_by_source": result.cached_by_source}
@@ -343,7 +371,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, help="trace requests per pass")
     parser.add_argument("--trace", choices=sorted(TRACES), default="conversation",
                         help="bundled trace to replay: the Mooncake conversation trace or "
-                        "builtin:agentic (prompts cut to --max-model-len)")
+                        "builtin:agentic (sessions with think time, each session's prompts "
+                        "scaled to --max-model-len)")
+    parser.add_argument("--sessions", type=int, default=4,
+                        help="builtin:agentic: sessions generated (default 4)")
+    parser.add_argument("--speed", type=float, default=5.0,
+                        help="builtin:agentic: replay speed, think times at 1/speed "
+                        "(default 5)")
+    parser.add_argument("--prefetch-mib", type=int, default=64,
+                        help="staging memory of the *-prefetch configs (MiB, default 64)")
     parser.add_argument("--window-start", type=int, default=0,
                         help="first trace row of the window (default 0)")
     parser.add_argument("--output-len", type=int, help="output tokens per request")
@@ -392,9 +428,12 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                               f"of 32")
     for flag, value in (("--requests", args.requests), ("--max-concurrency",
                                                         args.max_concurrency),
-                        ("--output-len", args.output_len), ("--rounds", args.rounds)):
+                        ("--output-len", args.output_len), ("--rounds", args.rounds),
+                        ("--sessions", args.sessions), ("--prefetch-mib", args.prefetch_mib)):
         if value is not None and value < 1:
             raise ServeBenchError(f"{flag} must be >= 1, got {value}")
+    if not args.speed > 0:
+        raise ServeBenchError(f"--speed must be > 0, got {args.speed}")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvtier-serve-bench-"))
     return BenchSettings(
         preset=args.preset, model=shape, block_size=block,
@@ -406,7 +445,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         request_rate=str(args.request_rate), reserved_cpus=args.reserved_cpus,
         hash_seed=args.hash_seed, o_direct=args.io_mode == "direct", configs=configs,
         workdir=workdir, model_dir=args.model_dir, keep_workdir=bool(args.keep or args.workdir),
-        rounds=args.rounds, trace=args.trace,
+        rounds=args.rounds, trace=args.trace, sessions=args.sessions, speed=args.speed,
+        prefetch_bytes=args.prefetch_mib * MIB,
     )
 
 

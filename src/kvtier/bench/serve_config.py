@@ -7,6 +7,7 @@ No state: immutable presets and plain records, built and read on the calling thr
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,8 @@ from typing import Any
 from kvtier.errors import KvtierError
 
 CONFIG_NAMES = (
-    "prefix-cache-only", "vllm-fs", "kvtier-file", "kvtier-redis", "kvtier-file-restart",
-    "no-reuse-baseline", "no-reuse-kvtier",
+    "prefix-cache-only", "vllm-fs", "kvtier-file", "kvtier-redis", "kvtier-file-prefetch",
+    "kvtier-redis-prefetch", "kvtier-file-restart", "no-reuse-baseline", "no-reuse-kvtier",
 )
 SERVED_MODEL = "kvtier-bench-llama"
 HEALTH_DEADLINE_S = 600.0
@@ -101,6 +102,7 @@ class ServerSpec:
     trace: TraceKind
     passes: tuple[Pass, ...]
     tier_dir: Path | None = None
+    prefetch_bytes: int = 0  # the KvtierTier's staging memory (0: no prefetch)
 
 
 @dataclass(slots=True)
@@ -128,6 +130,7 @@ class ConfigResult:
     ttfts_s: list[float] = field(default_factory=list)
     generated_texts: list[str] = field(default_factory=list)
     result_files: list[str] = field(default_factory=list)
+    ttft_p50_later_turns_s: float = math.nan  # turns after each session's first (sessions)
 
 
 @dataclass(slots=True)
@@ -152,5 +155,8 @@ class BenchSettings:
     keep_workdir: bool
     rounds: int = 1
     trace: str = "conversation"
+    sessions: int = 4          # builtin:agentic sessions
+    speed: float = 5.0         # builtin:agentic think times at 1/speed
+    prefetch_bytes: int = 64 * MIB  # staging memory of the *-prefetch configurations
 
 

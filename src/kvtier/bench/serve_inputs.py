@@ -85,18 +85,57 @@ TRACES = {
 }
 
 
-def trace_rows(name: str, count: int) -> list[dict[str, Any]]:
+def trace_rows(name: str, count: int, *, sessions: int | None = None,
+               speed: float = 1.0, max_blocks: int | None = None) -> list[dict[str, Any]]:
     """The first ``count`` rows of a bundled trace as ``{timestamp, hash_ids}`` (hash ids are
-    distinct between sessions; the client cuts each prompt to the engine's context)."""
+    distinct between sessions; the client cuts each prompt to the engine's context).
+
+    ``builtin:agentic`` rows also carry ``session`` and ``turn`` (0: the session's first turn
+    in these rows); ``sessions`` is the generator's session count, ``speed`` divides the
+    timestamps (think times at 1/speed), and ``max_blocks`` scales each session's prompts
+    down to that many blocks at most by keeping every k-th block (k per session), so prompts
+    still grow turn by turn and each turn still extends the previous one's prefix."""
     if name == "conversation":
         return bundled_trace_rows()[:count]
     if name == "agentic":
         from kvtier.replay.reader import read_trace
 
-        trace = read_trace("builtin:agentic", max_requests=count)
-        return [{"timestamp": request.timestamp_ms, "hash_ids": list(request.hash_ids)}
-                for request in trace.requests]
+        trace = read_trace("builtin:agentic", max_requests=count, sessions=sessions)
+        rows: list[dict[str, Any]] = []
+        turns: dict[int | None, int] = {}
+        for request in trace.requests:
+            turn = turns.get(request.session, 0)
+            turns[request.session] = turn + 1
+            rows.append({"timestamp": request.timestamp_ms / speed,
+                         "hash_ids": list(request.hash_ids), "session": request.session,
+                         "turn": turn})
+        return rows if max_blocks is None else _fit_sessions(rows, max_blocks)
     raise ServeBenchError(f"unknown --trace {name!r}; expected one of {sorted(TRACES)}")
+
+
+def _fit_sessions(rows: list[dict[str, Any]], max_blocks: int) -> list[dict[str, Any]]:
+    """Every k-th block of each session (k: its longest prompt over ``max_blocks``)."""
+    longest: dict[Any, int] = {}
+    for row in rows:
+        longest[row["session"]] = max(longest.get(row["session"], 0), len(row["hash_ids"]))
+    fitted = []
+    for row in rows:
+        stride = max(1, -(-longest[row["session"]] // max_blocks))
+        fitted.append({**row, "hash_ids": row["hash_ids"][::stride][:max_blocks]})
+    return fitted
+
+
+def later_turns(rows: Sequence[Mapping[str, Any]]) -> list[bool]:
+    """Per row: whether its session already had a turn in ``rows`` (rows without a session:
+    False), so a window's first turn of each session counts as that session's first."""
+    seen: set[Any] = set()
+    later = []
+    for row in rows:
+        session = row.get("session")
+        later.append(session is not None and session in seen)
+        if session is not None:
+            seen.add(session)
+    return later
 
 
 def write_trace(rows: Sequence[Mapping[str, Any]], path: Path, *, kind: TraceKind,

@@ -117,7 +117,7 @@ def _env(settings: BenchSettings) -> dict[str, str]:
 
 
 def kv_transfer_config(settings: BenchSettings, tier: ServeTier, tier_dir: Path | None,
-                       redis_url: str | None) -> dict[str, Any] | None:
+                       redis_url: str | None, prefetch_bytes: int = 0) -> dict[str, Any] | None:
     if tier is ServeTier.NONE:
         return None
     if tier is ServeTier.VLLM_FS:
@@ -128,6 +128,8 @@ def kv_transfer_config(settings: BenchSettings, tier: ServeTier, tier_dir: Path 
                      "url": url}
         if tier is ServeTier.KVTIER_FILE and settings.o_direct:
             secondary["o_direct"] = True
+        if prefetch_bytes:
+            secondary["prefetch_bytes"] = prefetch_bytes
     return {
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {
@@ -232,7 +234,10 @@ def run_client(settings: BenchSettings, server: RunningServer, model_dir: Path, 
         "--backend", "vllm", "--base-url", server.base_url, "--model", SERVED_MODEL,
         "--tokenizer", str(model_dir), "--dataset-name", "timed_trace",
         "--dataset-path", str(trace), "--timed-trace-chunk-hash-size", str(settings.block_size),
-        "--timed-trace-sec-multiplier", "0.001", "--no-self-timed",
+        "--timed-trace-sec-multiplier", "0.001",
+        # Sessions keep their think time (the trace's timestamps, already at 1/speed);
+        # otherwise requests follow one another as fast as --max-concurrency allows.
+        "--self-timed" if settings.trace == "agentic" else "--no-self-timed",
         "--request-rate", settings.request_rate, "--max-concurrency",
         str(settings.max_concurrency), "--num-prompts", str(requests),
         "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99",

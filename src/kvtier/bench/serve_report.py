@@ -33,9 +33,13 @@ def metrics_delta(after: Mapping[str, float], before: Mapping[str, float]) -> di
 
 
 def summarize(name: str, passed: PassResult, startup_s: float,
-              result_files: list[str]) -> ConfigResult:
+              result_files: list[str], later: Sequence[bool] = ()) -> ConfigResult:
+    """``later``: per request (in trace order, as the client reports them), whether it is a
+    turn after its session's first."""
     raw, delta = passed.raw, passed.metrics_delta
     ttfts = [float(value) for value in raw.get("ttfts", []) if value]
+    later_ttfts = [float(value) for value, is_later in zip(raw.get("ttfts", []), later,
+                                                            strict=False) if value and is_later]
     itls = [float(value) for chunk in raw.get("itls", []) for value in chunk]
     # The counter's samples only: its ``_created`` timestamps carry the same source labels.
     by_source = {key.partition("[")[2].rstrip("]"): int(value) for key, value in delta.items()
@@ -51,7 +55,7 @@ def summarize(name: str, passed: PassResult, startup_s: float,
         prompt_tokens=int(delta.get("vllm:prompt_tokens_total", 0)),
         cached_by_source=by_source, kvtier_counters=kvtier, startup_s=startup_s,
         ttfts_s=ttfts, generated_texts=list(raw.get("generated_texts", [])),
-        result_files=result_files,
+        result_files=result_files, ttft_p50_later_turns_s=_linear(later_ttfts, 50),
     )
 
 
@@ -71,7 +75,8 @@ def _ratio(value: float, base: float) -> float:
 def format_table(results: Mapping[str, ConfigResult]) -> str:
     base = results.get("prefix-cache-only")
     fs = results.get("vllm-fs")
-    header = (f"{'config':<20} {'TTFT mean':>9} {'p50':>7} {'p99':>7} {'ITL p50':>7} "
+    header = (f"{'config':<21} {'TTFT mean':>9} {'p50':>7} {'later':>7} {'p99':>7} "
+              f"{'ITL p50':>7} "
               f"{'req/s':>6} {'cached':>7} {'kvtier':>6} {'/pc':>5} {'/fs':>5}")
     lines = [header, "-" * len(header)]
     for name, result in results.items():
@@ -79,11 +84,13 @@ def format_table(results: Mapping[str, ConfigResult]) -> str:
         vs_base = _ratio(result.ttft_p50_s, base.ttft_p50_s) if base else math.nan
         vs_fs = _ratio(result.ttft_p50_s, fs.ttft_p50_s) if fs else math.nan
         lines.append(
-            f"{name:<20} {result.ttft_mean_s:>8.3f}s {result.ttft_p50_s:>6.3f}s "
-            f"{result.ttft_p99_s:>6.3f}s {result.itl_p50_s * 1000:>5.1f}ms "
+            f"{name:<21} {result.ttft_mean_s:>8.3f}s {result.ttft_p50_s:>6.3f}s "
+            f"{result.ttft_p50_later_turns_s:>6.3f}s {result.ttft_p99_s:>6.3f}s "
+            f"{result.itl_p50_s * 1000:>5.1f}ms "
             f"{result.throughput_req_s:>6.2f} {result.cached_prompt_tokens:>7} {loaded:>6} "
             f"{vs_base:>5.2f} {vs_fs:>5.2f}")
-    lines.append("TTFT p50 ratios: /pc vs prefix-cache-only, /fs vs vllm-fs; cached = prompt "
+    lines.append("TTFT p50 ratios: /pc vs prefix-cache-only, /fs vs vllm-fs; later = TTFT p50 "
+                 "of the turns after each session's first (sessions only); cached = prompt "
                  "tokens from any cache; kvtier = blocks kvtier loaded (measured pass)")
     return "\n".join(lines)
 
@@ -104,8 +111,9 @@ def outcome_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-_CONFIG_COLUMNS = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "throughput_req_s",
-                   "requests", "failed", "cached_prompt_tokens", "prompt_tokens", "startup_s")
+_CONFIG_COLUMNS = ("ttft_mean_s", "ttft_p50_s", "ttft_p50_later_turns_s", "ttft_p99_s",
+                   "itl_p50_s", "throughput_req_s", "requests", "failed",
+                   "cached_prompt_tokens", "prompt_tokens", "startup_s")
 
 
 def outcome_sheets(report: Mapping[str, Any],
@@ -127,6 +135,9 @@ def targets(results: Mapping[str, ConfigResult]) -> list[dict[str, Any]]:
     def p50(name: str) -> float:
         return results[name].ttft_p50_s if name in results else math.nan
 
+    def later(name: str) -> float:
+        return results[name].ttft_p50_later_turns_s if name in results else math.nan
+
     def thr(name: str) -> float:
         return results[name].throughput_req_s if name in results else math.nan
 
@@ -135,6 +146,8 @@ def targets(results: Mapping[str, ConfigResult]) -> list[dict[str, Any]]:
                                                             p50("prefix-cache-only")), 0.2),
         ("kvtier-file TTFT p50 / vllm-fs", _ratio(p50("kvtier-file"), p50("vllm-fs")), 1.0),
         ("kvtier-redis TTFT p50 / vllm-fs", _ratio(p50("kvtier-redis"), p50("vllm-fs")), 1.0),
+        ("kvtier-file-prefetch TTFT p50 of later turns / vllm-fs",
+         _ratio(later("kvtier-file-prefetch"), later("vllm-fs")), 0.7),
         ("kvtier-file-restart TTFT p50 / kvtier-file",
          _ratio(p50("kvtier-file-restart"), p50("kvtier-file")), 1.5),
         ("no-reuse TTFT p50 kvtier / baseline",
@@ -216,6 +229,7 @@ def combine_rounds(rounds: Sequence[ConfigResult]) -> ConfigResult:
         ttfts_s=[value for r in rounds for value in r.ttfts_s],
         generated_texts=first.generated_texts,
         result_files=[path for r in rounds for path in r.result_files],
+        ttft_p50_later_turns_s=_median([r.ttft_p50_later_turns_s for r in rounds]),
     )
 
 

@@ -195,7 +195,17 @@ VOCABULARY: tuple[MetricSpec, ...] = (
              "signed (key rotation; the next store rewrites them)", "backend.auth_old_key"),
     _counter("backend_old_format", "Blocks served in an older kvtier frame format (the next "
              "store rewrites them)", "backend.old_format"),
+    # prefetch (under vLLM: a KvtierTier's staging memory, filled when a request finishes)
+    _counter("prefetched_blocks", "Blocks read ahead into the staging memory after their "
+             "request finished"),
+    _counter("prefetch_used_blocks", "Staged blocks a load used (a memory copy, no backend "
+             "read)"),
+    _counter("prefetch_wasted_blocks", "Staged blocks dropped unused (evicted, expired, or "
+             "their backend copy changed)"),
+    _counter("prefetch_cancelled_blocks", "Prefetch reads dropped before staging (a demand "
+             "load took the block, or the room was needed)"),
     # state
+    _gauge("prefetch_staged_bytes", "Bytes held in the staging memory now"),
     _gauge("resident_blocks", "Blocks held by the tier now (where the tier can tell)",
            "backend.blocks"),
     _gauge("resident_bytes", "Bytes held by the tier now (where the tier can tell)",
@@ -277,6 +287,21 @@ def tier_samples(stats: TierSnapshot, label: str, tokens_per_block: int) -> Samp
         value = _read(spec, stats, tokens_per_block)
         if value is not None:
             samples[spec.name] = {(label,): value}
+    return samples
+
+
+PREFETCH_COUNTS = {"prefetched_blocks": "prefetched_blocks",
+                   "prefetch_used_blocks": "used_blocks",
+                   "prefetch_wasted_blocks": "wasted_blocks",
+                   "prefetch_cancelled_blocks": "cancelled_blocks"}
+"""Prefetch metric -> the count it reads (``PrefetchCounts`` of the vLLM tier's staging)."""
+
+
+def prefetch_samples(counts: Mapping[str, int], staged_bytes: int, label: str) -> Samples:
+    """One tier's prefetch samples from its staging memory's counts."""
+    samples: Samples = {name: {(label,): float(counts[field])}
+                        for name, field in PREFETCH_COUNTS.items()}
+    samples["prefetch_staged_bytes"] = {(label,): float(staged_bytes)}
     return samples
 
 

@@ -29,6 +29,13 @@ VLLM_TIER_SETTINGS = register_table(SettingsTable("vLLM KvtierTier", [
     Setting("enable_kv_events", Kind.BOOL, False,
             "emit KV events for stored blocks (needs vLLM's --kv-events-config)",
             env="KVTIER_ENABLE_KV_EVENTS"),
+    Setting("prefetch_bytes", Kind.SIZE, 0,
+            "staging memory for blocks read ahead when a request finishes, so the next "
+            "turn's load is a memory copy (0: off; else at least one block)",
+            minimum=0, maximum=1 << 40, unit="bytes", env="KVTIER_PREFETCH_BYTES"),
+    Setting("prefetch_ttl_s", Kind.FLOAT, 300.0,
+            "a staged block unused this long is dropped (wasted)", minimum=0.0,
+            maximum=86400.0, strict_min=True, unit="seconds", env="KVTIER_PREFETCH_TTL_S"),
     NAMESPACE_SETTINGS["model"],
     NAMESPACE_SETTINGS["revision"],
     NAMESPACE_SETTINGS["tenant"],

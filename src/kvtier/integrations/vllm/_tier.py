@@ -36,7 +36,7 @@ import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from vllm.v1.kv_offload.base import (
     Locality,
@@ -60,12 +60,19 @@ from kvtier.backends import kind_for, open_backend, redact_url
 from kvtier.errors import ClosedError, KvtierError
 from kvtier.integrations.vllm._payoff import LoadGate
 from kvtier.integrations.vllm._settings import VLLM_TIER_SETTINGS
+from kvtier.integrations.vllm._staging import (
+    PrefetchStaging,
+    StagedReads,
+    chain_of,
+    open_staging,
+)
 from kvtier.keys import Namespace, RequestContext
 from kvtier.lookup.manager import LOOKUP_SETTINGS
 from kvtier.ops.metrics import (
     VLLM_PREFIX,
     DeltaTracker,
     ProbeDurations,
+    prefetch_samples,
     tier_label,
     tier_samples,
     vllm_metric_definitions,
@@ -85,6 +92,8 @@ if TYPE_CHECKING:
     )
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+    from kvtier.backends.base import Backend
 
 _log = logging.getLogger(__name__)
 
@@ -208,6 +217,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
          "lookup": {"quarantine_s": 30, "probe_timeout_s": 5},
          "tenant": "", "revision": "", "model": "",  # namespace overrides
          "locality": "REMOTE", "enable_kv_events": false,
+         "prefetch_bytes": "256MiB", "prefetch_ttl_s": 300,  # session-aware prefetch
          ...backend options (e.g. "ttl_s", "max_bytes", "fsync")}
 
     Scheduler-side methods are called by vLLM on its scheduler thread only and are not
@@ -234,6 +244,8 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         model: str | None = None,
         revision: str | None = None,
         tenant: str | None = None,
+        prefetch_bytes: int | str | None = None,
+        prefetch_ttl_s: float | None = None,
         **backend_options: Any,
     ) -> None:
         """Every option left out (None) takes its ``KVTIER_*`` variable, else the default of
@@ -243,7 +255,8 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         given = {"url": url, "io_threads": io_threads, "max_blocks_per_call": max_blocks_per_call,
                  "load_timeout_s": load_timeout_s, "prefill_tokens_per_s": prefill_tokens_per_s,
                  "locality": locality, "enable_kv_events": enable_kv_events, "model": model,
-                 "revision": revision, "tenant": tenant}
+                 "revision": revision, "tenant": tenant, "prefetch_bytes": prefetch_bytes,
+                 "prefetch_ttl_s": prefetch_ttl_s}
         options = VLLM_TIER_SETTINGS.parse(
             env_layer(VLLM_TIER_SETTINGS,
                       {name: value for name, value in given.items() if value is not None},
@@ -262,6 +275,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         self._num_chunks = primary_kv_view.nbytes // self._chunk_bytes
         self._namespace = namespace_for(offloading_spec, self._chunk_bytes, overrides)
         backend = open_backend(url, self._namespace, **backend_options)
+        self._staging: PrefetchStaging | None = None
         self._url = redact_url(url)
         try:
             # vLLM bounds its own in-flight stores (back-pressure): this tier must never shed
@@ -269,15 +283,24 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             # effects on lookups: mark_miss on failed loads, note_stored on stores (unless the
             # key's load just failed: see RecentLoadFailures).
             self._probe_durations = ProbeDurations()
+            # Prefetch: the SecondaryTier reads through the staging memory (see _staging).
+            self._staging = open_staging(
+                backend, prefetch_bytes=options["prefetch_bytes"],
+                ttl_s=options["prefetch_ttl_s"], block_bytes=self._chunk_bytes,
+                batch_blocks=options["max_blocks_per_call"], where="KvtierTier")
+            tier_backend = backend if self._staging is None else cast(
+                "Backend", StagedReads(backend, self._staging))
             settings = TierSettings(
                 io_threads=options["io_threads"], load_timeout_s=options["load_timeout_s"],
                 prefill_tokens_per_s=options["prefill_tokens_per_s"],
                 max_pending_store_bytes=sys.maxsize, max_pending_store_jobs=sys.maxsize)
             self._tier = SecondaryTier(
-                self._url, backend, settings, lookup=lookup_settings,
+                self._url, tier_backend, settings, lookup=lookup_settings,
                 max_keys_per_call=options["max_blocks_per_call"], metrics=self._probe_durations,
             )
         except Exception:
+            if self._staging is not None:
+                self._staging.shutdown()
             backend.close()
             raise
         # Taken last: this view pins vLLM's primary mmap until shutdown() releases it, so a
@@ -329,6 +352,9 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         blocks the backend already held, see :class:`HeldKeys`)."""
         snapshot = self._tier.stats().flat()
         snapshot["store_keys_skipped"] = self._store_keys_skipped
+        if self._staging is not None:
+            snapshot.update({f"prefetch_{name}": value
+                             for name, value in self._staging.counts().as_dict().items()})
         return snapshot
 
     # -- lookups ----------------------------------------------------------------------------
@@ -360,6 +386,8 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         if self._tier.closed:
             return
         self._tier.flush()
+        if self._staging is not None:  # prefetch reads only while no transfer is in flight
+            self._staging.step(idle=self._tier.outstanding_jobs == 0)
         if _IO_YIELD_S <= 0:
             return
         self._collected.extend(self._tier.yield_to_io(_IO_YIELD_S, stores=False))
@@ -367,6 +395,8 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
     def on_request_finished(self, req_context: ReqContext) -> None:
         if not self._tier.closed:
             self._tier.cleanup(req_context.req_id)
+            if self._staging is not None:
+                self._staging.admit_chain(chain_of(req_context))
         if self._gate is not None:
             self._gate.forget(req_context.req_id)
 
@@ -523,6 +553,9 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
 
         samples = tier_samples(self._tier.stats(), self._metrics_label,
                                self._namespace.block_size)
+        if self._staging is not None:
+            samples.update(prefetch_samples(self._staging.counts().as_dict(),
+                                            self._staging.staged_bytes(), self._metrics_label))
         increments, gauges = self._deltas.changes(samples)
         durations = self._probe_durations.drain()
         if not increments and not durations:
