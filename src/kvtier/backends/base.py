@@ -164,12 +164,14 @@ class Fetched(NamedTuple):
 
     - ``frame``: a whole stored frame (header + payload) in the medium's memory; the template
       verifies it and copies the payload into ``out``;
-    - ``header``: the frame's ``HEADER_BYTES`` header, the payload already read into ``out``
-      (``payload_bytes`` is how many bytes the object carried after the header); the template
-      verifies in place.
+    - ``header``: the frame's ``HEADER_BYTES`` record (its header, or its format-4 trailer), the
+      payload already read into ``out`` (``payload_bytes`` is how many bytes the object carried
+      besides the record); the template verifies in place.
 
     ``token`` identifies the object that was read (an inode, a SHA-1, an ETag) so that a
-    conditional delete removes that object and never a good block stored since. ``trusted``
+    conditional delete removes that object and never a good block stored since. It may be a
+    zero-argument callable instead (the file tier's ``fstat`` of the descriptor it read): the
+    template calls it only for an object it removes, before asking for the next item. ``trusted``
     means the medium guarantees these bytes are a frame this very instance encoded and nobody
     else can have written (the private memory store): the checksum pass is skipped, the header
     is still checked. (A named tuple: one is built per key on the load path, and a tuple is the
@@ -191,7 +193,10 @@ CORRUPT_FETCH = Fetched(Outcome.CORRUPT)
 
 @dataclass(frozen=True, slots=True)
 class StoredFrame:
-    """One frame to store: the encoded header and the caller's payload (not copied)."""
+    """One frame to store: the encoded record and the caller's payload (not copied).
+
+    ``header`` is the record as the backend's :attr:`Backend.FRAME_LAYOUT` places it: before
+    the payload (``HEADER``) or after it (``TRAILER``)."""
 
     key: BlockKey
     header: bytes
@@ -202,7 +207,8 @@ class StoredFrame:
         return len(self.header) + self.payload.nbytes
 
     def joined(self) -> bytearray:
-        """Header + payload in one buffer (one copy), for media that need a contiguous value."""
+        """Header + payload in one buffer (one copy), for media that need a contiguous value
+        (a header-layout medium's: every medium but the file tier)."""
         frame = bytearray(self.header)
         frame += self.payload
         return frame
@@ -401,6 +407,10 @@ class Backend:
     EXTRA_COUNTERS: tuple[str, ...] = ()
     """Medium-specific counters reported besides :data:`STANDARD_COUNTERS`."""
 
+    FRAME_LAYOUT: codec.FrameLayout = codec.FrameLayout.HEADER
+    """Where this medium's frames carry their record: :attr:`StoredFrame.header` is a header
+    (written before the payload) or, for ``TRAILER``, a trailer (written after it)."""
+
     def __init__(
         self,
         namespace: Namespace,
@@ -413,7 +423,7 @@ class Backend:
             raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
         self._namespace = namespace
         self._digest = namespace.digest
-        self._codec = codec.FrameCodec(namespace.digest, auth_key)
+        self._codec = codec.FrameCodec(namespace.digest, auth_key, self.FRAME_LAYOUT)
         self._replaceable: BoundedLRU[BlockKey, None] = BoundedLRU(_MAX_REPLACEABLE)
         self._replace_lock = threading.Lock()
         self._stats = BackendStats(extra=self.EXTRA_COUNTERS)
@@ -460,7 +470,7 @@ class Backend:
         self._lifecycle.check_open()
         if not key_list:
             return []
-        encode = self._codec.encode_header
+        encode = self._codec.encode_record
         frames = [StoredFrame(key, encode(key, view), view)
                   for key, view in zip(key_list, views, strict=True)]
         if self._replaceable:
@@ -495,6 +505,8 @@ class Backend:
             if verdict is not Verdict.VALID:
                 counts[_COUNTER_OF[verdict]] += 1
             if verdict in _REMOVED:
+                if callable(item.token):  # resolved now: the medium still holds what it read
+                    item = item._replace(token=item.token())
                 doomed.append((key, item))
             elif verdict in _REPLACEABLE:
                 stale.append(key)
