@@ -45,7 +45,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvtier import codec
@@ -53,7 +52,7 @@ from kvtier.backends.auth import COMMON_SETTINGS, load_auth_key
 from kvtier.backends.manifest import TierAuth, manifest_auth, manifest_document
 from kvtier.codec import Buffer, KeyRing, Provenance, as_byte_view
 from kvtier.errors import ClosedError, KvtierError
-from kvtier.keys import BlockKey, Namespace, check_key
+from kvtier.keys import MAX_KEY_BYTES, BlockKey, Namespace, check_key
 from kvtier.lru import BoundedLRU
 from kvtier.settings import ConfigError
 from kvtier.text import first_line
@@ -191,12 +190,12 @@ FAILED_FETCH = Fetched(Outcome.FAILED)
 CORRUPT_FETCH = Fetched(Outcome.CORRUPT)
 
 
-@dataclass(frozen=True, slots=True)
-class StoredFrame:
+class StoredFrame(NamedTuple):
     """One frame to store: the encoded record and the caller's payload (not copied).
 
     ``header`` is the record as the backend's :attr:`Backend.FRAME_LAYOUT` places it: before
-    the payload (``HEADER``) or after it (``TRAILER``)."""
+    the payload (``HEADER``) or after it (``TRAILER``). (A named tuple, like :class:`Fetched`:
+    one is built per key on the store path.)"""
 
     key: BlockKey
     header: bytes
@@ -341,9 +340,16 @@ class RateLimitedLog:
 
 
 def _is_flat_sequence(value: object) -> bool:
+    if type(value) is list or type(value) is tuple:  # the common case, without an ABC check
+        return True
     return isinstance(value, Sequence) and not isinstance(
         value, (bytes, bytearray, memoryview, str)
     )
+
+
+def _all_keys(keys: Sequence[object]) -> bool:
+    """Whether every item is a valid block key (the fast path of :func:`check_keys`)."""
+    return all(type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES for key in keys)
 
 
 def check_keys(keys: Sequence[BlockKey], argument: str = "keys") -> list[BlockKey]:
@@ -352,6 +358,8 @@ def check_keys(keys: Sequence[BlockKey], argument: str = "keys") -> list[BlockKe
         raise TypeError(
             f"{argument} must be a sequence of BlockKey (bytes), got {type(keys).__name__}"
         )
+    if _all_keys(keys):
+        return list(keys)
     return [check_key(key, f"{argument}[{index}]") for index, key in enumerate(keys)]
 
 
@@ -370,7 +378,10 @@ def check_put_args(
     if not _is_flat_sequence(payloads):
         raise TypeError(f"payloads must be a sequence of buffers, got {type(payloads).__name__}")
     _check_same_length("payloads", payloads, key_list)
-    views = [as_byte_view(payload, f"payloads[{index}]") for index, payload in enumerate(payloads)]
+    views = [payload if type(payload) is memoryview and payload.format == "B"
+             and payload.ndim == 1 and payload.c_contiguous
+             else as_byte_view(payload, f"payloads[{index}]")
+             for index, payload in enumerate(payloads)]
     return key_list, views
 
 

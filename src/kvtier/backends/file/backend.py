@@ -112,6 +112,7 @@ SETTINGS = SettingsTable("file backend", (
     *COMMON_SETTINGS,
 ))
 
+_TEMP_PREFIX_BYTES = os.fsencode(_TEMP_PREFIX)
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW
 _MAX_WHOLE_READ = 1 << 30
 """The largest file the rare path reads whole to judge it (a bigger one is no block)."""
@@ -318,7 +319,7 @@ class FileBackend(Backend):
                 if not fits:
                     self._stats.add("put_rejected")
                     return Outcome.FAILED
-            temp = f"{_TEMP_PREFIX}{self._pid}-{next(self._temp_counter)}"
+            temp = b"%s%d-%d" % (_TEMP_PREFIX_BYTES, self._pid, next(self._temp_counter))
             try:
                 self._write_temp(dir_fd, temp, frame.header, frame.payload,
                                  self._direct_io is DirectIO.ACTIVE)
@@ -356,7 +357,7 @@ class FileBackend(Backend):
         self._drop_bad(key, dir_fd, name, None, "not a regular file")
         return None
 
-    def _write_temp(self, dir_fd: int, temp: str, trailer: bytes, view: memoryview,
+    def _write_temp(self, dir_fd: int, temp: str | bytes, trailer: bytes, view: memoryview,
                     direct: bool) -> None:
         """Write the frame (payload, then its trailer) to ``temp``. Raises OSError."""
         if direct:
@@ -692,12 +693,12 @@ class FileBackend(Backend):
             exc,
         )
 
-    def _unlink_quietly(self, dir_fd: int, name: str, key: BlockKey | None) -> None:
+    def _unlink_quietly(self, dir_fd: int, name: str | bytes, key: BlockKey | None) -> None:
         try:
             os.unlink(name, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno not in _MISSING_ERRNOS:
-                self._fail("unlink", key if key is not None else name, exc)
+                self._fail("unlink", key if key is not None else os.fsdecode(name), exc)
 
 
 def from_url(url: str, namespace: Namespace, options: dict[str, Any],

@@ -50,10 +50,11 @@ def _load_renameat2() -> Any:
 _renameat2 = _load_renameat2()
 
 
-def _rename_noreplace(src_dir: int, temp: str, dst_dir: int, final: str) -> None:
+def _rename_noreplace(src_dir: int, temp: str | bytes, dst_dir: int, final: str | bytes) -> None:
     """Atomically rename ``temp`` (under ``src_dir``) to ``final`` (under ``dst_dir``);
     FileExistsError if ``final`` exists."""
-    if _renameat2(src_dir, os.fsencode(temp), dst_dir, os.fsencode(final),
+    if _renameat2(src_dir, temp if type(temp) is bytes else os.fsencode(temp), dst_dir,
+                  final if type(final) is bytes else os.fsencode(final),
                   _RENAME_NOREPLACE) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), final)
@@ -74,7 +75,7 @@ class Publisher:
         """Publishing refuses an existing name atomically (``RENAME_NOREPLACE``)."""
         return self._mode is LinkMode.RENAME_NOREPLACE
 
-    def publish(self, src_dir: int, temp: str, dst_dir: int, final: str) -> bool:
+    def publish(self, src_dir: int, temp: str | bytes, dst_dir: int, final: str | bytes) -> bool:
         """Make ``temp`` visible as ``final`` unless it exists; True if ours was published
         (else ``temp`` is removed). Raises OSError."""
         published = True
