@@ -281,17 +281,23 @@ class FileBackend(Backend):
     # ------------------------------------------------------------------ writes
 
     def _m_store(self, frames: list[StoredFrame]) -> list[Outcome]:
-        return self._batch("put", [frame.key for frame in frames],
-                           lambda view: [self._put_one(view, frame) for frame in frames],
-                           Outcome.FAILED)
+        def run(view: View) -> list[Outcome]:
+            stored: list[tuple[BlockKey, int]] = []
+            try:
+                return [self._put_one(view, frame, stored) for frame in frames]
+            finally:
+                self._capacity.commit(stored)  # one lock per batch, not per block
 
-    def _put_one(self, view: View, frame: StoredFrame) -> Outcome:
+        return self._batch("put", [frame.key for frame in frames], run, Outcome.FAILED)
+
+    def _put_one(self, view: View, frame: StoredFrame,
+                 stored: list[tuple[BlockKey, int]]) -> Outcome:
         parts, name = locate(frame.key)
         try:
             for fresh in (False, True):
                 dir_fd, owned = view.key_dir(parts, create=True, fresh=fresh)
                 try:
-                    outcome = self._put_in(view, dir_fd, name, frame)
+                    outcome = self._put_in(view, dir_fd, name, frame, stored)
                 finally:
                     if owned:
                         os.close(dir_fd)
@@ -302,9 +308,12 @@ class FileBackend(Backend):
         except OSError as exc:
             return self._fail("put", frame.key, exc)
 
-    def _put_in(self, view: View, dir_fd: int, name: str, frame: StoredFrame) -> Outcome | None:
+    def _put_in(self, view: View, dir_fd: int, name: str, frame: StoredFrame,
+                stored: list[tuple[BlockKey, int]]) -> Outcome | None:
         """Store ``frame`` as ``name`` under ``dir_fd``; None if that directory was removed.
-        What exists at ``name`` is looked at first only with fsync or no no-replace rename."""
+        What exists at ``name`` is looked at first only with fsync or no no-replace rename.
+        A published block is appended to ``stored`` (its reservation and index entry are
+        committed with its batch's)."""
         key = frame.key
         reserved = frame.nbytes  # the file's size, O_DIRECT or not (the padding is cut off)
         capacity = self._capacity
@@ -335,7 +344,7 @@ class FileBackend(Backend):
                     self._unlink_quietly(dir_fd, temp, key)
                 return self._fail("put", key, exc)
             if published:
-                capacity.release(reserved, key=key, stored=reserved)
+                stored.append((key, reserved))
                 return Outcome.OK
             capacity.release(reserved, key=None)
             found = self._existing(view, dir_fd, name, key)
