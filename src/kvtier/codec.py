@@ -95,6 +95,7 @@ _KEY_ID_OFFSET = _ALGORITHM_OFFSET + 1  # 288
 _RESERVED_OFFSET = _KEY_ID_OFFSET + KEY_ID_BYTES  # 296
 _CHECK_OFFSET = _RESERVED_OFFSET + 8  # 304
 _CHECKSUM = struct.Struct("<Q")
+_CHECKSUM_PADDED = struct.Struct("<QQ")  # the xxh3 check and its 8 zero bytes
 _ZERO_KEY_PAD = bytes(MAX_KEY_BYTES)
 _ZERO_8 = bytes(8)
 _ZERO_16 = bytes(16)
@@ -330,7 +331,7 @@ class FrameCodec:
     construction; safe to share between threads.
     """
 
-    __slots__ = ("_digest", "_layout", "_ring", "_tail", "_version")
+    __slots__ = ("_digest", "_layout", "_pad_tail", "_parts", "_ring", "_tail", "_version")
 
     def __init__(self, namespace_digest: bytes,
                  auth_key: bytes | KeyRing | Sequence[bytes] | None = None,
@@ -347,6 +348,12 @@ class FrameCodec:
             self._tail = bytes((Algorithm.XXH3,)) + _ZERO_16
         else:
             self._tail = bytes((Algorithm.BLAKE3,)) + self._ring.signing.key_id + _ZERO_8
+        # Per key length: the key echo's zero padding and the tail (the store path's parts).
+        self._pad_tail = tuple(_ZERO_KEY_PAD[length:] + self._tail
+                               for length in range(MAX_KEY_BYTES + 1))
+        # (key length, payload length) -> record bytes [0, 32) of format 4. A cache shared by
+        # threads: a lost race computes the same bytes twice.
+        self._parts: dict[tuple[int, int], bytes] = {}
 
     @property
     def keyed(self) -> bool:
@@ -366,6 +373,17 @@ class FrameCodec:
         return (_FIXED.pack(MAGIC, version, len(key), nbytes, self._digest) + key
                 + _ZERO_KEY_PAD[len(key):] + self._tail)
 
+    def _trailer_prefix(self, key: bytes, nbytes: int) -> bytes:
+        """:meth:`_prefix` of format 4 from cached parts (the store path builds one a block)."""
+        cache = self._parts
+        fixed = cache.get((len(key), nbytes))
+        if fixed is None:
+            if len(cache) > 64:  # a few block sizes and key lengths in practice
+                cache.clear()
+            fixed = cache[(len(key), nbytes)] = _FIXED.pack(
+                MAGIC, TRAILER_VERSION, len(key), nbytes, self._digest)
+        return b"".join((fixed, key, self._pad_tail[len(key)]))
+
     def encode_header(self, key: bytes, payload: memoryview) -> bytes:
         """The format-3 header for ``payload`` (a flat byte view) under a valid ``key``."""
         prefix = self._prefix(HEADER_VERSION, key, payload.nbytes)
@@ -373,7 +391,11 @@ class FrameCodec:
 
     def encode_trailer(self, key: bytes, payload: memoryview) -> bytes:
         """The format-4 trailer that follows ``payload`` (a flat byte view) under ``key``."""
-        prefix = self._prefix(TRAILER_VERSION, key, payload.nbytes)
+        prefix = self._trailer_prefix(key, payload.nbytes)
+        if self._ring is None:
+            hasher = xxhash.xxh3_64(payload)
+            hasher.update(prefix)
+            return prefix + _CHECKSUM_PADDED.pack(hasher.intdigest(), 0)
         return prefix + _check(self._ring, prefix, payload, payload_first=True)
 
     def encode_record(self, key: bytes, payload: memoryview) -> bytes:

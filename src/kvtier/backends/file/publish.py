@@ -20,7 +20,7 @@ from typing import Any
 
 from kvtier.backends.file.layout import _NO_LINK_ERRNOS
 
-__all__ = ["LinkMode", "Publisher"]
+__all__ = ["LinkMode", "Publisher", "rename_noreplace"]
 
 _log = logging.getLogger(__name__)
 _RENAME_NOREPLACE = 1
@@ -58,6 +58,15 @@ def _rename_noreplace(src_dir: int, temp: str | bytes, dst_dir: int, final: str 
                   _RENAME_NOREPLACE) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), final)
+
+
+def rename_noreplace(src_dir: int, temp: bytes, dst_dir: int, final: str) -> bool | None:
+    """One ``renameat2(RENAME_NOREPLACE)``: True if published, False if ``final`` exists, None
+    for any other failure (``temp`` is left; :class:`Publisher` handles and reports it).
+    Only where :attr:`Publisher.refuses_existing`."""
+    if _renameat2(src_dir, temp, dst_dir, final.encode(), _RENAME_NOREPLACE) == 0:
+        return True
+    return False if ctypes.get_errno() == errno.EEXIST else None
 
 
 class Publisher:
