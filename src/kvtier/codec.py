@@ -351,9 +351,8 @@ class FrameCodec:
         # Per key length: the key echo's zero padding and the tail (the store path's parts).
         self._pad_tail = tuple(_ZERO_KEY_PAD[length:] + self._tail
                                for length in range(MAX_KEY_BYTES + 1))
-        # (key length, payload length) -> record bytes [0, 32) of format 4. A cache shared by
-        # threads: a lost race computes the same bytes twice.
-        self._parts: dict[tuple[int, int], bytes] = {}
+        # (version, key length, payload length) -> record bytes [0, 32) (:meth:`_fixed_part`).
+        self._parts: dict[tuple[int, int, int], bytes] = {}
 
     @property
     def keyed(self) -> bool:
@@ -373,15 +372,21 @@ class FrameCodec:
         return (_FIXED.pack(MAGIC, version, len(key), nbytes, self._digest) + key
                 + _ZERO_KEY_PAD[len(key):] + self._tail)
 
+    def _fixed_part(self, version: int, key_len: int, nbytes: int) -> bytes:
+        """Record bytes [0, 32) for a version, key length and payload length, cached (a few
+        block sizes and key lengths in practice; a lost race computes the same bytes)."""
+        cache = self._parts
+        if len(cache) > 64:
+            cache.clear()
+        fixed = cache[(version, key_len, nbytes)] = _FIXED.pack(
+            MAGIC, version, key_len, nbytes, self._digest)
+        return fixed
+
     def _trailer_prefix(self, key: bytes, nbytes: int) -> bytes:
         """:meth:`_prefix` of format 4 from cached parts (the store path builds one a block)."""
-        cache = self._parts
-        fixed = cache.get((len(key), nbytes))
+        fixed = self._parts.get((TRAILER_VERSION, len(key), nbytes))
         if fixed is None:
-            if len(cache) > 64:  # a few block sizes and key lengths in practice
-                cache.clear()
-            fixed = cache[(len(key), nbytes)] = _FIXED.pack(
-                MAGIC, TRAILER_VERSION, len(key), nbytes, self._digest)
+            fixed = self._fixed_part(TRAILER_VERSION, len(key), nbytes)
         return b"".join((fixed, key, self._pad_tail[len(key)]))
 
     def encode_header(self, key: bytes, payload: memoryview) -> bytes:
@@ -462,9 +467,10 @@ class FrameCodec:
         if actual >= 0 and len(header) >= HEADER_BYTES:
             # The common case in one compare (a memoryview compares slowly: copy 287 bytes).
             prefix = bytes(header[:_ALGORITHM_OFFSET]) if type(header) is not bytes else header
-            expected = (_FIXED.pack(MAGIC, self._version, len(key), actual, self._digest) + key
-                        + _ZERO_KEY_PAD[len(key):])
-            if prefix.startswith(expected):
+            fixed = self._parts.get((self._version, len(key), actual))
+            if fixed is None:
+                fixed = self._fixed_part(self._version, len(key), actual)
+            if prefix.startswith(b"".join((fixed, key, _ZERO_KEY_PAD[len(key):]))):
                 return actual
         return self._diagnose(memoryview(header), key, actual)
 
@@ -500,10 +506,14 @@ class FrameCodec:
         tail = header[_ALGORITHM_OFFSET:_CHECK_OFFSET]
         algorithm = header[_ALGORITHM_OFFSET]
         if self._ring is None:
-            if tail != self._tail:
-                raise _unexpected_tail(algorithm, keyed_reader=False)
             hasher = xxhash.xxh3_64(payload if payload_first else header[:_CHECK_OFFSET])
             hasher.update(header[:_CHECK_OFFSET] if payload_first else payload)
+            # The common case in one compare: this codec's tail, the checksum, 8 zero bytes.
+            if header[_ALGORITHM_OFFSET:] == self._tail + _CHECKSUM_PADDED.pack(
+                    hasher.intdigest(), 0):
+                return Provenance.OLDER_FORMAT if older else Provenance.CURRENT
+            if tail != self._tail:
+                raise _unexpected_tail(algorithm, keyed_reader=False)
             (stored,) = _CHECKSUM.unpack_from(header, _CHECK_OFFSET)
             if hasher.intdigest() != stored or header[_CHECK_OFFSET + 8:HEADER_BYTES] != _ZERO_8:
                 raise ChecksumMismatch(

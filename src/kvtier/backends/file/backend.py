@@ -509,13 +509,17 @@ class FileBackend(Backend):
         read of exactly the frame's size into [payload, a page] proves the file's size."""
         parts, name = locate(key)
         direct = self._direct_io is DirectIO.ACTIVE
-        try:
-            dir_fd, owned = view.key_dir(parts, create=False)
-        except OSError as exc:
-            if exc.errno in _MISSING_ERRNOS | {errno.ELOOP}:
-                return MISSING_FETCH, -1
-            self._fail("get", key, exc)
-            return FAILED_FETCH, -1
+        # The cached fan-out directory without a call (a lookup per block on the hot path).
+        dir_fd = view.fans.get(parts[0], -1) if len(parts) == 1 else -1
+        owned = False
+        if dir_fd < 0:
+            try:
+                dir_fd, owned = view.key_dir(parts, create=False)
+            except OSError as exc:
+                if exc.errno in _MISSING_ERRNOS | {errno.ELOOP}:
+                    return MISSING_FETCH, -1
+                self._fail("get", key, exc)
+                return FAILED_FETCH, -1
         try:
             fd = os.open(name, _READ_FLAGS | (_O_DIRECT if direct else 0), dir_fd=dir_fd)
         except OSError as exc:
@@ -532,7 +536,16 @@ class FileBackend(Backend):
             if owned:
                 os.close(dir_fd)
         try:
-            fetched = self._read(fd, out, direct)
+            if direct:
+                fetched = self._read(fd, out, direct)
+            else:  # _read's buffered case, inline
+                page = self._scratch.trailer_page()
+                if os.preadv(fd, (out, page), 0) == out.nbytes + codec.HEADER_BYTES and \
+                        is_trailer(page):
+                    fetched = Fetched(Outcome.OK, header=page[: codec.HEADER_BYTES],
+                                      payload_bytes=out.nbytes, token=partial(_inode_of, fd))
+                else:
+                    fetched = self._read_whole(fd)
         except OSError as exc:
             if exc.errno in _NOT_READABLE_ERRNOS:  # a FIFO or directory: never a block
                 os.close(fd)
@@ -557,7 +570,7 @@ class FileBackend(Backend):
         if not direct or is_aligned(out):
             count = os.preadv(fd, (out, page), 0)
             if count == expected and is_trailer(page):
-                return Fetched(Outcome.OK, header=bytes(page[: codec.HEADER_BYTES]),
+                return Fetched(Outcome.OK, header=page[: codec.HEADER_BYTES],
                                payload_bytes=nbytes, token=partial(_inode_of, fd))
             return self._read_whole(fd)
         buffer = self._scratch.get(_round_up(expected) + _ALIGN)

@@ -80,7 +80,7 @@ def is_aligned(view: memoryview) -> bool:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) % _ALIGN == 0
 
 
-def is_trailer(page: Buffer) -> bool:
+def is_trailer(page: Buffer | mmap.mmap) -> bool:
     """Whether ``page`` starts with a record of format 4 or newer (magic and version only; the
     template verifies the rest)."""
     return page[:4] == codec.MAGIC and page[4] | page[5] << 8 >= codec.TRAILER_VERSION
@@ -163,12 +163,13 @@ class _Scratch(threading.local):
     def __init__(self) -> None:
         self.buffer: mmap.mmap | None = None
         self.view: memoryview | None = None
-        self.page: memoryview | None = None
+        self.page: mmap.mmap | None = None
 
-    def trailer_page(self) -> memoryview:
+    def trailer_page(self) -> mmap.mmap:
+        """The page (an mmap: page-aligned, and slicing it yields bytes at once)."""
         page = self.page
         if page is None:
-            self.page = page = memoryview(mmap.mmap(-1, _ALIGN))
+            self.page = page = mmap.mmap(-1, _ALIGN)
         return page
 
     def get(self, size: int) -> memoryview:
@@ -181,7 +182,7 @@ class _Scratch(threading.local):
         return view
 
 
-def _write_all(fd: int, buffers: list[memoryview | bytes], *, skip: int = 0) -> None:
+def _write_all(fd: int, buffers: list[memoryview | bytes | mmap.mmap], *, skip: int = 0) -> None:
     """``writev`` until every byte is written (regular files rarely write short, but may),
     the first ``skip`` bytes being written already."""
     remaining = [memoryview(buffer).cast("B") for buffer in buffers]
