@@ -514,7 +514,7 @@ class Backend:
         # One item at a time: a medium may reuse a scratch buffer for the next key.
         valid = Verdict.VALID
         for key, out, item in zip(key_list, views, self._m_fetch(key_list, views), strict=False):
-            verdict = self._judge(key, out, item)
+            verdict = valid if item is COPIED_FETCH else self._judge(key, out, item)
             if verdict is valid:  # the common case, without a set lookup (an enum's hash is slow)
                 results.append(True)
                 counts["bytes_read"] += out.nbytes
