@@ -361,3 +361,14 @@ def test_open_manager_reports_a_taken_arena_as_a_config_error(tmp_path: Path) ->
     with open_manager(config), pytest.raises(ConfigError, match="another running kvtier"):
         open_manager(config)
     assert not Path(path).exists()
+
+
+def test_heap_slots_are_page_aligned_for_direct_io() -> None:
+    """An O_DIRECT file tier reads into and writes from a slot in place only if it is whole
+    pages at a page-aligned address (else through a bounce buffer)."""
+    pool = PrimaryPool(16384, 4)
+    try:
+        arena = np.frombuffer(pool._arena, dtype=np.uint8)  # type: ignore[arg-type]
+        assert arena.ctypes.data % 4096 == 0
+    finally:
+        pool.close()

@@ -136,8 +136,10 @@ class PrimaryPool:
         self._owned: _OwnedArena | None = None
         if self._backing is PrimaryBacking.HEAP:
             try:
-                self._array = np.zeros(total, dtype=np.uint8)
-            except MemoryError:
+                # Anonymous mmap, not np.zeros: page-aligned slots (np.zeros' large blocks sit
+                # 16 bytes into a page), so an O_DIRECT file tier reads and writes them in place.
+                self._array = np.frombuffer(mmap.mmap(-1, max(total, 1)), dtype=np.uint8)[:total]
+            except (MemoryError, OSError):
                 raise ArenaError(f"primary pool of {total:,} bytes ({num_slots:,} slots of "
                                  f"{block_bytes:,}): not enough memory") from None
         elif self._backing is PrimaryBacking.SHARED_MEMORY:

@@ -98,11 +98,13 @@ def test_a_forged_tag_or_any_flipped_byte_fails_authentication(harness: BackendH
     payloads = [payload_for(key, SIZE) for key in keys]
     assert owner.put_many(keys, payloads) == [True] * 5
     raw = harness.raw(owner)
-    # The length field, the tag, two payload bytes, and the key id.
-    offsets = [8, 310, codec.HEADER_BYTES + 100, codec.HEADER_BYTES + SIZE - 1, 290]
-    for key, offset in zip(keys, offsets, strict=True):
+    # The length field, the tag, two payload bytes, and the key id (of a header or a trailer).
+    for index, key in enumerate(keys):
         frame = bytearray(raw.read(key) or b"")
-        assert frame[287] == codec.Algorithm.BLAKE3, "a keyed tier writes keyed BLAKE3 frames"
+        record = codec.record_offset(frame)
+        payload = codec.HEADER_BYTES if record == 0 else 0
+        offset = [record + 8, record + 310, payload + 100, payload + SIZE - 1, record + 290][index]
+        assert frame[record + 287] == codec.Algorithm.BLAKE3, "a keyed tier writes keyed BLAKE3"
         frame[offset] ^= 0x01
         raw.write(key, bytes(frame))
     outs = [sentinel_buffer(SIZE) for _ in keys]
@@ -257,7 +259,7 @@ def test_the_next_store_rewrites_a_format_2_frame_and_a_newer_kvtiers_frame(
         harness: BackendHarness) -> None:
     """Frames of the previous kvtier (HMAC-SHA256, format 2) are served and counted in
     ``old_format``; a frame with an unknown algorithm id is refused, never served, left in
-    place; the next store writes both in format 3."""
+    place; the next store writes both in the medium's format (3, the file tier's 4)."""
     from basics.test_codec import format_2_frame
 
     owner = harness.open(auth_key=OWNER_KEY)
@@ -267,7 +269,7 @@ def test_the_next_store_rewrites_a_format_2_frame_and_a_newer_kvtiers_frame(
                                   auth_key=OWNER_KEY.encode()))
     assert owner.put_many([unknown], [payload_for(unknown, SIZE)]) == [True]
     frame = bytearray(raw.read(unknown) or b"")
-    frame[287] = 9
+    frame[codec.record_offset(frame) + 287] = 9
     raw.write(unknown, bytes(frame))
     answers, data = _get(owner, [old, unknown])
     assert answers == [True, False] and data[0] == payload_for(old, SIZE)
@@ -276,7 +278,8 @@ def test_the_next_store_rewrites_a_format_2_frame_and_a_newer_kvtiers_frame(
     assert raw.read(unknown) == bytes(frame)
     assert owner.put_many([old, unknown], [payload_for(old, SIZE),
                                            payload_for(unknown, SIZE)]) == [True, True]
-    assert [codec.frame_info(raw.read(key) or b"").version for key in (old, unknown)] == [3, 3]
+    assert [codec.frame_info(raw.read(key) or b"").version for key in (old, unknown)] == \
+        [owner.FRAME_LAYOUT.version] * 2
     answers, data = _get(owner, [old, unknown])
     assert answers == [True, True] and data == [payload_for(old, SIZE), payload_for(unknown, SIZE)]
     assert owner.stats()["old_format"] == 1

@@ -281,7 +281,7 @@ def test_an_unknown_algorithm_id_is_refused_never_served(algorithm: int) -> None
 
 def test_a_newer_format_is_foreign_and_format_1_is_corrupt() -> None:
     frame = bytes(codec.encode(NS, KEY, bytes(100)))
-    _expect(codec.NewerVersion, frame[:4] + (4).to_bytes(2, "little") + frame[6:])
+    _expect(codec.NewerVersion, frame[:4] + (5).to_bytes(2, "little") + frame[6:])
     assert issubclass(codec.NewerVersion, codec.ForeignFrame)
     with pytest.raises(codec.UnsupportedVersion, match="older kvtier") as caught:
         codec.decode_into(frame[:4] + (1).to_bytes(2, "little") + frame[6:], NS, KEY,

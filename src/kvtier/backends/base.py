@@ -45,7 +45,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvtier import codec
@@ -53,13 +52,14 @@ from kvtier.backends.auth import COMMON_SETTINGS, load_auth_key
 from kvtier.backends.manifest import TierAuth, manifest_auth, manifest_document
 from kvtier.codec import Buffer, KeyRing, Provenance, as_byte_view
 from kvtier.errors import ClosedError, KvtierError
-from kvtier.keys import BlockKey, Namespace, check_key
+from kvtier.keys import MAX_KEY_BYTES, BlockKey, Namespace, check_key
 from kvtier.lru import BoundedLRU
 from kvtier.settings import ConfigError
 from kvtier.text import first_line
 
 __all__ = [
     "COMMON_SETTINGS",
+    "COPIED_FETCH",
     "STANDARD_COUNTERS",
     "AuthKey",
     "Backend",
@@ -164,12 +164,14 @@ class Fetched(NamedTuple):
 
     - ``frame``: a whole stored frame (header + payload) in the medium's memory; the template
       verifies it and copies the payload into ``out``;
-    - ``header``: the frame's ``HEADER_BYTES`` header, the payload already read into ``out``
-      (``payload_bytes`` is how many bytes the object carried after the header); the template
-      verifies in place.
+    - ``header``: the frame's ``HEADER_BYTES`` record (its header, or its format-4 trailer), the
+      payload already read into ``out`` (``payload_bytes`` is how many bytes the object carried
+      besides the record); the template verifies in place.
 
     ``token`` identifies the object that was read (an inode, a SHA-1, an ETag) so that a
-    conditional delete removes that object and never a good block stored since. ``trusted``
+    conditional delete removes that object and never a good block stored since. It may be a
+    zero-argument callable instead (the file tier's ``fstat`` of the descriptor it read): the
+    template calls it only for an object it removes, before asking for the next item. ``trusted``
     means the medium guarantees these bytes are a frame this very instance encoded and nobody
     else can have written (the private memory store): the checksum pass is skipped, the header
     is still checked. (A named tuple: one is built per key on the load path, and a tuple is the
@@ -185,13 +187,17 @@ class Fetched(NamedTuple):
 
 
 MISSING_FETCH = Fetched(Outcome.MISSING)
+COPIED_FETCH = Fetched(Outcome.OK, trusted=True)
 FAILED_FETCH = Fetched(Outcome.FAILED)
 CORRUPT_FETCH = Fetched(Outcome.CORRUPT)
 
 
-@dataclass(frozen=True, slots=True)
-class StoredFrame:
-    """One frame to store: the encoded header and the caller's payload (not copied)."""
+class StoredFrame(NamedTuple):
+    """One frame to store: the encoded record and the caller's payload (not copied).
+
+    ``header`` is the record as the backend's :attr:`Backend.FRAME_LAYOUT` places it: before
+    the payload (``HEADER``) or after it (``TRAILER``). (A named tuple, like :class:`Fetched`:
+    one is built per key on the store path.)"""
 
     key: BlockKey
     header: bytes
@@ -202,7 +208,8 @@ class StoredFrame:
         return len(self.header) + self.payload.nbytes
 
     def joined(self) -> bytearray:
-        """Header + payload in one buffer (one copy), for media that need a contiguous value."""
+        """Header + payload in one buffer (one copy), for media that need a contiguous value
+        (a header-layout medium's: every medium but the file tier)."""
         frame = bytearray(self.header)
         frame += self.payload
         return frame
@@ -335,9 +342,16 @@ class RateLimitedLog:
 
 
 def _is_flat_sequence(value: object) -> bool:
+    if type(value) is list or type(value) is tuple:  # the common case, without an ABC check
+        return True
     return isinstance(value, Sequence) and not isinstance(
         value, (bytes, bytearray, memoryview, str)
     )
+
+
+def _all_keys(keys: Sequence[object]) -> bool:
+    """Whether every item is a valid block key (the fast path of :func:`check_keys`)."""
+    return all(type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES for key in keys)
 
 
 def check_keys(keys: Sequence[BlockKey], argument: str = "keys") -> list[BlockKey]:
@@ -346,6 +360,8 @@ def check_keys(keys: Sequence[BlockKey], argument: str = "keys") -> list[BlockKe
         raise TypeError(
             f"{argument} must be a sequence of BlockKey (bytes), got {type(keys).__name__}"
         )
+    if _all_keys(keys):
+        return list(keys)
     return [check_key(key, f"{argument}[{index}]") for index, key in enumerate(keys)]
 
 
@@ -364,7 +380,10 @@ def check_put_args(
     if not _is_flat_sequence(payloads):
         raise TypeError(f"payloads must be a sequence of buffers, got {type(payloads).__name__}")
     _check_same_length("payloads", payloads, key_list)
-    views = [as_byte_view(payload, f"payloads[{index}]") for index, payload in enumerate(payloads)]
+    views = [payload if type(payload) is memoryview and payload.format == "B"
+             and payload.ndim == 1 and payload.c_contiguous
+             else as_byte_view(payload, f"payloads[{index}]")
+             for index, payload in enumerate(payloads)]
     return key_list, views
 
 
@@ -378,6 +397,10 @@ def check_get_args(
     _check_same_length("outs", outs, key_list)
     views: list[memoryview] = []
     for index, out in enumerate(outs):
+        if type(out) is memoryview and out.format == "B" and out.ndim == 1 and \
+                out.c_contiguous and not out.readonly:  # the common case, checked at once
+            views.append(out)
+            continue
         if not isinstance(out, memoryview):
             raise TypeError(f"outs[{index}] must be a memoryview, got {type(out).__name__}")
         view = as_byte_view(out, f"outs[{index}]")
@@ -401,6 +424,10 @@ class Backend:
     EXTRA_COUNTERS: tuple[str, ...] = ()
     """Medium-specific counters reported besides :data:`STANDARD_COUNTERS`."""
 
+    FRAME_LAYOUT: codec.FrameLayout = codec.FrameLayout.HEADER
+    """Where this medium's frames carry their record: :attr:`StoredFrame.header` is a header
+    (written before the payload) or, for ``TRAILER``, a trailer (written after it)."""
+
     def __init__(
         self,
         namespace: Namespace,
@@ -413,7 +440,7 @@ class Backend:
             raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
         self._namespace = namespace
         self._digest = namespace.digest
-        self._codec = codec.FrameCodec(namespace.digest, auth_key)
+        self._codec = codec.FrameCodec(namespace.digest, auth_key, self.FRAME_LAYOUT)
         self._replaceable: BoundedLRU[BlockKey, None] = BoundedLRU(_MAX_REPLACEABLE)
         self._replace_lock = threading.Lock()
         self._stats = BackendStats(extra=self.EXTRA_COUNTERS)
@@ -460,7 +487,7 @@ class Backend:
         self._lifecycle.check_open()
         if not key_list:
             return []
-        encode = self._codec.encode_header
+        encode = self._codec.encode_record
         frames = [StoredFrame(key, encode(key, view), view)
                   for key, view in zip(key_list, views, strict=True)]
         if self._replaceable:
@@ -485,8 +512,13 @@ class Backend:
         counts = dict.fromkeys(("bytes_read", "corrupt_objects", "auth_failures",
                                 "auth_old_key", "old_format", "size_mismatches"), 0)
         # One item at a time: a medium may reuse a scratch buffer for the next key.
+        valid = Verdict.VALID
         for key, out, item in zip(key_list, views, self._m_fetch(key_list, views), strict=False):
-            verdict = self._judge(key, out, item)
+            verdict = valid if item is COPIED_FETCH else self._judge(key, out, item)
+            if verdict is valid:  # the common case, without a set lookup (an enum's hash is slow)
+                results.append(True)
+                counts["bytes_read"] += out.nbytes
+                continue
             results.append(verdict in _SERVED)
             if verdict is None:
                 continue
@@ -495,6 +527,8 @@ class Backend:
             if verdict is not Verdict.VALID:
                 counts[_COUNTER_OF[verdict]] += 1
             if verdict in _REMOVED:
+                if callable(item.token):  # resolved now: the medium still holds what it read
+                    item = item._replace(token=item.token())
                 doomed.append((key, item))
             elif verdict in _REPLACEABLE:
                 stale.append(key)
@@ -619,6 +653,8 @@ class Backend:
 
     def _judge(self, key: BlockKey, out: memoryview, item: Fetched) -> Verdict | None:
         """The verdict on one fetched object; None where nothing was read (missing / failed)."""
+        if item is COPIED_FETCH:
+            return Verdict.VALID
         if item.outcome is Outcome.CORRUPT:
             return Verdict.CORRUPT
         if item.outcome is not Outcome.OK:

@@ -8,8 +8,9 @@ State and owners (any caller thread; all guarded by ``MemoryBackend._lock``):
 
 Frames are encoded and verified by the same template as every other backend. A frame this
 instance encoded itself sits in private process memory that nothing else can write, so its
-checksum (or MAC) pass is skipped on reads (the header is still checked); a frame written through
-the test hook ``_raw_write`` is verified completely. URL: ``memory://``; option ``max_bytes``
+checksum (or MAC) pass is skipped on reads: only its size is checked, and the payload is copied
+into the destination once, here. A frame written through the test hook ``_raw_write`` is
+verified completely. URL: ``memory://``; option ``max_bytes``
 (0 = unlimited) bounds the stored frame bytes with LRU eviction.
 """
 
@@ -24,6 +25,8 @@ from typing import Any
 from kvtier.backends import redact_url, split_url_options
 from kvtier.backends.base import (
     COMMON_SETTINGS,
+    COPIED_FETCH,
+    MISSING_FETCH,
     AuthKey,
     Backend,
     Fetched,
@@ -33,6 +36,7 @@ from kvtier.backends.base import (
 )
 from kvtier.backends.manifest import NamespaceUsage
 from kvtier.backends.registry import FunctionKind
+from kvtier.codec import HEADER_BYTES
 from kvtier.keys import BlockKey, Namespace
 from kvtier.settings import Kind, Setting, SettingsTable
 
@@ -98,16 +102,23 @@ class MemoryBackend(Backend):
         return outcomes
 
     def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> list[Fetched]:
-        fetched: list[Fetched] = []
-        for key in keys:
-            with self._lock:
-                entry = self._frames.get(key)
+        with self._lock:  # one acquisition per batch; the copies run outside it
+            entries = [self._frames.get(key) for key in keys]
+            for key, entry in zip(keys, entries, strict=True):
                 if entry is not None:
                     self._frames.move_to_end(key)
+        fetched: list[Fetched] = []
+        for out, entry in zip(outs, entries, strict=True):
             if entry is None:
-                fetched.append(Fetched(Outcome.MISSING))
+                fetched.append(MISSING_FETCH)
+                continue
+            frame, trusted = entry  # never changed once stored: safe to read without the lock
+            if trusted and len(frame) - HEADER_BYTES == out.nbytes:
+                # A frame this instance encoded (FRAME_LAYOUT HEADER: the payload follows the
+                # header): one copy, nothing to check.
+                out[:] = memoryview(frame)[HEADER_BYTES:]
+                fetched.append(COPIED_FETCH)
             else:
-                frame, trusted = entry
                 fetched.append(Fetched(Outcome.OK, frame=memoryview(frame), token=frame,
                                        trusted=trusted))
         return fetched

@@ -62,6 +62,15 @@ class CapacityIndex:
             if key is not None:
                 self._record(key, stored)
 
+    def commit(self, stored: Iterable[tuple[BlockKey, int]]) -> None:
+        """Record a batch of published blocks (each had reserved its size) under one lock."""
+        with self._lock:
+            bounded = bool(self._max_bytes)
+            for key, size in stored:
+                if bounded:
+                    self._reserved -= size
+                self._record(key, size)
+
     def adopt(self, key: BlockKey, size: int) -> list[BlockKey]:
         """Index a block found on disk (another writer's, or ours); the victims over capacity."""
         with self._lock:

@@ -19,6 +19,8 @@ import mmap
 import os
 import threading
 
+import numpy as np
+
 from kvtier import codec
 from kvtier.backends.base import Buffer
 from kvtier.keys import MAX_KEY_BYTES
@@ -43,6 +45,9 @@ _READ_FLAGS = os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | _O_NONBLOCK
 _NOT_REGULAR_ERRNOS = {errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV, errno.EMLINK}
 _NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
 _MISSING_ERRNOS = {errno.ENOENT, errno.ENOTDIR}
+# A read of what open() let through that is no regular file: a FIFO (ESPIPE: no pread on a
+# pipe) or a directory (EISDIR).
+_NOT_READABLE_ERRNOS = {errno.ESPIPE, errno.EISDIR}
 # Temp-file sequence numbers, shared by every instance in this process (next() is atomic).
 _TEMP_COUNTER = itertools.count()
 
@@ -65,6 +70,20 @@ def _claimed_length(header: Buffer) -> int:
 
 def _round_up(size: int) -> int:
     return (size + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def is_aligned(view: memoryview) -> bool:
+    """Whether O_DIRECT can move ``view`` as it is: whole pages at a page-aligned address."""
+    nbytes = view.nbytes
+    if not nbytes or nbytes % _ALIGN:
+        return False
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) % _ALIGN == 0
+
+
+def is_trailer(page: Buffer | mmap.mmap) -> bool:
+    """Whether ``page`` starts with a record of format 4 or newer (magic and version only; the
+    template verifies the rest)."""
+    return page[:4] == codec.MAGIC and page[4] | page[5] << 8 >= codec.TRAILER_VERSION
 
 
 class Layout(enum.Enum):
@@ -138,11 +157,20 @@ def _pid_alive(pid: int) -> bool:
 
 
 class _Scratch(threading.local):
-    """One page-aligned buffer per thread (aligned for O_DIRECT), grown on demand."""
+    """Page-aligned buffers per thread (aligned for O_DIRECT): one grown on demand, and one
+    page a read lands a frame's trailer in (and an O_DIRECT write sends it from)."""
 
     def __init__(self) -> None:
         self.buffer: mmap.mmap | None = None
         self.view: memoryview | None = None
+        self.page: mmap.mmap | None = None
+
+    def trailer_page(self) -> mmap.mmap:
+        """The page (an mmap: page-aligned, and slicing it yields bytes at once)."""
+        page = self.page
+        if page is None:
+            self.page = page = mmap.mmap(-1, _ALIGN)
+        return page
 
     def get(self, size: int) -> memoryview:
         view = self.view
@@ -154,9 +182,15 @@ class _Scratch(threading.local):
         return view
 
 
-def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
-    """``writev`` until every byte is written (regular files rarely write short, but may)."""
+def _write_all(fd: int, buffers: list[memoryview | bytes | mmap.mmap], *, skip: int = 0) -> None:
+    """``writev`` until every byte is written (regular files rarely write short, but may),
+    the first ``skip`` bytes being written already."""
     remaining = [memoryview(buffer).cast("B") for buffer in buffers]
+    written = skip
+    while remaining and written >= remaining[0].nbytes:
+        written -= remaining.pop(0).nbytes
+    if remaining and written:
+        remaining[0] = remaining[0][written:]
     while remaining:
         written = os.writev(fd, remaining)
         if written == 0:

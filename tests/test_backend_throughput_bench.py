@@ -1,0 +1,62 @@
+"""``benchmarks/backend_throughput.py --json``: the rows it writes and the targets it judges.
+
+Runs the benchmark on tiny sizes (memory and file, one round) only to check the shape of what it
+writes; nothing is timed or compared.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "backend_throughput.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("backend_throughput_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load()
+
+
+def test_json_has_a_raw_and_a_floor_for_every_transfer_row(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    assert bench.main(["--backends", "memory,file+auth", "--sizes", "4KiB", "--total", "64KiB",
+                       "--rounds", "1", "--exists-batches", "4", "--exists-keys", "8",
+                       "--dir", str(tmp_path), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    transfers = [row for row in rows if row["op"] in ("put", "get")]
+    assert {(row["backend"], row["op"]) for row in transfers} == {
+        (kind, op) for kind in ("memory", "file+auth") for op in ("put", "get")}
+    for row in transfers:
+        assert row["block_bytes"] == 4096
+        assert {"gbps", "raw_gbps", "floor_gbps"} <= row.keys()
+        assert all(row[name] > 0 for name in ("gbps", "raw_gbps", "floor_gbps"))
+    by_kind = {(row["backend"], row["op"]): row for row in transfers}
+    assert by_kind["file+auth", "get"]["floor"] == "raw write/read + keyed BLAKE3"
+    assert by_kind["memory", "put"]["floor"] == "copy in/out + xxh3"
+    assert by_kind["memory", "get"]["floor"] == "copy in/out (nothing to verify)"
+    assert "unkeyed_gbps" in by_kind["file+auth", "get"]
+    exists = [row for row in rows if row["op"] == "exists"]
+    assert [(row["backend"], row["batch"]) for row in exists] == [("memory", 4), ("file+auth", 4)]
+
+
+def test_a_row_names_the_targets_it_misses() -> None:
+    row = bench.Row("file", "get", "256 KiB", "GB/s", 1.0, "raw", 1.4, None, 0.7,
+                    block_bytes=256 << 10, floor=1.2, floor_ratio=0.85,
+                    targets=bench.TARGETS["file", "get"])
+    assert row.misses() == ["90% of floor", "80% of raw"]
+    row.ratio, row.floor_ratio = 0.81, 0.95
+    assert row.misses() == []
