@@ -14,6 +14,7 @@ from kvtier.keys import BlockKey
 
 __all__ = [
     "PRIMARY",
+    "BlockPrefetched",
     "BlockPromoted",
     "BlockReadmitted",
     "BlockRemoved",
@@ -53,6 +54,14 @@ class BlockPromoted(_TierEvent):
     __slots__ = ()
 
 
+class BlockPrefetched(_TierEvent):
+    """``keys`` were promoted into the primary pool from secondary tier ``tier`` by prefetch,
+    with no request waiting for them (each also emits ``BlockStored(keys, "primary")`` just
+    before this event; a prefetch a request joined before it landed is a ``BlockPromoted``)."""
+
+    __slots__ = ()
+
+
 class BlockReadmitted(_TierEvent):
     """``keys`` came back into the primary pool from the in-memory copy kept while their write
     to the secondary tiers was pending (no tier read; ``tier`` is "primary"; each also emits
@@ -73,8 +82,8 @@ class StoreShed(_TierEvent):
     __slots__ = ()
 
 
-ManagerEvent = (BlockStored | BlockRemoved | BlockPromoted | BlockReadmitted | PromotionFailed
-                | StoreShed)
+ManagerEvent = (BlockStored | BlockRemoved | BlockPromoted | BlockPrefetched | BlockReadmitted
+                | PromotionFailed | StoreShed)
 
 
 @dataclass(slots=True)

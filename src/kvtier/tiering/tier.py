@@ -12,7 +12,8 @@ Thread ownership:
   :class:`TierJob` at a time (a store is one part; a load is split into parts so that its
   reads run in parallel), taken from the ready queues (``_ready_loads`` before
   ``_ready_stores``: ``collections.deque``, appended by the scheduler, popped by I/O threads,
-  each part popped exactly once). They call the backend and record the part's answers in the
+  each part popped exactly once; prefetch loads wait in ``_ready_prefetch``, taken only when
+  no demand load or store waits). They call the backend and record the part's answers in the
   job under ``_settle_lock`` (``running``, ``parts_left``, ``partial``, ``first_error``); the
   thread that finishes the last part fills in ``results``, ``error`` and ``seconds`` and posts
   the job to ``_finished`` (a ``queue.SimpleQueue``). After posting no I/O thread touches the
@@ -70,6 +71,14 @@ class JobKind(enum.Enum):
     STORE = "store"
 
 
+class LoadPriority(enum.Enum):
+    """Whose load it is: a request's (``DEMAND``, first in line) or a prefetch's (run only
+    when no demand load and no store waits for an I/O thread; one part per job)."""
+
+    DEMAND = "demand"
+    PREFETCH = "prefetch"
+
+
 TierClosedError = ClosedError  # the one closed error; this name is kept for callers
 
 
@@ -98,6 +107,7 @@ class TierJob:
     suspects: tuple[int, ...] = ()  # store: positions whose load failed recently (read back)
     verified: tuple[int, ...] = ()  # store: suspects whose read-back succeeded
     deadline: float = float("inf")  # the tier's clock() past which a load job fails
+    priority: LoadPriority = LoadPriority.DEMAND
     settled: bool = False           # results are final (set once, under the tier's settle lock)
     abandoned: bool = False         # a load failed by its deadline while its I/O still runs
     # Progress of its parts (a load runs as parts on several I/O threads), under the settle
@@ -294,6 +304,7 @@ class SecondaryTier:
         self._outstanding: dict[int, TierJob] = {}
         self._ready_loads: deque[_Part] = deque()
         self._ready_stores: deque[_Part] = deque()
+        self._ready_prefetch: deque[_Part] = deque()  # low priority: after loads and stores
         self._job_ids = itertools.count()
         self._store_bytes = 0
         self._store_jobs = 0
@@ -340,14 +351,22 @@ class SecondaryTier:
         self._lookup.note_removed(keys)
 
     # ---- transfers (scheduler thread) ---------------------------------------------------------
-    def submit_load(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> TierJob:
-        """Start loading ``keys`` into ``outs`` on an I/O thread; never blocks, never sheds."""
+    @property
+    def io_threads(self) -> int:
+        return self._settings.io_threads
+
+    def submit_load(self, keys: Sequence[BlockKey], outs: Sequence[memoryview],
+                    priority: LoadPriority = LoadPriority.DEMAND) -> TierJob:
+        """Start loading ``keys`` into ``outs`` on an I/O thread; never blocks, never sheds.
+        A ``PREFETCH`` load runs as one part, only when no other part waits (see
+        :meth:`expedite`)."""
         self._require_running("submit_load")
         if len(keys) != len(outs):
             raise ValueError(f"submit_load got {len(keys)} keys but {len(outs)} buffers")
         job = TierJob(next(self._job_ids), JobKind.LOAD, tuple(keys), tuple(outs),
                           sum(out.nbytes for out in outs),
-                          deadline=self._clock() + self._settings.load_timeout_s)
+                          deadline=self._clock() + self._settings.load_timeout_s,
+                          priority=priority)
         self._load_deadlines.append(job)
         self._loads_outstanding += 1
         self._counters.loads_submitted += 1
@@ -395,7 +414,9 @@ class SecondaryTier:
         parts = self._parts(job)
         job.parts_left = len(parts)
         job.partial = [False] * len(job.keys)
-        ready = self._ready_loads if job.kind is JobKind.LOAD else self._ready_stores
+        ready = (self._ready_stores if job.kind is JobKind.STORE
+                 else self._ready_loads if job.priority is LoadPriority.DEMAND
+                 else self._ready_prefetch)
         ready.extend(parts)
         try:
             for _ in parts:
@@ -403,7 +424,7 @@ class SecondaryTier:
         except RuntimeError as exc:  # executor shut down underneath us: fail the jobs, no hang
             # Tasks already submitted each pop one part (or find none and return); every part
             # still waiting now fails its job here, so no part is run twice or left behind.
-            for queued in (self._ready_loads, self._ready_stores):
+            for queued in (self._ready_loads, self._ready_stores, self._ready_prefetch):
                 while True:
                     try:
                         waiting = queued.popleft().job
@@ -417,12 +438,25 @@ class SecondaryTier:
         as an engine's own file tier reads with parallel threads: parts of at least
         ``_MIN_LOAD_PART_KEYS`` keys, at most ``max_keys_per_call``."""
         count = len(job.keys)
-        if job.kind is JobKind.STORE or count == 0:
+        if job.kind is JobKind.STORE or count == 0 or job.priority is LoadPriority.PREFETCH:
             return [_Part(job, 0, count)]
         size = max(_MIN_LOAD_PART_KEYS, -(-count // self._settings.io_threads))
         if self._max_keys_per_call is not None:
             size = min(size, self._max_keys_per_call)
         return [_Part(job, start, min(count, start + size)) for start in range(0, count, size)]
+
+    def expedite(self, job: TierJob) -> bool:
+        """A request now waits for prefetch load ``job``: its part, if no I/O thread took it
+        yet, moves to the demand queue's end (scheduler thread). True if it was moved."""
+        for part in list(self._ready_prefetch):
+            if part.job is job:
+                try:
+                    self._ready_prefetch.remove(part)
+                except ValueError:  # an I/O thread took it meanwhile: it is running
+                    return False
+                self._ready_loads.append(part)
+                return True
+        return False
 
     def get_finished_jobs(self, *, wait: bool = False,
                           timeout: float | None = None) -> list[TierJob]:
@@ -560,8 +594,9 @@ class SecondaryTier:
 
     # ---- I/O thread ---------------------------------------------------------------------------
     def _run_next(self) -> None:
-        """Run the oldest waiting load part, else the oldest store (one per submitted task)."""
-        for ready in (self._ready_loads, self._ready_stores):
+        """Run the oldest waiting load part, else the oldest store, else the oldest prefetch
+        (one per submitted task)."""
+        for ready in (self._ready_loads, self._ready_stores, self._ready_prefetch):
             try:
                 part = ready.popleft()
             except IndexError:

@@ -1,0 +1,417 @@
+"""Session-aware prefetch: between an agent's turns, its finished chain goes back into the pool.
+
+Thread ownership: the **scheduler thread** owns all of it: the keys each running request showed
+the manager (``_seen``: looked up, stored), the sessions with a request running (``_active``),
+the chains of finished requests by session (``_chains``, oldest finish first, and ``_owner``,
+the chain each of their keys belongs to), the prefetches in flight (``_in_flight``), the
+prefetched blocks not used yet (``_unused``) and the counters (:class:`PrefetchCounters`). The
+tables it reads and changes (pool, promotions, write-back, the tiers' lookup managers) are the
+manager's, on the same thread; the tiers' I/O threads only move the bytes.
+
+The session of a request is ``RequestContext.session_id``; without one, the first key it showed
+the manager (a conversation's turns share their first block). When a request finishes, its chain
+(what the engine passes to ``on_request_finished``, else the keys it looked up, then the keys it
+stored) becomes its session's paused chain, replacing the last one. Every step, the keys of the
+paused chains that left the pool are promoted back, newest chain first, within two budgets: the
+prefetched blocks not used yet plus those in flight hold at most ``pool_fraction`` of the pool,
+and each tier runs at most ``io_fraction`` of its I/O threads' worth of prefetch load jobs.
+
+Prefetch never costs a demand load:
+
+- its loads run at ``LoadPriority.PREFETCH`` (an I/O thread takes one only when no demand load
+  and no store waits), and a request that joins a prefetch in flight moves it to the demand
+  queue (:class:`~kvtier.tiering.promotions.PromotionTable`);
+- a slot for a prefetch may evict only blocks of older paused chains or of no chain (never a
+  block of a newer chain, of a session with a request running, or a pinned or held one);
+- when the pool needs the room (a store deferred or refused, a promotion without a slot, a piece
+  waiting: the manager's counters moved this step), prefetch starts nothing for
+  ``PRESSURE_COOLDOWN_STEPS`` steps, and the prefetches that land meanwhile give their slot
+  back at once (``cancelled``).
+
+Counters (blocks): ``started = prefetched + cancelled + failed + in flight`` and
+``prefetched = used + wasted + unused``: used = loaded by a request (``prepare_load``), wasted =
+evicted unused, or still unused when its session's next request finished, its chain expired
+(``chain_ttl_s``) or the manager shut down; in flight at shutdown counts as cancelled.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvtier.keys import BlockKey, RequestContext
+from kvtier.primary import PrimaryPool
+from kvtier.tiering.events import PRIMARY, BlockRemoved, Counters, EventLog
+from kvtier.tiering.promotions import TRANSFER_CHUNK_KEYS, PromotionTable
+from kvtier.tiering.tier import SecondaryTier
+from kvtier.tiering.tier_settings import PrefetchSettings
+from kvtier.tiering.writeback import WriteBack
+
+__all__ = ["PRESSURE_COOLDOWN_STEPS", "SCAN_KEYS_PER_STEP", "PrefetchCounters", "Prefetcher"]
+
+PRESSURE_COOLDOWN_STEPS = 8   # steps without new prefetches after the pool needed room
+SCAN_KEYS_PER_STEP = 8192     # chain keys checked per step at most (the scheduler's time)
+_CTX_PREFIX = "kvtier-prefetch:"
+
+
+class _Start(enum.Enum):
+    STARTED = "started"
+    PENDING = "pending"  # a tier has not answered yet: try again next step
+    ABSENT = "absent"    # in no tier
+    NO_IO = "no_io"      # the tier's prefetch I/O budget is spent this step
+    NO_SLOT = "no_slot"  # every slot is pinned or protected
+
+
+@dataclass(slots=True)
+class PrefetchCounters:
+    """Blocks, not calls; see the module docstring for how they add up."""
+
+    started_blocks: int = 0
+    prefetched_blocks: int = 0
+    used_blocks: int = 0
+    wasted_blocks: int = 0
+    cancelled_blocks: int = 0
+    failed_blocks: int = 0
+    chains: int = 0          # chains recorded (finished requests)
+    pressure_steps: int = 0  # steps in which the pool needed the room
+
+
+@dataclass(slots=True)
+class _Seen:
+    """What one running request showed the manager."""
+
+    session: str
+    looked_up: tuple[BlockKey, ...] = ()
+    stored: list[BlockKey] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class _Chain:
+    session: str
+    keys: tuple[BlockKey, ...]
+    seq: int                 # finish order: higher is newer
+    finished_at: float
+    ctx: RequestContext      # the prefetch's own lookups of this chain
+    active: bool = False     # its session has a request running: demand owns it
+    cursor: int = 0          # keys before it were in the pool (or on their way) when checked
+    checked_at: int = -1     # pool evictions when a pass over it last ended
+
+
+class _Protected:
+    """The keys a prefetch for the chain of finish order ``seq`` must not evict: keys of a chain
+    as new or newer, or of a session with a request running."""
+
+    __slots__ = ("_owner", "_seq")
+
+    def __init__(self, owner: dict[BlockKey, _Chain], seq: int) -> None:
+        self._owner = owner
+        self._seq = seq
+
+    def __contains__(self, key: object) -> bool:
+        chain = self._owner.get(key)  # type: ignore[call-overload]
+        return chain is not None and (chain.active or chain.seq >= self._seq)
+
+    def __len__(self) -> int:
+        return 0  # never iterated: PrimaryPool.reserve only asks membership
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        return iter(())
+
+
+class Prefetcher:
+    """Paused chains, prefetches in flight and prefetched blocks (see the module docstring)."""
+
+    def __init__(self, settings: PrefetchSettings, pool: PrimaryPool,
+                 tiers: tuple[SecondaryTier, ...], promotions: PromotionTable,
+                 writeback: WriteBack, counters: Counters, events: EventLog,
+                 clock: Callable[[], float]) -> None:
+        self._settings = settings
+        self._enabled = settings.enabled and bool(tiers)
+        self._pool = pool
+        self._tiers = tiers
+        self._promotions = promotions
+        self._writeback = writeback
+        self._manager_counters = counters
+        self._events = events
+        self._clock = clock
+        self.counters = PrefetchCounters()
+        self._budget = int(pool.num_slots * settings.pool_fraction)
+        self._io_budget = [max(1, int(tier.io_threads * settings.io_fraction))
+                           * TRANSFER_CHUNK_KEYS for tier in tiers]
+        self._seen: dict[str, _Seen] = {}
+        self._active: Counter[str] = Counter()
+        self._chains: OrderedDict[str, _Chain] = OrderedDict()
+        self._owner: dict[BlockKey, _Chain] = {}
+        self._in_flight: dict[BlockKey, tuple[str, int]] = {}  # key -> (session, tier index)
+        self._tier_in_flight = [0] * len(tiers)
+        self._unused: dict[BlockKey, str] = {}  # prefetched, not loaded yet -> session
+        self._next_seq = 0
+        self._evictions_seen = pool.evictions
+        self._pressure_mark = self._pressure_signal()
+        self._cooldown = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    # ---- what requests show (manager hooks) --------------------------------------------------
+    def note_lookup(self, ctx: RequestContext, keys: Sequence[BlockKey]) -> None:
+        """A request asked for ``keys`` (a prefix, or the rest of one)."""
+        seen = self._seen_for(ctx, keys)
+        if seen is not None and len(keys) > len(seen.looked_up):
+            seen.looked_up = tuple(keys)
+
+    def note_stored(self, ctx: RequestContext, keys: Sequence[BlockKey]) -> None:
+        seen = self._seen_for(ctx, keys)
+        if seen is not None:
+            seen.stored.extend(keys)
+
+    def note_loaded(self, keys: Sequence[BlockKey]) -> None:
+        """A request loads ``keys``: the prefetched ones among them were used."""
+        if self._promotions.prefetch_outcomes:
+            self._settle_landed()
+        unused = self._unused
+        if not unused:
+            return
+        for key in keys:
+            if unused.pop(key, None) is not None:
+                self.counters.used_blocks += 1
+
+    def _seen_for(self, ctx: RequestContext, keys: Sequence[BlockKey]) -> _Seen | None:
+        seen = self._seen.get(ctx.req_id)
+        if seen is not None or not self._enabled:
+            return seen
+        if ctx.session_id is not None:
+            session = ctx.session_id
+        elif keys:
+            session = "chain:" + keys[0].hex()
+        else:
+            return None
+        seen = self._seen[ctx.req_id] = _Seen(session)
+        self._active[session] += 1
+        chain = self._chains.get(session)
+        if chain is not None:
+            chain.active = True  # the next turn arrived: its own lookups take over
+        return seen
+
+    def on_finished(self, ctx: RequestContext, chain: Sequence[BlockKey] | None) -> None:
+        """``ctx`` finished: its chain becomes its session's paused chain."""
+        if not self._enabled:
+            return
+        seen = self._seen.pop(ctx.req_id, None)
+        if seen is None:
+            if not chain:
+                return
+            seen = _Seen(ctx.session_id or "chain:" + chain[0].hex())
+            self._active[seen.session] += 1
+        session = seen.session
+        self._active[session] -= 1
+        if self._active[session] <= 0:
+            del self._active[session]
+        keys = tuple(chain) if chain is not None else _merged(seen.looked_up, seen.stored)
+        self._drop_chain(session)
+        if not keys:
+            return
+        record = _Chain(session, keys, self._next_seq, self._clock(),
+                        RequestContext(f"{_CTX_PREFIX}{self._next_seq}"),
+                        active=session in self._active)
+        self._next_seq += 1
+        self._chains[session] = record
+        owner = self._owner
+        for key in keys:
+            owner[key] = record
+        self.counters.chains += 1
+        while len(self._chains) > self._settings.max_chains:
+            self._drop_chain(next(iter(self._chains)))
+
+    def _drop_chain(self, session: str) -> None:
+        """Forget ``session``'s chain; its prefetched blocks not used are wasted."""
+        chain = self._chains.pop(session, None)
+        if chain is None:
+            return
+        owner = self._owner
+        for key in chain.keys:
+            if owner.get(key) is chain:
+                del owner[key]
+        for tier in self._tiers:
+            tier.cleanup(chain.ctx.req_id)
+        stale = [key for key, owner_session in self._unused.items() if owner_session == session]
+        for key in stale:
+            del self._unused[key]
+        self.counters.wasted_blocks += len(stale)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self) -> None:
+        """Once per engine step, before the step's loads are submitted."""
+        if not self._enabled:
+            return
+        self._settle_landed()
+        self._count_evicted()
+        self._expire()
+        if self._under_pressure():
+            return
+        if self._chains:
+            self._prefetch()
+
+    def _settle_landed(self) -> None:
+        """Apply the prefetches that landed or failed since the last call."""
+        outcomes = self._promotions.take_prefetch_outcomes()
+        counters = self.counters
+        for key, ok in outcomes:
+            owner = self._in_flight.pop(key, None)
+            if owner is None:
+                continue
+            session, tier_index = owner
+            self._tier_in_flight[tier_index] -= 1
+            if not ok:
+                counters.failed_blocks += 1
+            elif self._cooldown and self._pool.discard(key):  # the pool needs the room
+                counters.cancelled_blocks += 1
+                self._events.emit(BlockRemoved((key,), PRIMARY))
+            else:
+                counters.prefetched_blocks += 1
+                self._unused[key] = session
+
+    def _count_evicted(self) -> None:
+        evictions = self._pool.evictions
+        if evictions == self._evictions_seen:
+            return
+        self._evictions_seen = evictions
+        unused = self._unused
+        if not unused:
+            return
+        is_resident = self._pool.is_resident
+        gone = [key for key in unused if not is_resident(key)]
+        for key in gone:
+            del unused[key]
+        self.counters.wasted_blocks += len(gone)
+
+    def _expire(self) -> None:
+        if not self._chains:
+            return
+        horizon = self._clock() - self._settings.chain_ttl_s
+        while self._chains:
+            oldest = next(iter(self._chains.values()))
+            if oldest.finished_at > horizon:
+                return
+            self._drop_chain(oldest.session)
+
+    def _pressure_signal(self) -> int:
+        counters = self._manager_counters
+        return (counters.stores_deferred + counters.stores_rejected
+                + counters.promotions_no_slot + counters.piece_waits + counters.holds_refused)
+
+    def _under_pressure(self) -> bool:
+        signal = self._pressure_signal()
+        if signal != self._pressure_mark:
+            self._pressure_mark = signal
+            self._cooldown = PRESSURE_COOLDOWN_STEPS
+            self.counters.pressure_steps += 1
+            return True
+        if self._cooldown:
+            self._cooldown -= 1
+            return True
+        return False
+
+    def _prefetch(self) -> None:
+        """Start prefetches for the paused chains, newest first, within the budgets."""
+        room = self._budget - len(self._unused) - len(self._in_flight)
+        scan = SCAN_KEYS_PER_STEP
+        evictions = self._pool.evictions
+        for chain in reversed(self._chains.values()):
+            if room <= 0 or scan <= 0:
+                return
+            if chain.active or (chain.checked_at == evictions and chain.cursor == 0):
+                continue
+            started, scanned, blocked = self._prefetch_chain(chain, room, scan)
+            room -= started
+            scan -= scanned
+            if blocked:  # no I/O room or no slot: nothing more this step
+                return
+
+    def _prefetch_chain(self, chain: _Chain, room: int, scan: int) -> tuple[int, int, bool]:
+        """Walk ``chain`` from its cursor; (prefetches started, keys scanned, blocked)."""
+        pool = self._pool
+        is_resident = pool.is_resident
+        promotions = self._promotions
+        copy_of = self._writeback.copy_of
+        keys = chain.keys
+        started = 0
+        first = index = chain.cursor
+        stop = min(len(keys), index + scan)
+        protect = _Protected(self._owner, chain.seq)
+        complete = first == 0  # every key checked so far is in the pool or on its way
+        while index < stop and started < room:
+            key = keys[index]
+            if not (is_resident(key) or key in promotions or pool.slot_of(key) is not None
+                    or copy_of(key) is not None):  # a copy: demand re-admits it from memory
+                outcome = self._start(key, chain, protect)
+                if outcome is _Start.STARTED:
+                    started += 1
+                elif outcome is _Start.PENDING:
+                    complete = False
+                elif outcome is not _Start.ABSENT:
+                    chain.cursor, chain.checked_at = index, -1
+                    return started, index - first, True
+            index += 1
+        if index < len(keys):
+            chain.cursor, chain.checked_at = index, -1
+        else:
+            chain.cursor = 0
+            chain.checked_at = pool.evictions if complete else -1
+        return started, index - first, False
+
+    def _start(self, key: BlockKey, chain: _Chain, protect: _Protected) -> _Start:
+        """Prefetch ``key`` from the first tier that holds it."""
+        for index, tier in enumerate(self._tiers):
+            verdict = tier.lookup(key, chain.ctx)
+            if verdict is None:
+                return _Start.PENDING
+            if not verdict:
+                continue
+            if self._tier_in_flight[index] >= self._io_budget[index]:
+                return _Start.NO_IO
+            reservation = self._pool.reserve(key, protect)
+            if reservation is None:
+                return _Start.NO_SLOT
+            if reservation.evicted is not None:
+                self._writeback.on_evicted(reservation.evicted, reservation.slot)
+            self._promotions.start_prefetch(key, index, reservation.slot)
+            self._in_flight[key] = (chain.session, index)
+            self._tier_in_flight[index] += 1
+            self.counters.started_blocks += 1
+            return _Start.STARTED
+        return _Start.ABSENT
+
+    # ---- stats, lifecycle -----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        stats = asdict(self.counters)
+        stats.update(mode=self._settings.mode if self._enabled else "off",
+                     in_flight_blocks=len(self._in_flight), unused_blocks=len(self._unused),
+                     paused_chains=sum(1 for c in self._chains.values() if not c.active),
+                     budget_blocks=self._budget)
+        return stats
+
+    def close(self) -> None:
+        """Shutdown: the landed prefetches are settled, the unused ones count as wasted, those
+        still in flight as cancelled, and every table is emptied."""
+        self._settle_landed()
+        self.counters.wasted_blocks += len(self._unused)
+        self.counters.cancelled_blocks += len(self._in_flight)
+        self._seen.clear()
+        self._active.clear()
+        self._chains.clear()
+        self._owner.clear()
+        self._in_flight.clear()
+        self._unused.clear()
+
+
+def _merged(looked_up: tuple[BlockKey, ...], stored: list[BlockKey]) -> tuple[BlockKey, ...]:
+    """The request's chain: what it looked up, then what it stored that it had not."""
+    if not stored:
+        return looked_up
+    known = set(looked_up)
+    return looked_up + tuple(key for key in stored if key not in known)
