@@ -232,7 +232,8 @@ class _Instance:
                 if request.steps_left > 0 or request.store_backlog:
                     keep.append(request)
                 else:
-                    manager.on_request_finished(request.ctx)  # its chain: what it showed
+                    # Its whole chain, as an engine knows it (the GPU prefix included).
+                    manager.on_request_finished(request.ctx, request.keys)
                     on_finished(request)
                     did_work = True
             self.running = keep

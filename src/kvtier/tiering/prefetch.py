@@ -11,18 +11,29 @@ manager's, on the same thread; the tiers' I/O threads only move the bytes.
 The session of a request is ``RequestContext.session_id``; without one, the first key it showed
 the manager (a conversation's turns share their first block). When a request finishes, its chain
 (what the engine passes to ``on_request_finished``, else the keys it looked up, then the keys it
-stored) becomes its session's paused chain, replacing the last one. Every step, the keys of the
-paused chains that left the pool are promoted back, newest chain first, within two budgets: the
-prefetched blocks not used yet plus those in flight hold at most ``pool_fraction`` of the pool,
-and each tier runs at most ``io_fraction`` of its I/O threads' worth of prefetch load jobs.
+stored) becomes its session's paused chain, replacing the last one.
+
+The engine has a cache of its own above kvtier (vLLM's GPU blocks) that keeps the most recent
+chains: a block kvtier holds that the engine holds too is worth little, and one the engine
+dropped is worth its next turn's load. The prefetcher learns how deep the engine's cache reaches
+(``_horizon``, in blocks of chains finished since): a next turn that asks from its chain's first
+key says the engine lost it, one that asks from further in says the engine still held its
+start. Every step, the keys of the paused chains the engine has lost by then (those deeper than
+the horizon; every key with no engine cache) that left the pool are promoted back, newest chain
+first, within two budgets: the prefetched blocks not used yet plus those in flight hold at most
+``pool_fraction`` of the pool, and each tier runs at most ``io_fraction`` of its I/O threads'
+worth of prefetch load jobs. A slot comes from the lowest value first: a free one, else a block
+of a paused chain the engine still holds (newest chain first, from its tail: *demoted*, only
+when a tier holds it), else the pool's own eviction order among blocks of older chains and of
+no chain.
 
 Prefetch never costs a demand load:
 
 - its loads run at ``LoadPriority.PREFETCH`` (an I/O thread takes one only when no demand load
   and no store waits), and a request that joins a prefetch in flight moves it to the demand
   queue (:class:`~kvtier.tiering.promotions.PromotionTable`);
-- a slot for a prefetch may evict only blocks of older paused chains or of no chain (never a
-  block of a newer chain, of a session with a request running, or a pinned or held one);
+- a slot for a prefetch never costs a block of a newer chain, of a session with a request
+  running, or a pinned or held one;
 - when the pool needs the room (a store deferred or refused, a promotion without a slot, a piece
   waiting: the manager's counters moved this step), prefetch starts nothing for
   ``PRESSURE_COOLDOWN_STEPS`` steps, and the prefetches that land meanwhile give their slot
@@ -54,6 +65,7 @@ __all__ = ["PRESSURE_COOLDOWN_STEPS", "SCAN_KEYS_PER_STEP", "PrefetchCounters", 
 
 PRESSURE_COOLDOWN_STEPS = 8   # steps without new prefetches after the pool needed room
 SCAN_KEYS_PER_STEP = 8192     # chain keys checked per step at most (the scheduler's time)
+HORIZON_MARGIN = 0.9          # start on a chain a little before the engine's cache drops it
 _CTX_PREFIX = "kvtier-prefetch:"
 
 
@@ -77,6 +89,8 @@ class PrefetchCounters:
     failed_blocks: int = 0
     chains: int = 0          # chains recorded (finished requests)
     pressure_steps: int = 0  # steps in which the pool needed the room
+    demoted_blocks: int = 0  # resident blocks the engine holds, freed for prefetched ones
+    engine_held: int = 0     # next turns that found their chain's start in the engine's cache
 
 
 @dataclass(slots=True)
@@ -95,9 +109,12 @@ class _Chain:
     seq: int                 # finish order: higher is newer
     finished_at: float
     ctx: RequestContext      # the prefetch's own lookups of this chain
+    end: int                 # blocks of all chains finished up to and including this one
     active: bool = False     # its session has a request running: demand owns it
     cursor: int = 0          # keys before it were in the pool (or on their way) when checked
     checked_at: int = -1     # pool evictions when a pass over it last ended
+    checked_cut: int = -1    # the cut (keys the engine lost) of that pass
+    demoted: int = 0         # keys from the tail given up for the engine holds them
 
 
 class _Protected:
@@ -113,6 +130,9 @@ class _Protected:
     def __contains__(self, key: object) -> bool:
         chain = self._owner.get(key)  # type: ignore[call-overload]
         return chain is not None and (chain.active or chain.seq >= self._seq)
+
+    def __bool__(self) -> bool:
+        return True  # PrimaryPool.reserve skips the check for an empty collection
 
     def __len__(self) -> int:
         return 0  # never iterated: PrimaryPool.reserve only asks membership
@@ -149,6 +169,8 @@ class Prefetcher:
         self._tier_in_flight = [0] * len(tiers)
         self._unused: dict[BlockKey, str] = {}  # prefetched, not loaded yet -> session
         self._next_seq = 0
+        self._finished_blocks = 0  # the blocks of every chain recorded, summed (depth's clock)
+        self._horizon = 0          # blocks of recent chains the engine itself still holds
         self._evictions_seen = pool.evictions
         self._pressure_mark = self._pressure_signal()
         self._cooldown = 0
@@ -195,7 +217,21 @@ class Prefetcher:
         chain = self._chains.get(session)
         if chain is not None:
             chain.active = True  # the next turn arrived: its own lookups take over
+            if keys:
+                self._learn_horizon(chain, keys[0])
         return seen
+
+    def _learn_horizon(self, chain: _Chain, first: BlockKey) -> None:
+        """The engine asks from ``first`` on: it held the blocks of ``chain`` before it (its own
+        cache, a GPU), or none. Engines evict the least recently used first, so the chain's
+        first block is its oldest: held or lost, it says how deep the engine's cache reaches
+        (in blocks of chains finished since). A first key past the chain: it held all of it."""
+        depth = self._finished_blocks - chain.end + len(chain.keys)
+        if first != chain.keys[0]:
+            self._horizon = max(self._horizon, depth)
+            self.counters.engine_held += 1
+        elif depth < self._horizon:
+            self._horizon = depth
 
     def on_finished(self, ctx: RequestContext, chain: Sequence[BlockKey] | None) -> None:
         """``ctx`` finished: its chain becomes its session's paused chain."""
@@ -215,9 +251,10 @@ class Prefetcher:
         self._drop_chain(session)
         if not keys:
             return
+        self._finished_blocks += len(keys)
         record = _Chain(session, keys, self._next_seq, self._clock(),
                         RequestContext(f"{_CTX_PREFIX}{self._next_seq}"),
-                        active=session in self._active)
+                        self._finished_blocks, active=session in self._active)
         self._next_seq += 1
         self._chains[session] = record
         owner = self._owner
@@ -316,39 +353,71 @@ class Prefetcher:
             return True
         return False
 
+    def _cut(self, chain: _Chain) -> int:
+        """How many leading keys of ``chain`` the engine has lost by now: those deeper than its
+        cache's horizon (the first key is the deepest); all of them for an engine with none."""
+        newer = self._finished_blocks - chain.end  # blocks of chains finished after it
+        held = int(self._horizon * HORIZON_MARGIN) - newer
+        return len(chain.keys) if held <= 0 else max(0, len(chain.keys) - held)
+
     def _prefetch(self) -> None:
         """Start prefetches for the paused chains, newest first, within the budgets."""
         room = self._budget - len(self._unused) - len(self._in_flight)
         scan = SCAN_KEYS_PER_STEP
         evictions = self._pool.evictions
+        victims = self._victims()
         for chain in reversed(self._chains.values()):
             if room <= 0 or scan <= 0:
                 return
-            if chain.active or (chain.checked_at == evictions and chain.cursor == 0):
+            cut = self._cut(chain)
+            if chain.active or not cut or (chain.checked_at == evictions and chain.cursor == 0
+                                            and chain.checked_cut == cut):
                 continue
-            started, scanned, blocked = self._prefetch_chain(chain, room, scan)
+            started, scanned, blocked = self._prefetch_chain(chain, cut, room, scan, victims)
             room -= started
             scan -= scanned
             if blocked:  # no I/O room or no slot: nothing more this step
                 return
 
-    def _prefetch_chain(self, chain: _Chain, room: int, scan: int) -> tuple[int, int, bool]:
-        """Walk ``chain`` from its cursor; (prefetches started, keys scanned, blocked)."""
+    def _victims(self) -> Iterator[BlockKey]:
+        """Resident blocks the engine still holds itself (paused chains within its horizon,
+        newest chain first, each from its tail, which the engine keeps longest): the lowest
+        value in the pool, given up first for a prefetched block. Only blocks a tier holds."""
+        pool = self._pool
+        for chain in reversed(self._chains.values()):
+            if chain.active:
+                continue
+            if self._cut(chain):
+                return  # this one and every older one: the engine lost them
+            keys = chain.keys
+            while chain.demoted < len(keys):
+                key = keys[len(keys) - 1 - chain.demoted]
+                chain.demoted += 1
+                if (pool.is_resident(key) and not pool.pin_count(key)
+                        and key not in self._unused and self._in_a_tier(key, chain)):
+                    yield key
+
+    def _in_a_tier(self, key: BlockKey, chain: _Chain) -> bool:
+        return any(tier.lookup(key, chain.ctx) for tier in self._tiers)
+
+    def _prefetch_chain(self, chain: _Chain, cut: int, room: int, scan: int,
+                        victims: Iterator[BlockKey]) -> tuple[int, int, bool]:
+        """Walk ``chain``'s lost keys from its cursor; (started, keys scanned, blocked)."""
         pool = self._pool
         is_resident = pool.is_resident
         promotions = self._promotions
         copy_of = self._writeback.copy_of
         keys = chain.keys
         started = 0
-        first = index = chain.cursor
-        stop = min(len(keys), index + scan)
+        first = index = chain.cursor if chain.cursor < cut else 0
+        stop = min(cut, index + scan)
         protect = _Protected(self._owner, chain.seq)
         complete = first == 0  # every key checked so far is in the pool or on its way
         while index < stop and started < room:
             key = keys[index]
             if not (is_resident(key) or key in promotions or pool.slot_of(key) is not None
                     or copy_of(key) is not None):  # a copy: demand re-admits it from memory
-                outcome = self._start(key, chain, protect)
+                outcome = self._start(key, chain, protect, victims)
                 if outcome is _Start.STARTED:
                     started += 1
                 elif outcome is _Start.PENDING:
@@ -357,14 +426,16 @@ class Prefetcher:
                     chain.cursor, chain.checked_at = index, -1
                     return started, index - first, True
             index += 1
-        if index < len(keys):
+        if index < cut:
             chain.cursor, chain.checked_at = index, -1
         else:
             chain.cursor = 0
             chain.checked_at = pool.evictions if complete else -1
+            chain.checked_cut = cut
         return started, index - first, False
 
-    def _start(self, key: BlockKey, chain: _Chain, protect: _Protected) -> _Start:
+    def _start(self, key: BlockKey, chain: _Chain, protect: _Protected,
+               victims: Iterator[BlockKey]) -> _Start:
         """Prefetch ``key`` from the first tier that holds it."""
         for index, tier in enumerate(self._tiers):
             verdict = tier.lookup(key, chain.ctx)
@@ -374,6 +445,8 @@ class Prefetcher:
                 continue
             if self._tier_in_flight[index] >= self._io_budget[index]:
                 return _Start.NO_IO
+            if not self._pool.free_slots:
+                self._demote_one(victims)
             reservation = self._pool.reserve(key, protect)
             if reservation is None:
                 return _Start.NO_SLOT
@@ -386,10 +459,20 @@ class Prefetcher:
             return _Start.STARTED
         return _Start.ABSENT
 
+    def _demote_one(self, victims: Iterator[BlockKey]) -> None:
+        """Free the slot of the lowest-value block, if there is one (else the pool's own
+        eviction order decides, among blocks no newer chain needs)."""
+        for key in victims:
+            if self._pool.discard(key):
+                self.counters.demoted_blocks += 1
+                self._events.emit(BlockRemoved((key,), PRIMARY))
+                return
+
     # ---- stats, lifecycle -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         stats = asdict(self.counters)
         stats.update(mode=self._settings.mode if self._enabled else "off",
+                     engine_horizon_blocks=self._horizon,
                      in_flight_blocks=len(self._in_flight), unused_blocks=len(self._unused),
                      paused_chains=sum(1 for c in self._chains.values() if not c.active),
                      budget_blocks=self._budget)
