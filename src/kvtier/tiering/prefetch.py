@@ -34,6 +34,8 @@ Prefetch never costs a demand load:
   queue (:class:`~kvtier.tiering.promotions.PromotionTable`);
 - a slot for a prefetch never costs a block of a newer chain, of a session with a request
   running, or a pinned or held one;
+- its lookups probe at most ``PROBES_PER_STEP`` keys a step, so a demand lookup's probe batch
+  stays small;
 - when the pool needs the room (a store deferred or refused, a promotion without a slot, a piece
   waiting: the manager's counters moved this step), prefetch starts nothing for
   ``PRESSURE_COOLDOWN_STEPS`` steps, and the prefetches that land meanwhile give their slot
@@ -56,7 +58,7 @@ from typing import Any
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.primary import PrimaryPool
 from kvtier.tiering.events import PRIMARY, BlockRemoved, Counters, EventLog
-from kvtier.tiering.promotions import TRANSFER_CHUNK_KEYS, PromotionTable
+from kvtier.tiering.promotions import PREFETCH_CHUNK_KEYS, PromotionTable
 from kvtier.tiering.tier import SecondaryTier
 from kvtier.tiering.tier_settings import PrefetchSettings
 from kvtier.tiering.writeback import WriteBack
@@ -65,6 +67,7 @@ __all__ = ["PRESSURE_COOLDOWN_STEPS", "SCAN_KEYS_PER_STEP", "PrefetchCounters", 
 
 PRESSURE_COOLDOWN_STEPS = 8   # steps without new prefetches after the pool needed room
 SCAN_KEYS_PER_STEP = 8192     # chain keys checked per step at most (the scheduler's time)
+PROBES_PER_STEP = 512         # prefetch lookups a tier may have to probe, per step at most
 HORIZON_MARGIN = 0.9          # start on a chain a little before the engine's cache drops it
 _CTX_PREFIX = "kvtier-prefetch:"
 
@@ -109,7 +112,6 @@ class _Chain:
     seq: int                 # finish order: higher is newer
     finished_at: float
     ctx: RequestContext      # the prefetch's own lookups of this chain
-    end: int                 # blocks of all chains finished up to and including this one
     active: bool = False     # its session has a request running: demand owns it
     cursor: int = 0          # keys before it were in the pool (or on their way) when checked
     checked_at: int = -1     # pool evictions when a pass over it last ended
@@ -160,7 +162,7 @@ class Prefetcher:
         self.counters = PrefetchCounters()
         self._budget = int(pool.num_slots * settings.pool_fraction)
         self._io_budget = [max(1, int(tier.io_threads * settings.io_fraction))
-                           * TRANSFER_CHUNK_KEYS for tier in tiers]
+                           * PREFETCH_CHUNK_KEYS for tier in tiers]
         self._seen: dict[str, _Seen] = {}
         self._active: Counter[str] = Counter()
         self._chains: OrderedDict[str, _Chain] = OrderedDict()
@@ -169,11 +171,11 @@ class Prefetcher:
         self._tier_in_flight = [0] * len(tiers)
         self._unused: dict[BlockKey, str] = {}  # prefetched, not loaded yet -> session
         self._next_seq = 0
-        self._finished_blocks = 0  # the blocks of every chain recorded, summed (depth's clock)
         self._horizon = 0          # blocks of recent chains the engine itself still holds
         self._evictions_seen = pool.evictions
         self._pressure_mark = self._pressure_signal()
         self._cooldown = 0
+        self._probes_left = PROBES_PER_STEP
 
     @property
     def enabled(self) -> bool:
@@ -225,8 +227,13 @@ class Prefetcher:
         """The engine asks from ``first`` on: it held the blocks of ``chain`` before it (its own
         cache, a GPU), or none. Engines evict the least recently used first, so the chain's
         first block is its oldest: held or lost, it says how deep the engine's cache reaches
-        (in blocks of chains finished since). A first key past the chain: it held all of it."""
-        depth = self._finished_blocks - chain.end + len(chain.keys)
+        (in blocks of the chains finished since, each session's once: its stack distance).
+        A first key past the chain: it held all of it."""
+        depth = len(chain.keys)
+        for newer in reversed(self._chains.values()):
+            if newer is chain:
+                break
+            depth += len(newer.keys)
         if first != chain.keys[0]:
             self._horizon = max(self._horizon, depth)
             self.counters.engine_held += 1
@@ -251,10 +258,9 @@ class Prefetcher:
         self._drop_chain(session)
         if not keys:
             return
-        self._finished_blocks += len(keys)
         record = _Chain(session, keys, self._next_seq, self._clock(),
                         RequestContext(f"{_CTX_PREFIX}{self._next_seq}"),
-                        self._finished_blocks, active=session in self._active)
+                        active=session in self._active)
         self._next_seq += 1
         self._chains[session] = record
         owner = self._owner
@@ -285,6 +291,7 @@ class Prefetcher:
         """Once per engine step, before the step's loads are submitted."""
         if not self._enabled:
             return
+        self._probes_left = PROBES_PER_STEP
         self._settle_landed()
         self._count_evicted()
         self._expire()
@@ -353,10 +360,10 @@ class Prefetcher:
             return True
         return False
 
-    def _cut(self, chain: _Chain) -> int:
-        """How many leading keys of ``chain`` the engine has lost by now: those deeper than its
-        cache's horizon (the first key is the deepest); all of them for an engine with none."""
-        newer = self._finished_blocks - chain.end  # blocks of chains finished after it
+    def _cut(self, chain: _Chain, newer: int) -> int:
+        """How many leading keys of ``chain`` the engine has lost by now (``newer``: blocks of
+        the chains finished after it): those deeper than its cache's horizon (the first key is
+        the deepest); all of them for an engine with no cache."""
         held = int(self._horizon * HORIZON_MARGIN) - newer
         return len(chain.keys) if held <= 0 else max(0, len(chain.keys) - held)
 
@@ -366,10 +373,12 @@ class Prefetcher:
         scan = SCAN_KEYS_PER_STEP
         evictions = self._pool.evictions
         victims = self._victims()
+        newer = 0
         for chain in reversed(self._chains.values()):
             if room <= 0 or scan <= 0:
                 return
-            cut = self._cut(chain)
+            cut = self._cut(chain, newer)
+            newer += len(chain.keys)
             if chain.active or not cut or (chain.checked_at == evictions and chain.cursor == 0
                                             and chain.checked_cut == cut):
                 continue
@@ -384,10 +393,13 @@ class Prefetcher:
         newest chain first, each from its tail, which the engine keeps longest): the lowest
         value in the pool, given up first for a prefetched block. Only blocks a tier holds."""
         pool = self._pool
+        newer = 0
         for chain in reversed(self._chains.values()):
+            cut = self._cut(chain, newer)
+            newer += len(chain.keys)
             if chain.active:
                 continue
-            if self._cut(chain):
+            if cut:
                 return  # this one and every older one: the engine lost them
             keys = chain.keys
             while chain.demoted < len(keys):
@@ -398,7 +410,17 @@ class Prefetcher:
                     yield key
 
     def _in_a_tier(self, key: BlockKey, chain: _Chain) -> bool:
-        return any(tier.lookup(key, chain.ctx) for tier in self._tiers)
+        return any(self._lookup(tier, key, chain) for tier in self._tiers)
+
+    def _lookup(self, tier: SecondaryTier, key: BlockKey, chain: _Chain) -> bool | None:
+        """The tier's answer for ``key``; None (not asked) once this step's probes are spent,
+        so that prefetch never swells the probe batch a demand lookup waits for."""
+        if self._probes_left <= 0:
+            return None
+        verdict = tier.lookup(key, chain.ctx)
+        if verdict is None:
+            self._probes_left -= 1
+        return verdict
 
     def _prefetch_chain(self, chain: _Chain, cut: int, room: int, scan: int,
                         victims: Iterator[BlockKey]) -> tuple[int, int, bool]:
@@ -438,7 +460,7 @@ class Prefetcher:
                victims: Iterator[BlockKey]) -> _Start:
         """Prefetch ``key`` from the first tier that holds it."""
         for index, tier in enumerate(self._tiers):
-            verdict = tier.lookup(key, chain.ctx)
+            verdict = self._lookup(tier, key, chain)
             if verdict is None:
                 return _Start.PENDING
             if not verdict:

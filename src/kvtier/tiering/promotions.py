@@ -36,12 +36,14 @@ from kvtier.tiering.events import (
 from kvtier.tiering.pins import PinLedger
 from kvtier.tiering.tier import LoadPriority, SecondaryTier, TierJob
 
-__all__ = ["MAX_PROMOTION_ROUNDS", "TRANSFER_CHUNK_KEYS", "Promotion", "PromotionTable"]
+__all__ = ["MAX_PROMOTION_ROUNDS", "PREFETCH_CHUNK_KEYS", "TRANSFER_CHUNK_KEYS", "Promotion",
+           "PromotionTable"]
 
 _log = logging.getLogger("kvtier.tiering.manager")
 
 TRANSFER_CHUNK_KEYS = 64   # keys per load/store job: one backend batch call each
 MAX_PROMOTION_ROUNDS = 3   # lookup_prefix calls per request that may start promotions
+PREFETCH_CHUNK_KEYS = 256  # keys per prefetch load job: one part, on one I/O thread
 
 
 @dataclass(slots=True)
@@ -153,8 +155,8 @@ class PromotionTable:
         if not prefetch:
             return
         self._queued_prefetch[tier_index] = {}
-        for start in range(0, len(prefetch), TRANSFER_CHUNK_KEYS):
-            chunk = prefetch[start : start + TRANSFER_CHUNK_KEYS]
+        for start in range(0, len(prefetch), PREFETCH_CHUNK_KEYS):
+            chunk = prefetch[start : start + PREFETCH_CHUNK_KEYS]
             promotions = [self._promotions[key] for key in chunk]
             job = tier.submit_load(chunk, [self._pool.view(p.slot) for p in promotions],
                                    LoadPriority.PREFETCH)

@@ -135,12 +135,12 @@ class PrefetchSettings:
         "within the budgets below; demand loads and stores always go first",
         choices=tuple(mode.value for mode in PrefetchMode), env="KVTIER_PREFETCH")
     pool_fraction: float = setting_field(
-        Kind.FLOAT, 0.25, "share of the primary pool that prefetched blocks not used yet and "
+        Kind.FLOAT, 0.5, "share of the primary pool that prefetched blocks not used yet and "
         "prefetches in flight may hold", minimum=0.0, maximum=MAX_PREFETCH_POOL_FRACTION,
         env="KVTIER_PREFETCH_POOL_FRACTION")
     io_fraction: float = setting_field(
         Kind.FLOAT, 0.5, "share of each tier's I/O threads prefetch loads may occupy (at least "
-        "one load job of up to 64 blocks in flight per tier)", minimum=0.0, maximum=1.0,
+        "one load job of up to 256 blocks in flight per tier)", minimum=0.0, maximum=1.0,
         env="KVTIER_PREFETCH_IO_FRACTION")
     max_chains: int = setting_field(
         Kind.INT, 256, "finished chains remembered; the oldest is forgotten first", minimum=1,
