@@ -24,7 +24,8 @@ from kvtier.tiering.manager import (
     StoreMode,
     TieringManager,
 )
-from kvtier.tiering.tier import LoadPriority, SecondaryTier
+from kvtier.tiering.plans import LoadPriority
+from kvtier.tiering.tier import SecondaryTier
 from kvtier.tiering.tier_settings import PrefetchSettings, TierSettings
 
 BLOCK = 256

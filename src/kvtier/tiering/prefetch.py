@@ -92,6 +92,8 @@ class PrefetchCounters:
     failed_blocks: int = 0
     chains: int = 0          # chains recorded (finished requests)
     pressure_steps: int = 0  # steps in which the pool needed the room
+    wasted_expired: int = 0  # of wasted_blocks: unused when the turn came, the chain expired,
+    #                          or at shutdown (the rest were evicted unused)
     demoted_blocks: int = 0  # resident blocks the engine holds, freed for prefetched ones
     engine_held: int = 0     # next turns that found their chain's start in the engine's cache
 
@@ -285,6 +287,7 @@ class Prefetcher:
         for key in stale:
             del self._unused[key]
         self.counters.wasted_blocks += len(stale)
+        self.counters.wasted_expired += len(stale)
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> None:
@@ -505,6 +508,7 @@ class Prefetcher:
         still in flight as cancelled, and every table is emptied."""
         self._settle_landed()
         self.counters.wasted_blocks += len(self._unused)
+        self.counters.wasted_expired += len(self._unused)
         self.counters.cancelled_blocks += len(self._in_flight)
         self._seen.clear()
         self._active.clear()

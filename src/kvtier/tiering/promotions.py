@@ -34,7 +34,8 @@ from kvtier.tiering.events import (
     PromotionFailed,
 )
 from kvtier.tiering.pins import PinLedger
-from kvtier.tiering.tier import LoadPriority, SecondaryTier, TierJob
+from kvtier.tiering.plans import LoadPriority
+from kvtier.tiering.tier import SecondaryTier, TierJob
 
 __all__ = ["MAX_PROMOTION_ROUNDS", "PREFETCH_CHUNK_KEYS", "TRANSFER_CHUNK_KEYS", "Promotion",
            "PromotionTable"]
@@ -52,7 +53,7 @@ class Promotion:
     slot: int
     waiters: set[str] = field(default_factory=set)  # req_ids answered HIT_PENDING for it
     prefetch: bool = False  # started by prefetch, not by a request
-    expedite: Callable[[], bool] | None = None  # moves a submitted prefetch load to demand
+    expedite: Callable[[], None] | None = None  # moves a submitted prefetch load to demand
 
 
 class PromotionTable:

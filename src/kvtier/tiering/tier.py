@@ -10,11 +10,11 @@ Thread ownership:
   ones with :meth:`get_finished_jobs`.
 - **I/O threads** (``io_threads`` per tier, a ``ThreadPoolExecutor``) run one part of a
   :class:`TierJob` at a time (a store is one part; a load is split into parts so that its
-  reads run in parallel), taken from the ready queues (``_ready_loads`` before
-  ``_ready_stores``: ``collections.deque``, appended by the scheduler, popped by I/O threads,
-  each part popped exactly once; prefetch loads wait in ``_ready_prefetch``, taken only when
-  no demand load or store waits). They call the backend and record the part's answers in the
-  job under ``_settle_lock`` (``running``, ``parts_left``, ``partial``, ``first_error``); the
+  reads run in parallel), taken from the ready queues (``_ready``, a
+  :class:`~kvtier.tiering.ready_parts.ReadyParts`: loads, then stores, then prefetch loads;
+  appended by the scheduler, each part popped exactly once by an I/O thread). They call the
+  backend and record the part's answers in the job under ``_settle_lock`` (``running``,
+  ``parts_left``, ``partial``, ``first_error``); the
   thread that finishes the last part fills in ``results``, ``error`` and ``seconds`` and posts
   the job to ``_finished`` (a ``queue.SimpleQueue``). After posting no I/O thread touches the
   job again; before posting the scheduler never reads those fields.
@@ -47,6 +47,8 @@ from kvtier.lru import BoundedLRU
 from kvtier.ops.metrics import ProbeMetrics
 from kvtier.settings import Kind, Setting
 from kvtier.tiering.io_pool import IoThreadPool
+from kvtier.tiering.plans import LoadPriority
+from kvtier.tiering.ready_parts import ReadyParts, ReadyQueue
 from kvtier.tiering.tier_settings import LookupConfig, TierSettings
 from kvtier.tiering.tier_stats import TierCounters, TierStats
 
@@ -69,14 +71,6 @@ LookupFactory = Callable[[str, Backend, Mapping[str, Any]], AsyncLookupManager]
 class JobKind(enum.Enum):
     LOAD = "load"
     STORE = "store"
-
-
-class LoadPriority(enum.Enum):
-    """Whose load it is: a request's (``DEMAND``, first in line) or a prefetch's (run only
-    when no demand load and no store waits for an I/O thread; one part per job)."""
-
-    DEMAND = "demand"
-    PREFETCH = "prefetch"
 
 
 TierClosedError = ClosedError  # the one closed error; this name is kept for callers
@@ -293,6 +287,7 @@ class SecondaryTier:
         )
         self._load_failures = RecentLoadFailures(self._lookup.quarantine_s, clock)
         self._settings = settings
+        self.io_threads = settings.io_threads  # read-only: the prefetcher's I/O budget
         self._max_keys_per_call = max_keys_per_call
         self._executor = IoThreadPool(settings.io_threads, f"kvtier-io-{name}")
         self._load_deadlines: deque[TierJob] = deque()  # loads in submission order
@@ -302,9 +297,7 @@ class SecondaryTier:
         self._abandoned = 0  # abandoned loads not yet released (scheduler thread)
         self._loads_outstanding = 0  # load jobs submitted and not yet collected
         self._outstanding: dict[int, TierJob] = {}
-        self._ready_loads: deque[_Part] = deque()
-        self._ready_stores: deque[_Part] = deque()
-        self._ready_prefetch: deque[_Part] = deque()  # low priority: after loads and stores
+        self._ready: ReadyParts[_Part] = ReadyParts()
         self._job_ids = itertools.count()
         self._store_bytes = 0
         self._store_jobs = 0
@@ -351,15 +344,10 @@ class SecondaryTier:
         self._lookup.note_removed(keys)
 
     # ---- transfers (scheduler thread) ---------------------------------------------------------
-    @property
-    def io_threads(self) -> int:
-        return self._settings.io_threads
-
     def submit_load(self, keys: Sequence[BlockKey], outs: Sequence[memoryview],
                     priority: LoadPriority = LoadPriority.DEMAND) -> TierJob:
         """Start loading ``keys`` into ``outs`` on an I/O thread; never blocks, never sheds.
-        A ``PREFETCH`` load runs as one part, only when no other part waits (see
-        :meth:`expedite`)."""
+        A ``PREFETCH`` load is one part, run when no other part waits (:meth:`expedite`)."""
         self._require_running("submit_load")
         if len(keys) != len(outs):
             raise ValueError(f"submit_load got {len(keys)} keys but {len(outs)} buffers")
@@ -414,24 +402,17 @@ class SecondaryTier:
         parts = self._parts(job)
         job.parts_left = len(parts)
         job.partial = [False] * len(job.keys)
-        ready = (self._ready_stores if job.kind is JobKind.STORE
-                 else self._ready_loads if job.priority is LoadPriority.DEMAND
-                 else self._ready_prefetch)
-        ready.extend(parts)
+        self._ready.push(ReadyQueue.STORE if job.kind is JobKind.STORE else ReadyQueue.LOAD
+                         if job.priority is LoadPriority.DEMAND else ReadyQueue.PREFETCH, parts)
         try:
             for _ in parts:
                 self._executor.submit(self._run_next)
         except RuntimeError as exc:  # executor shut down underneath us: fail the jobs, no hang
             # Tasks already submitted each pop one part (or find none and return); every part
             # still waiting now fails its job here, so no part is run twice or left behind.
-            for queued in (self._ready_loads, self._ready_stores, self._ready_prefetch):
-                while True:
-                    try:
-                        waiting = queued.popleft().job
-                    except IndexError:
-                        break
-                    self._settle(waiting, (False,) * len(waiting.keys),
-                                 f"executor unavailable: {exc!r}")
+            for waiting in self._ready.drain():
+                self._settle(waiting.job, (False,) * len(waiting.job.keys),
+                             f"executor unavailable: {exc!r}")
 
     def _parts(self, job: TierJob) -> list[_Part]:
         """A store is one part (its calls in order); a load is split across the I/O threads,
@@ -445,18 +426,10 @@ class SecondaryTier:
             size = min(size, self._max_keys_per_call)
         return [_Part(job, start, min(count, start + size)) for start in range(0, count, size)]
 
-    def expedite(self, job: TierJob) -> bool:
-        """A request now waits for prefetch load ``job``: its part, if no I/O thread took it
-        yet, moves to the demand queue's end (scheduler thread). True if it was moved."""
-        for part in list(self._ready_prefetch):
-            if part.job is job:
-                try:
-                    self._ready_prefetch.remove(part)
-                except ValueError:  # an I/O thread took it meanwhile: it is running
-                    return False
-                self._ready_loads.append(part)
-                return True
-        return False
+    def expedite(self, job: TierJob) -> None:
+        """A request waits for prefetch load ``job`` now: its part moves to the demand queue,
+        unless an I/O thread took it already (scheduler thread)."""
+        self._ready.expedite(lambda part: part.job is job)
 
     def get_finished_jobs(self, *, wait: bool = False,
                           timeout: float | None = None) -> list[TierJob]:
@@ -594,15 +567,10 @@ class SecondaryTier:
 
     # ---- I/O thread ---------------------------------------------------------------------------
     def _run_next(self) -> None:
-        """Run the oldest waiting load part, else the oldest store, else the oldest prefetch
-        (one per submitted task)."""
-        for ready in (self._ready_loads, self._ready_stores, self._ready_prefetch):
-            try:
-                part = ready.popleft()
-            except IndexError:
-                continue
+        """Run the oldest waiting load, else store, else prefetch part (one per task)."""
+        part = self._ready.pop()
+        if part is not None:
             self._run_part(part)
-            return
 
     def _run_part(self, part: _Part) -> None:
         job = part.job
