@@ -10,7 +10,7 @@ threads only fill the slots; their results come back through
 Every later lookup of a key in flight, from any request, joins its promotion (one transfer
 per key). A prefetch promotion (:mod:`.prefetch`) has no waiter and loads at
 ``LoadPriority.PREFETCH``; the first request that joins it moves its load to the demand queue
-(:meth:`SecondaryTier.expedite`), so a request never waits behind prefetch priority. A landed
+(``SecondaryTier.ready.expedite``), so a request never waits behind prefetch priority. A landed
 promotion is committed and held for each waiter (see :class:`~kvtier.tiering.pins.PinLedger`);
 a failed one frees (or retires) its slot.
 """
@@ -45,6 +45,10 @@ _log = logging.getLogger("kvtier.tiering.manager")
 TRANSFER_CHUNK_KEYS = 64   # keys per load/store job: one backend batch call each
 MAX_PROMOTION_ROUNDS = 3   # lookup_prefix calls per request that may start promotions
 PREFETCH_CHUNK_KEYS = 256  # keys per prefetch load job: one part, on one I/O thread
+
+
+def _of_job(job: TierJob, part: object) -> bool:
+    return getattr(part, "job", None) is job
 
 
 @dataclass(slots=True)
@@ -161,7 +165,7 @@ class PromotionTable:
             promotions = [self._promotions[key] for key in chunk]
             job = tier.submit_load(chunk, [self._pool.view(p.slot) for p in promotions],
                                    LoadPriority.PREFETCH)
-            expedite = partial(tier.expedite, job)
+            expedite = partial(tier.ready.expedite, partial(_of_job, job))
             for promotion in promotions:
                 promotion.expedite = expedite
 

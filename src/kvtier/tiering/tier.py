@@ -10,7 +10,7 @@ Thread ownership:
   ones with :meth:`get_finished_jobs`.
 - **I/O threads** (``io_threads`` per tier, a ``ThreadPoolExecutor``) run one part of a
   :class:`TierJob` at a time (a store is one part; a load is split into parts so that its
-  reads run in parallel), taken from the ready queues (``_ready``, a
+  reads run in parallel), taken from the ready queues (``ready``, a
   :class:`~kvtier.tiering.ready_parts.ReadyParts`: loads, then stores, then prefetch loads;
   appended by the scheduler, each part popped exactly once by an I/O thread). They call the
   backend and record the part's answers in the job under ``_settle_lock`` (``running``,
@@ -297,7 +297,7 @@ class SecondaryTier:
         self._abandoned = 0  # abandoned loads not yet released (scheduler thread)
         self._loads_outstanding = 0  # load jobs submitted and not yet collected
         self._outstanding: dict[int, TierJob] = {}
-        self._ready: ReadyParts[_Part] = ReadyParts()
+        self.ready: ReadyParts[_Part] = ReadyParts()  # public: a prefetch load is expedited
         self._job_ids = itertools.count()
         self._store_bytes = 0
         self._store_jobs = 0
@@ -347,7 +347,7 @@ class SecondaryTier:
     def submit_load(self, keys: Sequence[BlockKey], outs: Sequence[memoryview],
                     priority: LoadPriority = LoadPriority.DEMAND) -> TierJob:
         """Start loading ``keys`` into ``outs`` on an I/O thread; never blocks, never sheds.
-        A ``PREFETCH`` load is one part, run when no other part waits (:meth:`expedite`)."""
+        A ``PREFETCH`` load is one part, run when no other part waits (``ready.expedite``)."""
         self._require_running("submit_load")
         if len(keys) != len(outs):
             raise ValueError(f"submit_load got {len(keys)} keys but {len(outs)} buffers")
@@ -402,7 +402,7 @@ class SecondaryTier:
         parts = self._parts(job)
         job.parts_left = len(parts)
         job.partial = [False] * len(job.keys)
-        self._ready.push(ReadyQueue.STORE if job.kind is JobKind.STORE else ReadyQueue.LOAD
+        self.ready.push(ReadyQueue.STORE if job.kind is JobKind.STORE else ReadyQueue.LOAD
                          if job.priority is LoadPriority.DEMAND else ReadyQueue.PREFETCH, parts)
         try:
             for _ in parts:
@@ -410,7 +410,7 @@ class SecondaryTier:
         except RuntimeError as exc:  # executor shut down underneath us: fail the jobs, no hang
             # Tasks already submitted each pop one part (or find none and return); every part
             # still waiting now fails its job here, so no part is run twice or left behind.
-            for waiting in self._ready.drain():
+            for waiting in self.ready.drain():
                 self._settle(waiting.job, (False,) * len(waiting.job.keys),
                              f"executor unavailable: {exc!r}")
 
@@ -425,11 +425,6 @@ class SecondaryTier:
         if self._max_keys_per_call is not None:
             size = min(size, self._max_keys_per_call)
         return [_Part(job, start, min(count, start + size)) for start in range(0, count, size)]
-
-    def expedite(self, job: TierJob) -> None:
-        """A request waits for prefetch load ``job`` now: its part moves to the demand queue,
-        unless an I/O thread took it already (scheduler thread)."""
-        self._ready.expedite(lambda part: part.job is job)
 
     def get_finished_jobs(self, *, wait: bool = False,
                           timeout: float | None = None) -> list[TierJob]:
@@ -568,7 +563,7 @@ class SecondaryTier:
     # ---- I/O thread ---------------------------------------------------------------------------
     def _run_next(self) -> None:
         """Run the oldest waiting load, else store, else prefetch part (one per task)."""
-        part = self._ready.pop()
+        part = self.ready.pop()
         if part is not None:
             self._run_part(part)
 
