@@ -8,7 +8,8 @@ verified). Reported, as medians over the rounds:
   (they were not in the CPU pool any more), the share prefetch brought back before their request
   asked (``cpu_prefetched``) against those the request waited for (``promoted.<tier>``);
 - wasted: prefetched blocks evicted or expired unused, over the blocks prefetched;
-- block hit ratio and steps waited on lookups, on against off (same run, interleaved).
+- block hit ratio, steps waited on lookups and the scheduler's time per step, on against off
+  (same run, interleaved).
 
 Run::
 
@@ -56,6 +57,10 @@ def summary(runs: dict[str, list[ReplayResult]]) -> dict[str, Any]:
         "block_hit_ratio_off": med(r.block_hit_ratio for r in off),
         "steps_waited_on": med(r.steps_waited for r in on),
         "steps_waited_off": med(r.steps_waited for r in off),
+        "scheduler_step_p50_ms_on": med(r.step_time_p50_s for r in on) * 1e3,
+        "scheduler_step_p50_ms_off": med(r.step_time_p50_s for r in off) * 1e3,
+        "scheduler_step_p99_ms_on": med(r.step_time_p99_s for r in on) * 1e3,
+        "scheduler_step_p99_ms_off": med(r.step_time_p99_s for r in off) * 1e3,
         "wall_s_on": med(r.wall_s for r in on),
         "wall_s_off": med(r.wall_s for r in off),
         "prefetch_last_round": on[-1].prefetch,
@@ -84,7 +89,9 @@ def main() -> int:
             runs[mode].append(result)
             print(f"round {number + 1} prefetch {mode}: hit {result.block_hit_ratio:.4f}, "
                   f"steps waited {result.steps_waited:,}, coverage {coverage(result):.3f}, "
-                  f"wasted {wasted_share(result):.3f}, wall {result.wall_s:.0f} s",
+                  f"wasted {wasted_share(result):.3f}, scheduler per step p50/p99 "
+                  f"{result.step_time_p50_s * 1e3:.2f}/{result.step_time_p99_s * 1e3:.1f} ms, "
+                  f"wall {result.wall_s:.0f} s",
                   flush=True)
     report = summary(runs)
     checks = {

@@ -66,7 +66,8 @@ from kvtier.tiering.writeback import WriteBack
 __all__ = ["PRESSURE_COOLDOWN_STEPS", "SCAN_KEYS_PER_STEP", "PrefetchCounters", "Prefetcher"]
 
 PRESSURE_COOLDOWN_STEPS = 8   # steps without new prefetches after the pool needed room
-SCAN_KEYS_PER_STEP = 8192     # chain keys checked per step at most (the scheduler's time)
+SCAN_KEYS_PER_STEP = 1024     # chain keys checked per step at most (the scheduler's time)
+EVICTION_CHECK_STEPS = 16     # prefetched blocks are checked for eviction this often
 PROBES_PER_STEP = 512         # prefetch lookups a tier may have to probe, per step at most
 HORIZON_MARGIN = 0.9          # start on a chain a little before the engine's cache drops it
 _CTX_PREFIX = "kvtier-prefetch:"
@@ -178,6 +179,7 @@ class Prefetcher:
         self._pressure_mark = self._pressure_signal()
         self._cooldown = 0
         self._probes_left = PROBES_PER_STEP
+        self._steps = 0
 
     @property
     def enabled(self) -> bool:
@@ -296,7 +298,9 @@ class Prefetcher:
             return
         self._probes_left = PROBES_PER_STEP
         self._settle_landed()
-        self._count_evicted()
+        self._steps += 1
+        if self._steps % EVICTION_CHECK_STEPS == 0:
+            self._count_evicted()
         self._expire()
         if self._under_pressure():
             return
@@ -477,6 +481,8 @@ class Prefetcher:
                 return _Start.NO_SLOT
             if reservation.evicted is not None:
                 self._writeback.on_evicted(reservation.evicted, reservation.slot)
+            if self._unused.pop(key, None) is not None:  # evicted unused, not counted yet
+                self.counters.wasted_blocks += 1
             self._promotions.start_prefetch(key, index, reservation.slot)
             self._in_flight[key] = (chain.session, index)
             self._tier_in_flight[index] += 1
@@ -507,6 +513,7 @@ class Prefetcher:
         """Shutdown: the landed prefetches are settled, the unused ones count as wasted, those
         still in flight as cancelled, and every table is emptied."""
         self._settle_landed()
+        self._count_evicted()
         self.counters.wasted_blocks += len(self._unused)
         self.counters.wasted_expired += len(self._unused)
         self.counters.cancelled_blocks += len(self._in_flight)
