@@ -95,10 +95,10 @@ def register(commands: Any) -> None:
                         default="write_through",
                         help="write each stored block to the secondary tiers at once "
                              "(write_through, the default) or when the CPU pool evicts it")
-    replay.add_argument("--prefetch", type=choice, choices=("on", "off"), default="on",
+    replay.add_argument("--prefetch", type=choice, choices=("on", "off"), default="off",
                         help="between a session's turns, promote its chain back into the CPU "
-                             "pool when it left (default on: it yields to every demand load "
-                             "and store; off: the library's default)")
+                             "pool when it left (default off, as in the library: see "
+                             "benchmarks/session_prefetch.py for what it gains and costs)")
     replay.add_argument("--compare", action="store_true",
                         help="also replay with per-request lookups (vLLM-style) and with no "
                              "in-flight reuse, and show the three side by side")

@@ -35,10 +35,11 @@ class Prefetch(enum.Enum):
     OFF = "off"
 
 
-DEFAULT_PREFETCH = Prefetch.ON
-"""The replay's default (the library's is off): a replayed trace with sessions is the agentic
-workload prefetch is for, and prefetch yields to every demand load and store (see
-``benchmarks/session_prefetch.py`` for on against off)."""
+DEFAULT_PREFETCH = Prefetch.OFF
+"""The replay's default, the library's too: measured on ``builtin:agentic`` (8 sessions, speed 20,
+``benchmarks/session_prefetch.py``), prefetch keeps every hit but brings back only 0.18 of the
+tier-served blocks in time, wastes 0.59 of what it reads, and costs scheduler time per step and
+steps waited; ``--prefetch on`` measures it."""
 
 
 class PrefixLoading(enum.Enum):
