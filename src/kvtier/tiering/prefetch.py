@@ -2,11 +2,13 @@
 
 Thread ownership: the **scheduler thread** owns all of it: the keys each running request showed
 the manager (``_seen``: looked up, stored), the sessions with a request running (``_active``),
-the chains of finished requests by session (``_chains``, oldest finish first, and ``_owner``,
-the chain each of their keys belongs to), the prefetches in flight (``_in_flight``), the
-prefetched blocks not used yet (``_unused``) and the counters (:class:`PrefetchCounters`). The
-tables it reads and changes (pool, promotions, write-back, the tiers' lookup managers) are the
-manager's, on the same thread; the tiers' I/O threads only move the bytes.
+the chains of finished requests by session (``_chains``, oldest finish first, each with the
+positions of its keys that left the pool, heard from the event log's ``removed_listener``, so
+no step scans a chain; and ``_owner``, the chain each key belongs to), the prefetches in
+flight (``_in_flight``), the prefetched blocks not used yet (``_unused``) and the counters
+(:class:`PrefetchCounters`). The tables it reads and changes (pool, promotions, write-back, the
+tiers' lookup managers) are the manager's, on the same thread; the tiers' I/O threads only move
+the bytes.
 
 The session of a request is ``RequestContext.session_id``; without one, the first key it showed
 the manager (a conversation's turns share their first block). When a request finishes, its chain
@@ -50,6 +52,7 @@ evicted unused, or still unused when its session's next request finished, its ch
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -116,9 +119,9 @@ class _Chain:
     finished_at: float
     ctx: RequestContext      # the prefetch's own lookups of this chain
     active: bool = False     # its session has a request running: demand owns it
-    cursor: int = 0          # keys before it were in the pool (or on their way) when checked
-    checked_at: int = -1     # pool evictions when a pass over it last ended
-    checked_cut: int = -1    # the cut (keys the engine lost) of that pass
+    index: dict[BlockKey, int] = field(default_factory=dict)  # key -> its position
+    missing: list[int] = field(default_factory=list)  # heap: positions that left the pool
+    missing_set: set[int] = field(default_factory=set)
     demoted: int = 0         # keys from the tail given up for the engine holds them
 
 
@@ -176,6 +179,8 @@ class Prefetcher:
         self._next_seq = 0
         self._horizon = 0          # blocks of recent chains the engine itself still holds
         self._evictions_seen = pool.evictions
+        if self._enabled:
+            events.removed_listener = self._on_removed
         self._pressure_mark = self._pressure_signal()
         self._cooldown = 0
         self._probes_left = PROBES_PER_STEP
@@ -268,11 +273,25 @@ class Prefetcher:
         self._next_seq += 1
         self._chains[session] = record
         owner = self._owner
-        for key in keys:
+        is_resident = self._pool.is_resident
+        record.index = {key: position for position, key in enumerate(keys)}
+        for position, key in enumerate(keys):
             owner[key] = record
+            if not is_resident(key):
+                record.missing_set.add(position)
+        record.missing = sorted(record.missing_set)  # a sorted list is a heap
         self.counters.chains += 1
         while len(self._chains) > self._settings.max_chains:
             self._drop_chain(next(iter(self._chains)))
+
+    def _on_removed(self, keys: Sequence[BlockKey]) -> None:
+        """``keys`` left the pool (evicted, demoted, cancelled): their chains' keys to bring
+        back (the pool tells through the event log, so no step scans a chain)."""
+        owner = self._owner
+        for key in keys:
+            chain = owner.get(key)
+            if chain is not None:
+                _mark_missing(chain, chain.index[key])
 
     def _drop_chain(self, session: str) -> None:
         """Forget ``session``'s chain; its prefetched blocks not used are wasted."""
@@ -319,6 +338,9 @@ class Prefetcher:
             self._tier_in_flight[tier_index] -= 1
             if not ok:
                 counters.failed_blocks += 1
+                chain = self._owner.get(key)
+                if chain is not None:
+                    _mark_missing(chain, chain.index[key])
             elif self._cooldown and self._pool.discard(key):  # the pool needs the room
                 counters.cancelled_blocks += 1
                 self._events.emit(BlockRemoved((key,), PRIMARY))
@@ -378,7 +400,6 @@ class Prefetcher:
         """Start prefetches for the paused chains, newest first, within the budgets."""
         room = self._budget - len(self._unused) - len(self._in_flight)
         scan = SCAN_KEYS_PER_STEP
-        evictions = self._pool.evictions
         victims = self._victims()
         newer = 0
         for chain in reversed(self._chains.values()):
@@ -386,8 +407,7 @@ class Prefetcher:
                 return
             cut = self._cut(chain, newer)
             newer += len(chain.keys)
-            if chain.active or not cut or (chain.checked_at == evictions and chain.cursor == 0
-                                            and chain.checked_cut == cut):
+            if chain.active or not cut or not chain.missing or chain.missing[0] >= cut:
                 continue
             started, scanned, blocked = self._prefetch_chain(chain, cut, room, scan, victims)
             room -= started
@@ -431,37 +451,35 @@ class Prefetcher:
 
     def _prefetch_chain(self, chain: _Chain, cut: int, room: int, scan: int,
                         victims: Iterator[BlockKey]) -> tuple[int, int, bool]:
-        """Walk ``chain``'s lost keys from its cursor; (started, keys scanned, blocked)."""
+        """Bring back ``chain``'s keys that left the pool and that the engine lost (positions
+        below ``cut``), first positions first; (started, keys looked at, blocked)."""
         pool = self._pool
-        is_resident = pool.is_resident
         promotions = self._promotions
         copy_of = self._writeback.copy_of
-        keys = chain.keys
-        started = 0
-        first = index = chain.cursor if chain.cursor < cut else 0
-        stop = min(cut, index + scan)
         protect = _Protected(self._owner, chain.seq)
-        complete = first == 0  # every key checked so far is in the pool or on its way
-        while index < stop and started < room:
-            key = keys[index]
-            if not (is_resident(key) or key in promotions or pool.slot_of(key) is not None
+        missing = chain.missing
+        later: list[int] = []
+        started = scanned = 0
+        blocked = False
+        while missing and missing[0] < cut and started < room and scanned < scan:
+            position = heapq.heappop(missing)
+            chain.missing_set.discard(position)
+            scanned += 1
+            key = chain.keys[position]
+            if (pool.is_resident(key) or key in promotions or pool.slot_of(key) is not None
                     or copy_of(key) is not None):  # a copy: demand re-admits it from memory
-                outcome = self._start(key, chain, protect, victims)
-                if outcome is _Start.STARTED:
-                    started += 1
-                elif outcome is _Start.PENDING:
-                    complete = False
-                elif outcome is not _Start.ABSENT:
-                    chain.cursor, chain.checked_at = index, -1
-                    return started, index - first, True
-            index += 1
-        if index < cut:
-            chain.cursor, chain.checked_at = index, -1
-        else:
-            chain.cursor = 0
-            chain.checked_at = pool.evictions if complete else -1
-            chain.checked_cut = cut
-        return started, index - first, False
+                continue
+            outcome = self._start(key, chain, protect, victims)
+            if outcome is _Start.STARTED:
+                started += 1
+            elif outcome is not _Start.ABSENT:
+                later.append(position)  # not answered yet, or no room now: next step
+                if outcome is not _Start.PENDING:
+                    blocked = True
+                    break
+        for position in later:
+            _mark_missing(chain, position)
+        return started, scanned, blocked
 
     def _start(self, key: BlockKey, chain: _Chain, protect: _Protected,
                victims: Iterator[BlockKey]) -> _Start:
@@ -523,6 +541,12 @@ class Prefetcher:
         self._owner.clear()
         self._in_flight.clear()
         self._unused.clear()
+
+
+def _mark_missing(chain: _Chain, position: int) -> None:
+    if position not in chain.missing_set:
+        chain.missing_set.add(position)
+        heapq.heappush(chain.missing, position)
 
 
 def _merged(looked_up: tuple[BlockKey, ...], stored: list[BlockKey]) -> tuple[BlockKey, ...]:
