@@ -37,8 +37,8 @@ class Prefetch(enum.Enum):
 
 DEFAULT_PREFETCH = Prefetch.OFF
 """The replay's default, the library's too: measured on ``builtin:agentic`` (8 sessions, speed 20,
-``benchmarks/session_prefetch.py``), prefetch keeps every hit but brings back only 0.18 of the
-tier-served blocks in time, wastes 0.59 of what it reads, and costs scheduler time per step and
+``benchmarks/session_prefetch.py``), prefetch keeps every hit but brings back only 0.26 of the
+tier-served blocks in time, wastes 0.57 of what it reads, and costs scheduler time per step and
 steps waited; ``--prefetch on`` measures it."""
 
 

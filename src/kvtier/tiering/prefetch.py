@@ -70,6 +70,7 @@ __all__ = ["PRESSURE_COOLDOWN_STEPS", "SCAN_KEYS_PER_STEP", "PrefetchCounters", 
 
 PRESSURE_COOLDOWN_STEPS = 8   # steps without new prefetches after the pool needed room
 SCAN_KEYS_PER_STEP = 1024     # chain keys checked per step at most (the scheduler's time)
+STARTS_PER_STEP = 128         # prefetches started per step at most (the scheduler's time)
 EVICTION_CHECK_STEPS = 16     # prefetched blocks are checked for eviction this often
 PROBES_PER_STEP = 512         # prefetch lookups a tier may have to probe, per step at most
 HORIZON_MARGIN = 0.9          # start on a chain a little before the engine's cache drops it
@@ -398,7 +399,8 @@ class Prefetcher:
 
     def _prefetch(self) -> None:
         """Start prefetches for the paused chains, newest first, within the budgets."""
-        room = self._budget - len(self._unused) - len(self._in_flight)
+        room = min(STARTS_PER_STEP,
+                   self._budget - len(self._unused) - len(self._in_flight))
         scan = SCAN_KEYS_PER_STEP
         victims = self._victims()
         newer = 0
