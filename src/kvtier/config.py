@@ -5,7 +5,8 @@ Owns no mutable state: configs are frozen dataclasses and the tables are frozen.
 Every setting is declared once, in the :class:`~kvtier.settings.SettingsTable` beside the
 component that takes it: :data:`CONFIG_SETTINGS` (top level, here), the namespace's
 (:mod:`kvtier.namespace_settings`), a tier's (:mod:`kvtier.tiering.tier_settings`, whose I/O
-settings are the typed record ``TierSettings``) and its lookup manager's
+settings are the typed record ``TierSettings``; the ``prefetch`` section's record
+``PrefetchSettings`` is there too) and its lookup manager's
 (:mod:`kvtier.lookup.settings`); outer components (the vLLM ``KvtierTier``) register their
 tables (:func:`~kvtier.settings.register_table`). This module is the loader on top of the core
 layers: it imports their tables, nothing in the core imports it, and it imports nothing above.
@@ -55,7 +56,13 @@ from kvtier.settings import (
     unknown_names_text,
 )
 from kvtier.tiering.plans import WritePolicy
-from kvtier.tiering.tier_settings import TIER_SETTINGS, LookupConfig, TierSettings
+from kvtier.tiering.tier_settings import (
+    PREFETCH_SETTINGS,
+    TIER_SETTINGS,
+    LookupConfig,
+    PrefetchSettings,
+    TierSettings,
+)
 
 __all__ = [
     "CONFIG_SETTINGS",
@@ -137,7 +144,7 @@ def backend_table(scheme: str) -> SettingsTable | None:
 def all_tables() -> tuple[SettingsTable, ...]:
     """Every settings table of kvtier (the backends' too, where declared)."""
     tables = [CONFIG_SETTINGS, NAMESPACE_SETTINGS, TIER_SETTINGS, LOOKUP_SETTINGS,
-              *registered_tables()]
+              PREFETCH_SETTINGS, *registered_tables()]
     for kind in registered_kinds():
         if kind.settings not in tables and set(kind.schemes) <= set(SCHEMES):
             tables.append(kind.settings)  # the built-in kinds (a registered one documents itself)
@@ -288,7 +295,7 @@ def _tier_from(value: object, path: str, defaults: Mapping[str, Any],
     return fields_, name
 
 
-_SECTIONS = frozenset({"namespace", "secondary_tiers"})
+_SECTIONS = frozenset({"namespace", "secondary_tiers", "prefetch"})
 _DEFAULT_EVICTION_POLICY = PolicyName(CONFIG_SETTINGS.default("eviction_policy"))
 _DEFAULT_WRITE_POLICY = WritePolicy(CONFIG_SETTINGS.default("write_policy"))
 _DEFAULT_PRIMARY_BACKING = PrimaryBacking(CONFIG_SETTINGS.default("primary_backing"))
@@ -311,6 +318,7 @@ class KvtierConfig:
     primary_path: str | None = CONFIG_SETTINGS.default("primary_path")
     metrics_registry: MetricsRegistry = _DEFAULT_METRICS_REGISTRY
     max_events: int = CONFIG_SETTINGS.default("max_events")
+    prefetch: PrefetchSettings = field(default_factory=PrefetchSettings)
 
     @property
     def num_slots(self) -> int:
@@ -361,6 +369,7 @@ class KvtierConfig:
             primary_backing=backing, primary_path=path,
             metrics_registry=MetricsRegistry(parsed["metrics_registry"]),
             max_events=parsed["max_events"],
+            prefetch=_prefetch_from(mapping.get("prefetch")),
         )
 
     @classmethod
@@ -403,6 +412,7 @@ class KvtierConfig:
             "primary_path": self.primary_path,
             "metrics_registry": self.metrics_registry.value,
             "max_events": self.max_events,
+            "prefetch": asdict(self.prefetch),
             "namespace": {name: getattr(ns, name) for name in NAMESPACE_SETTINGS.names},
             "secondary_tiers": [
                 {"url": tier.url, "name": tier.name, **asdict(tier.settings),
@@ -459,6 +469,14 @@ def _namespace_from(value: object, env_values: Mapping[str, Any] | None = None) 
         raise ConfigError(f"namespace: {exc}") from None
 
 
+def _prefetch_from(value: object) -> PrefetchSettings:
+    if value is None:
+        return PrefetchSettings()
+    if isinstance(value, PrefetchSettings):
+        return value
+    return PrefetchSettings.parse(mapping_of(value, "prefetch"), "prefetch")
+
+
 def _tiers_from(value: object, tier_defaults: Mapping[str, Any],
                 lookup_defaults: Mapping[str, Any]) -> tuple[TierConfig, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
@@ -495,6 +513,9 @@ def _values_from_env(
     if "KVTIER_CONFIG" in env:
         values = KvtierConfig.from_yaml(env["KVTIER_CONFIG"]).to_dict()
     values.update(CONFIG_SETTINGS.parse_env(env))
+    prefetch_env = PREFETCH_SETTINGS.parse_env(env, "prefetch.")
+    if prefetch_env:
+        values["prefetch"] = {**(values.get("prefetch") or {}), **prefetch_env}
     namespace_env = NAMESPACE_SETTINGS.parse_env(env, "namespace.")
     if namespace_env:
         values["namespace"] = {**(values.get("namespace") or {}), **namespace_env}

@@ -78,6 +78,7 @@ def open_manager(
             pool, tiers, namespace=cfg.namespace, write_policy=cfg.write_policy,
             metrics=metrics, clock=clock, max_events=cfg.max_events,
             owns_global_metrics=cfg.metrics_registry is MetricsRegistry.GLOBAL,
+            prefetch=cfg.prefetch,
         )
     except BaseException:
         for tier in tiers:

@@ -199,11 +199,14 @@ class RequestContext:
     """Identifies the engine request a lookup or transfer is made for.
 
     ``params`` is copied into a read-only mapping; it carries per-request hints (for example a
-    lookup scope) that subclasses of the lookup manager may read.
+    lookup scope) that subclasses of the lookup manager may read. ``session_id`` names the
+    agent session or conversation the request belongs to, where the engine knows one (the
+    manager's prefetch keeps a session's chain warm between its turns); None: unknown.
     """
 
     req_id: str
     params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    session_id: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.req_id, str):
@@ -217,6 +220,10 @@ class RequestContext:
                 f"RequestContext.params must be a Mapping, got {type(self.params).__name__}"
             )
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        if self.session_id is not None and (not isinstance(self.session_id, str)
+                                            or not self.session_id):
+            raise ValueError(f"RequestContext.session_id must be a non-empty str or None, got "
+                             f"{self.session_id!r}")
 
     def __hash__(self) -> int:
         return hash(self.req_id)

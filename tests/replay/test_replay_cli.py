@@ -53,7 +53,25 @@ def test_replay_a_trace_file(small_trace: Path, tmp_path: Path, monkeypatch: pyt
     assert result["requests"] == 4 and result["block_refs"] == 11
     assert result["block_hits"] == result["ideal_block_hits"] == 3 + 2
     assert data["settings"]["block_bytes"] == 4096
+    assert data["settings"]["prefetch"] == "off"  # the replay's default
+    assert set(result["prefetch"]) >= {"prefetched_blocks", "used_blocks", "wasted_blocks",
+                                       "cancelled_blocks"}
     assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_prefetch_on_and_off(small_trace: Path, tmp_path: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    for mode in ("on", "off"):
+        out_json = tmp_path / f"{mode}.json"
+        code, out, err = _run(["replay", str(small_trace), "--tier",
+                               (tmp_path / mode).as_uri(), "--prefetch", mode, "--json",
+                               str(out_json), *FAST], capsys)
+        assert code == 0, err
+        data = json.loads(out_json.read_text())
+        assert data["settings"]["prefetch"] == mode
+        assert "prefetch (blocks)" in out
+    assert "none (off" in out
+    assert set(data["results"][0]["prefetch"].values()) == {0}
 
 
 def test_default_replay_uses_the_bundled_trace_and_validates(
@@ -107,6 +125,7 @@ def test_missing_trace_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
      "argument --speed: expected a finite number >= 0.001 and <= 1000000.0, got '-1'"),
     (["replay", "--step-ms", "nan"], "argument --step-ms: expected a finite number >= 0"),
     (["replay", "--route", "random"], "argument --route: invalid choice: 'random'"),
+    (["replay", "--prefetch", "maybe"], "argument --prefetch: invalid choice: 'maybe'"),
     (["replay", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["replay", "a.jsonl", "b.jsonl"], "unrecognized arguments: b.jsonl"),
     ([], "the following arguments are required: COMMAND"),

@@ -469,8 +469,8 @@ def test_sessions_beyond_the_pool_keep_every_hit_and_say_where_each_came_from(
     assert result.block_hits == result.ideal_block_hits
     assert result.lost_hits == {}
     assert sum(result.hit_sources.values()) == result.block_hits
-    assert set(result.hit_sources) <= {"gpu", "cpu_resident", "copy_readmitted",
-                                       "stored_meanwhile", "promoted.file"}
+    assert set(result.hit_sources) <= {"gpu", "cpu_resident", "cpu_prefetched",
+                                       "copy_readmitted", "stored_meanwhile", "promoted.file"}
     file_row = _tiers(result)["file"]
     assert file_row.block_hits == result.hit_sources.get("promoted.file", 0)  # timing decides
     assert file_row.bytes_read >= file_row.block_hits * options.block_bytes
@@ -482,3 +482,48 @@ def test_sessions_beyond_the_pool_keep_every_hit_and_say_where_each_came_from(
     assert whole.lost_hits.get("no_room", 0) > 0 and sum(whole.lost_hits.values()) == (
         whole.ideal_block_hits - whole.block_hits)
     _assert_no_state_left(result)
+
+
+def _pausing_sessions(tmp_path: Path, sessions: int, turns: int, blocks: int) -> Trace:
+    """Sessions whose turns repeat their context (``blocks`` blocks) after a 2 s think time."""
+    import json
+
+    folder = tmp_path / "pausing"
+    folder.mkdir()
+    for session in range(sessions):
+        requests = [{"t": 2.0 * turn, "in": blocks * 64, "out": 64,
+                     "hash_ids": list(range(blocks))} for turn in range(turns)]
+        (folder / f"s{session}.json").write_text(json.dumps(
+            {"block_size": 64, "hash_id_scope": "local", "requests": requests}))
+    return read_trace(folder)
+
+
+def test_prefetch_counters_are_in_the_json_and_add_up(tmp_path: Path) -> None:
+    """Four sessions of 40 blocks cycling through a 100-slot pool, no GPU cache, think times
+    of 2 s / 100. The JSON carries the prefetch counters and they add up, the hit sources add
+    up to the hits, and prefetch costs no hit; with it off nothing is prefetched. (Which
+    blocks prefetch brings back, and when, is pinned in tests/tiering/test_prefetch.py.)"""
+    from kvtier.replay.report import report_json
+    from kvtier.replay.results import ReplayReport
+
+    trace = _pausing_sessions(tmp_path, sessions=4, turns=4, blocks=40)
+    results = {}
+    for mode in (engine.Prefetch.ON, engine.Prefetch.OFF):
+        results[mode] = replay(trace, _opts(tier_urls=((tmp_path / mode.value).as_uri(),),
+                                            cpu_blocks=100, gpu_blocks=0, speed=100.0,
+                                            prefetch=mode))
+    on, off = results[engine.Prefetch.ON], results[engine.Prefetch.OFF]
+    document = report_json(ReplayReport("t", "ab" * 32, [on], None, "n/a"))
+    prefetch = document["results"][0]["prefetch"]
+    assert {"prefetched_blocks", "used_blocks", "wasted_blocks", "cancelled_blocks"} <= set(
+        prefetch)
+    assert prefetch["started_blocks"] == (prefetch["prefetched_blocks"]
+                                          + prefetch["cancelled_blocks"]
+                                          + prefetch["failed_blocks"])
+    assert prefetch["prefetched_blocks"] == prefetch["used_blocks"] + prefetch["wasted_blocks"]
+    sources = document["results"][0]["hit_sources"]
+    assert sum(sources.values()) == document["results"][0]["block_hits"]
+    assert sources.get("cpu_prefetched", 0) <= prefetch["used_blocks"]
+    assert on.block_hits == off.block_hits == on.ideal_block_hits
+    assert set(off.prefetch.values()) == {0} and "cpu_prefetched" not in off.hit_sources
+    _assert_no_state_left(on)

@@ -95,6 +95,10 @@ def register(commands: Any) -> None:
                         default="write_through",
                         help="write each stored block to the secondary tiers at once "
                              "(write_through, the default) or when the CPU pool evicts it")
+    replay.add_argument("--prefetch", type=choice, choices=("on", "off"), default="off",
+                        help="between a session's turns, promote its chain back into the CPU "
+                             "pool when it left (default off, as in the library: see "
+                             "benchmarks/session_prefetch.py for what it gains and costs)")
     replay.add_argument("--compare", action="store_true",
                         help="also replay with per-request lookups (vLLM-style) and with no "
                              "in-flight reuse, and show the three side by side")
@@ -241,6 +245,7 @@ def _settings(args: argparse.Namespace, options: Any) -> dict[str, Any]:
                      "write_policy")
     }
     settings["route"] = options.route.value
+    settings["prefetch"] = options.prefetch.value
     from kvtier.backends import redact_url
 
     settings["tiers"] = ([redact_url(url) for url in options.tier_urls]
@@ -309,7 +314,8 @@ def _validation_for(trace: Any) -> tuple[Any, str]:
 
 
 def replay_options(args: argparse.Namespace, **extra: Any) -> Any:
-    from kvtier.replay.engine import ReplayOptions, Route
+    from kvtier.replay.engine import Prefetch, ReplayOptions, Route
+    from kvtier.replay.options import DEFAULT_PREFETCH
 
     try:
         return ReplayOptions(
@@ -327,6 +333,7 @@ def replay_options(args: argparse.Namespace, **extra: Any) -> Any:
             step_ms=getattr(args, "step_ms", 10.0),
             eviction_policy=getattr(args, "eviction_policy", "lru"),
             write_policy=getattr(args, "write_policy", "write_through"),
+            prefetch=Prefetch(getattr(args, "prefetch", DEFAULT_PREFETCH.value)),
             # Always a known tag, so that the run can find (and remove) what it stored.
             namespace_tag=getattr(args, "namespace_tag", "") or uuid.uuid4().hex[:12],
             **{"scratch_dir": getattr(args, "scratch_dir", None), **extra},

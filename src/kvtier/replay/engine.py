@@ -60,13 +60,20 @@ from kvtier.replay.options import (
     CAUSAL_RULE,
     DEFAULT_GPU_BLOCKS,
     STORE_PATIENCE_STEPS,
+    Prefetch,
     PrefixLoading,
     ProgressCallback,
     ReplayOptions,
     Route,
 )
 from kvtier.replay.reference import ideal_hit_runs
-from kvtier.replay.results import ReplayResult, TierKind, TierResult, TimelinePoint
+from kvtier.replay.results import (
+    PREFETCH_FIELDS,
+    ReplayResult,
+    TierKind,
+    TierResult,
+    TimelinePoint,
+)
 from kvtier.replay.stats import percentile
 from kvtier.replay.strategies import Strategy, lookup_factory_for, manager_config_for
 from kvtier.replay.trace import Trace, TraceRequest
@@ -79,6 +86,7 @@ __all__ = [
     "CAUSAL_RULE",
     "DEFAULT_GPU_BLOCKS",
     "STORE_PATIENCE_STEPS",
+    "Prefetch",
     "PrefixLoading",
     "ReplayOptions",
     "Route",
@@ -164,6 +172,7 @@ def _replay(
                 write_policy=options.write_policy,
                 tier_urls=tier_urls,
                 namespace=namespace_fields,
+                prefetch=options.prefetch.value,
             )
             managers.append(open_manager(config, lookup_factory=lookup_factory_for(strategy)))
         tier_names = list(managers[0].tier_names)
@@ -183,6 +192,16 @@ def _replay(
     finally:
         for manager in managers:
             manager.shutdown()
+
+
+def prefetch_totals(manager_stats: list[dict[str, Any]]) -> dict[str, int]:
+    """The prefetch counters of every instance, summed (see :mod:`kvtier.tiering.prefetch`)."""
+    totals: Counter[str] = Counter()
+    for stats in manager_stats:
+        prefetch = stats.get("prefetch", {})
+        for name in PREFETCH_FIELDS:
+            totals[name] += int(prefetch.get(name, 0))
+    return {name: totals[name] for name in PREFETCH_FIELDS}
 
 
 def gpu_blocks_for(trace: Trace, options: ReplayOptions) -> int:
@@ -286,7 +305,8 @@ class _Loop:
             _Request(
                 index=index,
                 record=record,
-                ctx=RequestContext(f"{self.strategy.value}-{index}"),
+                ctx=RequestContext(f"{self.strategy.value}-{index}", session_id=(
+                    None if record.session is None else f"session-{record.session}")),
                 keys=self._keys_for(record),
                 arrival_s=record.timestamp_ms / 1000.0,
             )
@@ -470,6 +490,7 @@ class _Loop:
                              for tier in stats["tiers"].values()),
             scheduler_s=sum(step_times),
             hit_sources=dict(sorted(sum((c.hit_sources for c in counters), Counter()).items())),
+            prefetch=prefetch_totals(manager_stats),
             lost_hits=dict(sorted(self.lost_hits.items())),
         )
 

@@ -97,12 +97,15 @@ class _Counters:
 
 GPU_SOURCE = "gpu"
 CPU_RESIDENT = "cpu_resident"
+CPU_PREFETCHED = "cpu_prefetched"
 COPY_READMITTED = "copy_readmitted"
 STORED_MEANWHILE = "stored_meanwhile"
 PROMOTED_PREFIX = "promoted."
 """Where a hit block came from (``hit_sources``): the GPU prefix cache; the CPU pool, resident
-when the request first asked; a write-back copy re-admitted; a block another request stored
-after the first ask; a real load from a secondary tier (``promoted.<tier>``)."""
+when the request first asked; the CPU pool, where prefetch brought it back with no request
+waiting (``cpu_prefetched``, counted once: a later request finds it ``cpu_resident``); a
+write-back copy re-admitted; a block another request stored after the first ask; a real load
+from a secondary tier that the request waited for (``promoted.<tier>``)."""
 
 
 NOT_FOUND = "not_found"
@@ -117,6 +120,7 @@ def _apply_events(events: Sequence[Any], seq: int, sources: dict[BlockKey, tuple
     a shed cascade or a failed load may have left in no tier."""
     from kvtier.tiering.manager import (
         PRIMARY,
+        BlockPrefetched,
         BlockPromoted,
         BlockReadmitted,
         BlockRemoved,
@@ -128,6 +132,8 @@ def _apply_events(events: Sequence[Any], seq: int, sources: dict[BlockKey, tuple
     for event in events:
         if isinstance(event, BlockPromoted):
             cause = PROMOTED_PREFIX + event.tier
+        elif isinstance(event, BlockPrefetched):
+            cause = CPU_PREFETCHED
         elif isinstance(event, BlockReadmitted):
             cause = COPY_READMITTED
         elif isinstance(event, BlockStored) and event.tier == PRIMARY:
@@ -226,7 +232,8 @@ class _Instance:
                 if request.steps_left > 0 or request.store_backlog:
                     keep.append(request)
                 else:
-                    manager.on_request_finished(request.ctx)
+                    # Its whole chain, as an engine knows it (the GPU prefix included).
+                    manager.on_request_finished(request.ctx, request.keys)
                     on_finished(request)
                     did_work = True
             self.running = keep
@@ -347,7 +354,11 @@ class _Instance:
         sources = self.sources
         for position, key in enumerate(loaded, start):
             source = sources.get(key)
-            cause = CPU_RESIDENT if source is None or source[1] <= first_seq else source[0]
+            if source is not None and source[0] == CPU_PREFETCHED:
+                cause = CPU_PREFETCHED  # whenever it landed, no request waited for it
+                del sources[key]        # from now on it is simply resident
+            else:
+                cause = CPU_RESIDENT if source is None or source[1] <= first_seq else source[0]
             request.sources[cause] += 1
             request.row_tokens[_row_of(cause)] += record.tokens_in_blocks(
                 position, position + 1, self.block_tokens)

@@ -28,6 +28,20 @@ class Route(enum.Enum):
     FIRST_BLOCK_HASH = "hash"
 
 
+class Prefetch(enum.Enum):
+    """Whether the replayed managers prefetch a session's chain between its turns."""
+
+    ON = "on"
+    OFF = "off"
+
+
+DEFAULT_PREFETCH = Prefetch.OFF
+"""The replay's default, the library's too: measured on ``builtin:agentic`` (8 sessions, speed 20,
+``benchmarks/session_prefetch.py``), prefetch keeps every hit but brings back only 0.26 of the
+tier-served blocks in time, wastes 0.57 of what it reads, and costs scheduler time per step and
+steps waited; ``--prefetch on`` measures it."""
+
+
 class PrefixLoading(enum.Enum):
     """How the simulated engine loads a request's prefix from the manager."""
 
@@ -57,6 +71,7 @@ class ReplayOptions:
     timeline_windows: int = 100
     store_patience_steps: int = STORE_PATIENCE_STEPS
     prefix_loading: PrefixLoading = PrefixLoading.PIECES
+    prefetch: Prefetch = DEFAULT_PREFETCH
 
     def __post_init__(self) -> None:
         _require_int("instances", self.instances, 1)
@@ -78,6 +93,9 @@ class ReplayOptions:
             )
         if not (self.step_ms >= 0 and math.isfinite(self.step_ms)):
             raise ValueError(f"step_ms must be a finite number >= 0, got {self.step_ms}")
+        if not isinstance(self.prefetch, Prefetch):
+            raise ValueError(f"prefetch must be one of {[p.value for p in Prefetch]}, got "
+                             f"{self.prefetch!r}")
         if not self.max_wait_s > 0:
             raise ValueError(f"max_wait_s must be > 0, got {self.max_wait_s}")
 

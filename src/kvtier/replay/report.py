@@ -211,6 +211,14 @@ def _table_text(counts: dict[str, int]) -> str:
     return ", ".join(f"{name} {count:,}" for name, count in counts.items()) or "none"
 
 
+def _prefetch_text(counts: dict[str, int]) -> str:
+    if not counts.get("started_blocks"):
+        return "none (off, or nothing left the pool between turns)"
+    return (f"{counts['prefetched_blocks']:,} prefetched: {counts['used_blocks']:,} used, "
+            f"{counts['wasted_blocks']:,} wasted; {counts['cancelled_blocks']:,} cancelled, "
+            f"{counts['failed_blocks']:,} failed")
+
+
 def summary_table(report: ReplayReport, result: ReplayResult) -> Table:
     table = Table(show_header=False, title="run", title_justify="left")
     table.add_column("what", ratio=2)
@@ -237,6 +245,7 @@ def summary_table(report: ReplayReport, result: ReplayResult) -> Table:
         ("stored blocks deferred (streamed) / shed", f"{result.store_blocks_deferred:,} / "
                                                      f"{result.store_blocks_shed:,}"),
         ("hit sources (blocks)", _table_text(result.hit_sources)),
+        ("prefetch (blocks)", _prefetch_text(result.prefetch)),
         ("hits lost against the ideal (blocks, by cause)", _table_text(result.lost_hits)),
         ("cascades shed / promoted blocks lost before load",
          f"{result.cascades_shed:,} / {result.promotions_lost:,}"),

@@ -12,6 +12,10 @@ from typing import Any
 
 from kvtier.replay.reference import Validation
 
+PREFETCH_FIELDS = ("prefetched_blocks", "used_blocks", "wasted_blocks", "cancelled_blocks",
+                   "started_blocks", "failed_blocks")
+"""The prefetch counters a replay reports (blocks; see :mod:`kvtier.tiering.prefetch`)."""
+
 
 class TierKind(enum.Enum):
     GPU = "gpu"
@@ -108,12 +112,17 @@ class ReplayResult:
     store_wait_s: float = 0.0       # seconds of those waits (back-pressure: time, not hits)
     scheduler_s: float = 0.0        # scheduler-thread time of every step, summed
     # Block hits by where each block came from (adds up to block_hits): gpu, cpu_resident,
-    # copy_readmitted, stored_meanwhile, promoted.<tier>; see kvtier.replay.instance.
+    # cpu_prefetched, copy_readmitted, stored_meanwhile, promoted.<tier>; see
+    # kvtier.replay.instance.
     hit_sources: dict[str, int] = field(default_factory=dict)
     # Blocks the ideal hit but this run recomputed, by why the prefix ended early: store_shed,
     # cascade_shed, load_failed, no_room (a tier has it; whole-prefix loading ran out of pool
     # room), not_found (in no tier: evicted from a bounded tier, expired).
     lost_hits: dict[str, int] = field(default_factory=dict)
+    # Session prefetch, summed over instances (PREFETCH_FIELDS; all 0 with prefetch off):
+    # started = prefetched + cancelled + failed (+ in flight at the end, none after shutdown),
+    # prefetched = used + wasted + still unused at the end.
+    prefetch: dict[str, int] = field(default_factory=dict)
 
     @property
     def block_hits(self) -> int:

@@ -93,8 +93,9 @@ def manager_config_for(
     write_policy: str,
     tier_urls: Sequence[str],
     namespace: Mapping[str, Any],
+    prefetch: str = "off",
 ) -> dict[str, Any]:
-    """The ``open_manager`` config of one replay instance."""
+    """The ``open_manager`` config of one replay instance (``prefetch``: "on" or "off")."""
     tiers: list[dict[str, Any]] = []
     for url in tier_urls:
         tier: dict[str, Any] = {"url": url}
@@ -108,6 +109,7 @@ def manager_config_for(
         "write_policy": write_policy,
         "secondary_tiers": tiers,
         "namespace": dict(namespace),
+        "prefetch": {"mode": prefetch},
     }
 
 

@@ -8,12 +8,14 @@ Thread ownership: the **scheduler thread** owns the :class:`EventLog` (events si
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.keys import BlockKey
 
 __all__ = [
     "PRIMARY",
+    "BlockPrefetched",
     "BlockPromoted",
     "BlockReadmitted",
     "BlockRemoved",
@@ -53,6 +55,14 @@ class BlockPromoted(_TierEvent):
     __slots__ = ()
 
 
+class BlockPrefetched(_TierEvent):
+    """``keys`` were promoted into the primary pool from secondary tier ``tier`` by prefetch,
+    with no request waiting for them (each also emits ``BlockStored(keys, "primary")`` just
+    before this event; a prefetch a request joined before it landed is a ``BlockPromoted``)."""
+
+    __slots__ = ()
+
+
 class BlockReadmitted(_TierEvent):
     """``keys`` came back into the primary pool from the in-memory copy kept while their write
     to the secondary tiers was pending (no tier read; ``tier`` is "primary"; each also emits
@@ -73,8 +83,8 @@ class StoreShed(_TierEvent):
     __slots__ = ()
 
 
-ManagerEvent = (BlockStored | BlockRemoved | BlockPromoted | BlockReadmitted | PromotionFailed
-                | StoreShed)
+ManagerEvent = (BlockStored | BlockRemoved | BlockPromoted | BlockPrefetched | BlockReadmitted
+                | PromotionFailed | StoreShed)
 
 
 @dataclass(slots=True)
@@ -116,15 +126,19 @@ class Counters:
 
 class EventLog:
     """Events since the last :meth:`take`, at most ``max_events`` (the oldest are dropped and
-    counted in ``counters.events_dropped``)."""
+    counted in ``counters.events_dropped``). ``removed_listener`` (the prefetcher's) hears of
+    every block that leaves the primary pool, whether or not the event is kept."""
 
-    __slots__ = ("_counters", "_events")
+    __slots__ = ("_counters", "_events", "removed_listener")
 
     def __init__(self, max_events: int, counters: Counters) -> None:
         self._events: deque[ManagerEvent] = deque(maxlen=max(0, max_events))
         self._counters = counters
+        self.removed_listener: Callable[[tuple[BlockKey, ...]], None] | None = None
 
     def emit(self, event: ManagerEvent) -> None:
+        if self.removed_listener is not None and isinstance(event, BlockRemoved):
+            self.removed_listener(event.keys)
         if len(self._events) == self._events.maxlen:
             self._counters.events_dropped += 1
             if not self._events.maxlen:

@@ -5,7 +5,8 @@ owns everything here and in the tables the manager builds: the primary pool's me
 engine-store table (``_store_filling``), the pin ledger (:mod:`.pins`: request pins, holds,
 cascade and store-job pins), the promotion table (:mod:`.promotions`: promotions, waiters,
 rounds, queued loads, retired slots), the write-back table (:mod:`.writeback`: unwritten blocks,
-copies, queued stores, shedding), the events and counters (:mod:`.events`) and the lifecycle
+copies, queued stores, shedding), the prefetcher (:mod:`.prefetch`: paused chains, prefetches in
+flight, prefetched blocks), the events and counters (:mod:`.events`) and the lifecycle
 (``_state``). No public method is thread-safe; call them from one thread. **Background
 threads** belong to the secondary tiers (a probe worker and I/O threads per tier) and talk to
 this thread only through the tiers' queues, drained by :mod:`.transfers` in ``on_schedule_end``.
@@ -39,6 +40,7 @@ from kvtier.ops.metrics import KvtierMetrics, manager_samples
 from kvtier.primary import PrimaryPool
 from kvtier.tiering.events import (
     PRIMARY,
+    BlockPrefetched,
     BlockPromoted,
     BlockReadmitted,
     BlockRemoved,
@@ -60,13 +62,16 @@ from kvtier.tiering.plans import (
     StorePlan,
     WritePolicy,
 )
+from kvtier.tiering.prefetch import Prefetcher
 from kvtier.tiering.promotions import PromotionTable
 from kvtier.tiering.tier import SecondaryTier
+from kvtier.tiering.tier_settings import PrefetchSettings
 from kvtier.tiering.transfers import Transfers
 from kvtier.tiering.writeback import Backlog, WriteBack
 
 __all__ = [
     "PRIMARY",
+    "BlockPrefetched",
     "BlockPromoted",
     "BlockReadmitted",
     "BlockRemoved",
@@ -110,6 +115,7 @@ class TieringManager:
         clock: Callable[[], float] = time.monotonic,
         max_events: int = 65536,
         owns_global_metrics: bool = False,
+        prefetch: PrefetchSettings | None = None,
     ) -> None:
         if not isinstance(pool, PrimaryPool):
             raise TypeError(f"pool must be a PrimaryPool, got {type(pool).__name__}")
@@ -139,6 +145,9 @@ class TieringManager:
         self._transfers = Transfers(self._tiers, self._promotions, self._writeback)
         self._finder = KeyFinder(pool, self._tiers, self._pins, self._promotions,
                                  self._writeback, self._counters)
+        self._prefetch = Prefetcher(prefetch or PrefetchSettings(), pool, self._tiers,
+                                    self._promotions, self._writeback, self._counters,
+                                    self._events, clock)
         self._store_filling: set[BlockKey] = set()
         if metrics is not None:
             metrics.bind_tiers(names)
@@ -229,6 +238,7 @@ class TieringManager:
         (from its last answer) stays pinned through the scan and is settled after it: kept for
         what it found again while it comes back next step, released otherwise."""
         previous = self._pins.take_hold(ctx.req_id)
+        self._prefetch.note_lookup(ctx, keys)
         scan = self._finder.scan(keys, ctx, mode)
         more = scan.pending or scan.waiting
         if more:
@@ -251,6 +261,7 @@ class TieringManager:
                     f"loaded"
                 )
         slots = self._pins.pin_for_request(ctx.req_id, checked)
+        self._prefetch.note_loaded(checked)
         # The loaded keys leave the request's hold; the rest (a piece's next blocks) stays
         # held until its next lookup settles it, it finishes, or the hold expires.
         self._pins.release_held(ctx.req_id, checked)
@@ -334,6 +345,7 @@ class TieringManager:
         if not stored:
             return
         self._counters.stores_completed += len(stored)
+        self._prefetch.note_stored(ctx, stored)
         self._events.emit(BlockStored(tuple(stored), PRIMARY))
         self._writeback.note_stored(stored)
         if self._tiers and self._write_policy is WritePolicy.WRITE_THROUGH:
@@ -347,6 +359,7 @@ class TieringManager:
         self._transfers.poll()
         if self._write_policy is WritePolicy.WRITE_THROUGH:
             self._writeback.cascade_unwritten()
+        self._prefetch.step()  # after this step's demand; its loads go after demand's
         self._transfers.submit()
         for tier in self._tiers:
             tier.flush()
@@ -361,12 +374,16 @@ class TieringManager:
                 self._next_publish = now + _METRICS_INTERVAL_S
                 self.publish_metrics()
 
-    def on_request_finished(self, ctx: RequestContext) -> None:
+    def on_request_finished(self, ctx: RequestContext,
+                            chain: Sequence[BlockKey] | None = None) -> None:
         """Release the request's lookup state and any pins it still holds.
 
-        Call it only after the engine stopped reading the request's loaded slots.
+        Call it only after the engine stopped reading the request's loaded slots. ``chain``:
+        the request's block keys as the engine knows them, for prefetch (None: the keys it
+        looked up and stored here).
         """
         self._require_running("on_request_finished")
+        self._prefetch.on_finished(ctx, None if chain is None else validate_keys(chain))
         for tier in self._tiers:
             tier.cleanup(ctx.req_id)
         self._promotions.forget_request(ctx.req_id)
@@ -401,6 +418,7 @@ class TieringManager:
             requests_waiting=promotion_sizes["requests_waiting"],
             state=self._state.value,
         )
+        prefetch = self._prefetch.stats()
         closed = self._state is _ManagerState.CLOSED
         used = None if closed else pool.occupancy()
         primary = {
@@ -417,6 +435,7 @@ class TieringManager:
         return {
             "primary": primary,
             "manager": manager,
+            "prefetch": prefetch,
             "tiers": tiers,
             "tracked_keys": sum(t["tracked_keys"] for t in tiers.values()),
             "pins": primary["pins"],
@@ -482,6 +501,7 @@ class TieringManager:
         finally:
             self._state = _ManagerState.CLOSED
             self._transfers.shutdown_tiers(left)
+            self._prefetch.close()  # before the promotions: it settles their prefetches
             self._promotions.clear()
             self._store_filling.clear()
             self._pins.clear()

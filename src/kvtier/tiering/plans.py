@@ -14,6 +14,14 @@ from kvtier.keys import BlockKey
 __all__ = ["KeyNotResidentError", "KeyStatus", "LoadPlan", "PrefixPiece", "StoreMode", "StorePlan"]
 
 
+class LoadPriority(enum.Enum):
+    """Whose load it is: a request's (``DEMAND``, first in line) or a prefetch's (run only
+    when no demand load and no store waits for an I/O thread; one part per job)."""
+
+    DEMAND = "demand"
+    PREFETCH = "prefetch"
+
+
 class KeyStatus(enum.Enum):
     HIT = "hit"                  # resident in the primary pool: loadable now
     HIT_PENDING = "hit_pending"  # a promotion from a secondary tier is in flight

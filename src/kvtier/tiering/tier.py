@@ -11,10 +11,11 @@ Thread ownership:
   ones with :meth:`get_finished_jobs`.
 - **I/O threads** (``io_threads`` per tier, a ``ThreadPoolExecutor``) run one part of a
   :class:`TierJob` at a time (a store is one part; a load is split into parts so that its
-  reads run in parallel), taken from the ready queues (``_ready_loads`` before
-  ``_ready_stores``: ``collections.deque``, appended by the scheduler, popped by I/O threads,
-  each part popped exactly once). They call the backend and record the part's answers in the
-  job under ``_settle_lock`` (``running``, ``parts_left``, ``partial``, ``first_error``); the
+  reads run in parallel), taken from the ready queues (``ready``, a
+  :class:`~kvtier.tiering.ready_parts.ReadyParts`: loads, then stores, then prefetch loads;
+  appended by the scheduler, each part popped exactly once by an I/O thread). They call the
+  backend and record the part's answers in the job under ``_settle_lock`` (``running``,
+  ``parts_left``, ``partial``, ``first_error``); the
   thread that finishes the last part fills in ``results``, ``error`` and ``seconds`` and posts
   the job to ``_finished`` (a ``queue.SimpleQueue``). After posting no I/O thread touches the
   job again; before posting the scheduler never reads those fields.
@@ -49,6 +50,8 @@ from kvtier.settings import Kind, Setting
 from kvtier.tiering.io_pool import IoThreadPool
 from kvtier.tiering.load_rate import LoadRate
 from kvtier.tiering.payoff import blocks_worth_loading
+from kvtier.tiering.plans import LoadPriority
+from kvtier.tiering.ready_parts import ReadyParts, ReadyQueue
 from kvtier.tiering.tier_settings import LookupConfig, TierSettings
 from kvtier.tiering.tier_stats import TierCounters, TierStats
 
@@ -101,6 +104,7 @@ class TierJob:
     suspects: tuple[int, ...] = ()  # store: positions whose load failed recently (read back)
     verified: tuple[int, ...] = ()  # store: suspects whose read-back succeeded
     deadline: float = float("inf")  # the tier's clock() past which a load job fails
+    priority: LoadPriority = LoadPriority.DEMAND
     settled: bool = False           # results are final (set once, under the tier's settle lock)
     abandoned: bool = False         # a load failed by its deadline while its I/O still runs
     # Progress of its parts (a load runs as parts on several I/O threads), under the settle
@@ -288,6 +292,7 @@ class SecondaryTier:
         )
         self._load_failures = RecentLoadFailures(self._lookup.quarantine_s, clock)
         self._settings = settings
+        self.io_threads = settings.io_threads  # read-only: the prefetcher's I/O budget
         self._max_keys_per_call = max_keys_per_call
         self._executor = IoThreadPool(settings.io_threads, f"kvtier-io-{name}")
         self._load_deadlines: deque[TierJob] = deque()  # loads in submission order
@@ -297,8 +302,7 @@ class SecondaryTier:
         self._abandoned = 0  # abandoned loads not yet released (scheduler thread)
         self._loads_outstanding = 0  # load jobs submitted and not yet collected
         self._outstanding: dict[int, TierJob] = {}
-        self._ready_loads: deque[_Part] = deque()
-        self._ready_stores: deque[_Part] = deque()
+        self.ready: ReadyParts[_Part] = ReadyParts()  # public: a prefetch load is expedited
         self._job_ids = itertools.count()
         self._store_bytes = 0
         self._store_jobs = 0
@@ -380,14 +384,17 @@ class SecondaryTier:
         self._lookup.note_removed(keys)
 
     # ---- transfers (scheduler thread) ---------------------------------------------------------
-    def submit_load(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> TierJob:
-        """Start loading ``keys`` into ``outs`` on an I/O thread; never blocks, never sheds."""
+    def submit_load(self, keys: Sequence[BlockKey], outs: Sequence[memoryview],
+                    priority: LoadPriority = LoadPriority.DEMAND) -> TierJob:
+        """Start loading ``keys`` into ``outs`` on an I/O thread; never blocks, never sheds.
+        A ``PREFETCH`` load is one part, run when no other part waits (``ready.expedite``)."""
         self._require_running("submit_load")
         if len(keys) != len(outs):
             raise ValueError(f"submit_load got {len(keys)} keys but {len(outs)} buffers")
         job = TierJob(next(self._job_ids), JobKind.LOAD, tuple(keys), tuple(outs),
                           sum(out.nbytes for out in outs),
-                          deadline=self._clock() + self._settings.load_timeout_s)
+                          deadline=self._clock() + self._settings.load_timeout_s,
+                          priority=priority)
         self._load_deadlines.append(job)
         self._loads_outstanding += 1
         self._counters.loads_submitted += 1
@@ -442,29 +449,24 @@ class SecondaryTier:
         parts = self._parts(job)
         job.parts_left = len(parts)
         job.partial = [False] * len(job.keys)
-        ready = self._ready_loads if job.kind is JobKind.LOAD else self._ready_stores
-        ready.extend(parts)
+        self.ready.push(ReadyQueue.STORE if job.kind is JobKind.STORE else ReadyQueue.LOAD
+                         if job.priority is LoadPriority.DEMAND else ReadyQueue.PREFETCH, parts)
         try:
             for _ in parts:
                 self._executor.submit(self._run_next)
         except RuntimeError as exc:  # executor shut down underneath us: fail the jobs, no hang
             # Tasks already submitted each pop one part (or find none and return); every part
             # still waiting now fails its job here, so no part is run twice or left behind.
-            for queued in (self._ready_loads, self._ready_stores):
-                while True:
-                    try:
-                        waiting = queued.popleft().job
-                    except IndexError:
-                        break
-                    self._settle(waiting, (False,) * len(waiting.keys),
-                                 f"executor unavailable: {exc!r}")
+            for waiting in self.ready.drain():
+                self._settle(waiting.job, (False,) * len(waiting.job.keys),
+                             f"executor unavailable: {exc!r}")
 
     def _parts(self, job: TierJob) -> list[_Part]:
         """A store is one part (its calls in order); a load is split across the I/O threads,
         as an engine's own file tier reads with parallel threads: parts of at least
         ``_MIN_LOAD_PART_KEYS`` keys, at most ``max_keys_per_call``."""
         count = len(job.keys)
-        if job.kind is JobKind.STORE or count == 0:
+        if job.kind is JobKind.STORE or count == 0 or job.priority is LoadPriority.PREFETCH:
             return [_Part(job, 0, count)]
         size = max(_MIN_LOAD_PART_KEYS, -(-count // self._settings.io_threads))
         if self._max_keys_per_call is not None:
@@ -610,14 +612,10 @@ class SecondaryTier:
 
     # ---- I/O thread ---------------------------------------------------------------------------
     def _run_next(self) -> None:
-        """Run the oldest waiting load part, else the oldest store (one per submitted task)."""
-        for ready in (self._ready_loads, self._ready_stores):
-            try:
-                part = ready.popleft()
-            except IndexError:
-                continue
+        """Run the oldest waiting load, else store, else prefetch part (one per task)."""
+        part = self.ready.pop()
+        if part is not None:
             self._run_part(part)
-            return
 
     def _run_part(self, part: _Part) -> None:
         job = part.job

@@ -9,10 +9,15 @@ derived from it, and :data:`TIER_SETTINGS` (the config's ``secondary_tiers[*]`` 
 backend URL and the tier name. :class:`LookupConfig` holds the tier's lookup-manager
 settings (:data:`~kvtier.lookup.manager.LOOKUP_SETTINGS`). A
 :class:`~kvtier.tiering.tier.SecondaryTier` takes one record.
+
+:class:`PrefetchSettings` (the config's ``prefetch`` section, :data:`PREFETCH_SETTINGS`) is the
+manager's session-aware prefetch (:mod:`kvtier.tiering.prefetch`): its share of the pool and of
+each tier's I/O threads.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -32,7 +37,8 @@ from kvtier.settings import (
 )
 from kvtier.tiering.io_pool import DEFAULT_LOAD_TIMEOUT_S
 
-__all__ = ["TIER_IO_SETTINGS", "TIER_SETTINGS", "LookupConfig", "TierSettings"]
+__all__ = ["PREFETCH_SETTINGS", "TIER_IO_SETTINGS", "TIER_SETTINGS", "LookupConfig",
+           "PrefetchMode", "PrefetchSettings", "TierSettings"]
 
 
 MAX_IO_THREADS = 256
@@ -123,3 +129,57 @@ class LookupConfig:
             return cls()
         parsed = LOOKUP_SETTINGS.parse(mapping_of(values, path), path, fill_defaults=False)
         return cls(MappingProxyType(parsed))
+
+
+class PrefetchMode(enum.Enum):
+    """Whether the manager prefetches finished chains back into the pool between turns."""
+
+    OFF = "off"
+    ON = "on"
+
+
+MAX_PREFETCH_POOL_FRACTION = 0.9
+"""Prefetch may never hold the whole pool: demand always keeps a tenth."""
+
+
+@dataclass(slots=True, frozen=True)
+class PrefetchSettings:
+    """The manager's session-aware prefetch; every value is checked when the record is built."""
+
+    mode: str = setting_field(
+        Kind.CHOICE, PrefetchMode.OFF.value,
+        "on: when a request finishes, its chain (session: RequestContext.session_id, else "
+        "the chain's first key) is promoted back into the pool while the session pauses, "
+        "within the budgets below; demand loads and stores always go first",
+        choices=tuple(mode.value for mode in PrefetchMode), env="KVTIER_PREFETCH")
+    pool_fraction: float = setting_field(
+        Kind.FLOAT, 0.5, "share of the primary pool that prefetched blocks not used yet and "
+        "prefetches in flight may hold", minimum=0.0, maximum=MAX_PREFETCH_POOL_FRACTION,
+        env="KVTIER_PREFETCH_POOL_FRACTION")
+    io_fraction: float = setting_field(
+        Kind.FLOAT, 0.5, "share of each tier's I/O threads prefetch loads may occupy (at least "
+        "one load job of up to 256 blocks in flight per tier)", minimum=0.0, maximum=1.0,
+        env="KVTIER_PREFETCH_IO_FRACTION")
+    max_chains: int = setting_field(
+        Kind.INT, 256, "finished chains remembered; the oldest is forgotten first", minimum=1,
+        maximum=1 << 20, env="KVTIER_PREFETCH_MAX_CHAINS")
+    chain_ttl_s: float = setting_field(
+        Kind.FLOAT, 600.0, "a paused chain whose session sends nothing for this long is "
+        "forgotten (its prefetched blocks not used count as wasted)", minimum=0.001,
+        maximum=MAX_TIMEOUT_S, unit="seconds", env="KVTIER_PREFETCH_CHAIN_TTL_S")
+
+    def __post_init__(self) -> None:
+        check_record(self, PREFETCH_SETTINGS, "prefetch")
+
+    @property
+    def enabled(self) -> bool:
+        return (self.mode == PrefetchMode.ON.value and self.pool_fraction > 0
+                and self.io_fraction > 0)
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any], path: str = "prefetch") -> PrefetchSettings:
+        """The record of ``values`` (objects or strings); unknown names are rejected."""
+        return parse_record(cls, PREFETCH_SETTINGS, values, path)
+
+
+PREFETCH_SETTINGS = record_table("prefetch", PrefetchSettings)

@@ -1,0 +1,559 @@
+"""Session-aware prefetch: between an agent's turns, its finished chain goes back into the pool.
+
+Thread ownership: the **scheduler thread** owns all of it: the keys each running request showed
+the manager (``_seen``: looked up, stored), the sessions with a request running (``_active``),
+the chains of finished requests by session (``_chains``, oldest finish first, each with the
+positions of its keys that left the pool, heard from the event log's ``removed_listener``, so
+no step scans a chain; and ``_owner``, the chain each key belongs to), the prefetches in
+flight (``_in_flight``), the prefetched blocks not used yet (``_unused``) and the counters
+(:class:`PrefetchCounters`). The tables it reads and changes (pool, promotions, write-back, the
+tiers' lookup managers) are the manager's, on the same thread; the tiers' I/O threads only move
+the bytes.
+
+The session of a request is ``RequestContext.session_id``; without one, the first key it showed
+the manager (a conversation's turns share their first block). When a request finishes, its chain
+(what the engine passes to ``on_request_finished``, else the keys it looked up, then the keys it
+stored) becomes its session's paused chain, replacing the last one.
+
+The engine has a cache of its own above kvtier (vLLM's GPU blocks) that keeps the most recent
+chains: a block kvtier holds that the engine holds too is worth little, and one the engine
+dropped is worth its next turn's load. The prefetcher learns how deep the engine's cache reaches
+(``_horizon``, in blocks of chains finished since): a next turn that asks from its chain's first
+key says the engine lost it, one that asks from further in says the engine still held its
+start. Every step, the keys of the paused chains the engine has lost by then (those deeper than
+the horizon; every key with no engine cache) that left the pool are promoted back, newest chain
+first, within two budgets: the prefetched blocks not used yet plus those in flight hold at most
+``pool_fraction`` of the pool, and each tier runs at most ``io_fraction`` of its I/O threads'
+worth of prefetch load jobs. A slot comes from the lowest value first: a free one, else a block
+of a paused chain the engine still holds (newest chain first, from its tail: *demoted*, only
+when a tier holds it), else the pool's own eviction order among blocks of older chains and of
+no chain.
+
+Prefetch never costs a demand load:
+
+- its loads run at ``LoadPriority.PREFETCH`` (an I/O thread takes one only when no demand load
+  and no store waits), and a request that joins a prefetch in flight moves it to the demand
+  queue (:class:`~kvtier.tiering.promotions.PromotionTable`);
+- a slot for a prefetch never costs a block of a newer chain, of a session with a request
+  running, or a pinned or held one;
+- its lookups probe at most ``PROBES_PER_STEP`` keys a step, so a demand lookup's probe batch
+  stays small;
+- when the pool needs the room (a store deferred or refused, a promotion without a slot, a piece
+  waiting: the manager's counters moved this step), prefetch starts nothing for
+  ``PRESSURE_COOLDOWN_STEPS`` steps, and the prefetches that land meanwhile give their slot
+  back at once (``cancelled``).
+
+Counters (blocks): ``started = prefetched + cancelled + failed + in flight`` and
+``prefetched = used + wasted + unused``: used = loaded by a request (``prepare_load``), wasted =
+evicted unused, or still unused when its session's next request finished, its chain expired
+(``chain_ttl_s``) or the manager shut down; in flight at shutdown counts as cancelled.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvtier.keys import BlockKey, RequestContext
+from kvtier.primary import PrimaryPool
+from kvtier.tiering.events import PRIMARY, BlockRemoved, Counters, EventLog
+from kvtier.tiering.promotions import PREFETCH_CHUNK_KEYS, PromotionTable
+from kvtier.tiering.tier import SecondaryTier
+from kvtier.tiering.tier_settings import PrefetchSettings
+from kvtier.tiering.writeback import WriteBack
+
+__all__ = ["PRESSURE_COOLDOWN_STEPS", "SCAN_KEYS_PER_STEP", "PrefetchCounters", "Prefetcher"]
+
+PRESSURE_COOLDOWN_STEPS = 8   # steps without new prefetches after the pool needed room
+SCAN_KEYS_PER_STEP = 1024     # chain keys checked per step at most (the scheduler's time)
+STARTS_PER_STEP = 128         # prefetches started per step at most (the scheduler's time)
+EVICTION_CHECK_STEPS = 16     # prefetched blocks are checked for eviction this often
+PROBES_PER_STEP = 512         # prefetch lookups a tier may have to probe, per step at most
+HORIZON_MARGIN = 0.9          # start on a chain a little before the engine's cache drops it
+_CTX_PREFIX = "kvtier-prefetch:"
+
+
+class _Start(enum.Enum):
+    STARTED = "started"
+    PENDING = "pending"  # a tier has not answered yet: try again next step
+    ABSENT = "absent"    # in no tier
+    NO_IO = "no_io"      # the tier's prefetch I/O budget is spent this step
+    NO_SLOT = "no_slot"  # every slot is pinned or protected
+
+
+@dataclass(slots=True)
+class PrefetchCounters:
+    """Blocks, not calls; see the module docstring for how they add up."""
+
+    started_blocks: int = 0
+    prefetched_blocks: int = 0
+    used_blocks: int = 0
+    wasted_blocks: int = 0
+    cancelled_blocks: int = 0
+    failed_blocks: int = 0
+    chains: int = 0          # chains recorded (finished requests)
+    pressure_steps: int = 0  # steps in which the pool needed the room
+    wasted_expired: int = 0  # of wasted_blocks: unused when the turn came, the chain expired,
+    #                          or at shutdown (the rest were evicted unused)
+    demoted_blocks: int = 0  # resident blocks the engine holds, freed for prefetched ones
+    engine_held: int = 0     # next turns that found their chain's start in the engine's cache
+
+
+@dataclass(slots=True)
+class _Seen:
+    """What one running request showed the manager."""
+
+    session: str
+    looked_up: tuple[BlockKey, ...] = ()
+    stored: list[BlockKey] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class _Chain:
+    session: str
+    keys: tuple[BlockKey, ...]
+    seq: int                 # finish order: higher is newer
+    finished_at: float
+    ctx: RequestContext      # the prefetch's own lookups of this chain
+    active: bool = False     # its session has a request running: demand owns it
+    index: dict[BlockKey, int] = field(default_factory=dict)  # key -> its position
+    missing: list[int] = field(default_factory=list)  # heap: positions that left the pool
+    missing_set: set[int] = field(default_factory=set)
+    demoted: int = 0         # keys from the tail given up for the engine holds them
+
+
+class _Protected:
+    """The keys a prefetch for the chain of finish order ``seq`` must not evict: keys of a chain
+    as new or newer, or of a session with a request running."""
+
+    __slots__ = ("_owner", "_seq")
+
+    def __init__(self, owner: dict[BlockKey, _Chain], seq: int) -> None:
+        self._owner = owner
+        self._seq = seq
+
+    def __contains__(self, key: object) -> bool:
+        chain = self._owner.get(key)  # type: ignore[call-overload]
+        return chain is not None and (chain.active or chain.seq >= self._seq)
+
+    def __bool__(self) -> bool:
+        return True  # PrimaryPool.reserve skips the check for an empty collection
+
+    def __len__(self) -> int:
+        return 0  # never iterated: PrimaryPool.reserve only asks membership
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        return iter(())
+
+
+class Prefetcher:
+    """Paused chains, prefetches in flight and prefetched blocks (see the module docstring)."""
+
+    def __init__(self, settings: PrefetchSettings, pool: PrimaryPool,
+                 tiers: tuple[SecondaryTier, ...], promotions: PromotionTable,
+                 writeback: WriteBack, counters: Counters, events: EventLog,
+                 clock: Callable[[], float]) -> None:
+        self._settings = settings
+        self._enabled = settings.enabled and bool(tiers)
+        self._pool = pool
+        self._tiers = tiers
+        self._promotions = promotions
+        self._writeback = writeback
+        self._manager_counters = counters
+        self._events = events
+        self._clock = clock
+        self.counters = PrefetchCounters()
+        self._budget = int(pool.num_slots * settings.pool_fraction)
+        self._io_budget = [max(1, int(tier.io_threads * settings.io_fraction))
+                           * PREFETCH_CHUNK_KEYS for tier in tiers]
+        self._seen: dict[str, _Seen] = {}
+        self._active: Counter[str] = Counter()
+        self._chains: OrderedDict[str, _Chain] = OrderedDict()
+        self._owner: dict[BlockKey, _Chain] = {}
+        self._in_flight: dict[BlockKey, tuple[str, int]] = {}  # key -> (session, tier index)
+        self._tier_in_flight = [0] * len(tiers)
+        self._unused: dict[BlockKey, str] = {}  # prefetched, not loaded yet -> session
+        self._next_seq = 0
+        self._horizon = 0          # blocks of recent chains the engine itself still holds
+        self._evictions_seen = pool.evictions
+        if self._enabled:
+            events.removed_listener = self._on_removed
+        self._pressure_mark = self._pressure_signal()
+        self._cooldown = 0
+        self._probes_left = PROBES_PER_STEP
+        self._steps = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    # ---- what requests show (manager hooks) --------------------------------------------------
+    def note_lookup(self, ctx: RequestContext, keys: Sequence[BlockKey]) -> None:
+        """A request asked for ``keys`` (a prefix, or the rest of one)."""
+        seen = self._seen_for(ctx, keys)
+        if seen is not None and len(keys) > len(seen.looked_up):
+            seen.looked_up = tuple(keys)
+
+    def note_stored(self, ctx: RequestContext, keys: Sequence[BlockKey]) -> None:
+        seen = self._seen_for(ctx, keys)
+        if seen is not None:
+            seen.stored.extend(keys)
+
+    def note_loaded(self, keys: Sequence[BlockKey]) -> None:
+        """A request loads ``keys``: the prefetched ones among them were used."""
+        if self._promotions.prefetch_outcomes:
+            self._settle_landed()
+        unused = self._unused
+        if not unused:
+            return
+        for key in keys:
+            if unused.pop(key, None) is not None:
+                self.counters.used_blocks += 1
+
+    def _seen_for(self, ctx: RequestContext, keys: Sequence[BlockKey]) -> _Seen | None:
+        seen = self._seen.get(ctx.req_id)
+        if seen is not None or not self._enabled:
+            return seen
+        if ctx.session_id is not None:
+            session = ctx.session_id
+        elif keys:
+            session = "chain:" + keys[0].hex()
+        else:
+            return None
+        seen = self._seen[ctx.req_id] = _Seen(session)
+        self._active[session] += 1
+        chain = self._chains.get(session)
+        if chain is not None:
+            chain.active = True  # the next turn arrived: its own lookups take over
+            if keys:
+                self._learn_horizon(chain, keys[0])
+        return seen
+
+    def _learn_horizon(self, chain: _Chain, first: BlockKey) -> None:
+        """The engine asks from ``first`` on: it held the blocks of ``chain`` before it (its own
+        cache, a GPU), or none. Engines evict the least recently used first, so the chain's
+        first block is its oldest: held or lost, it says how deep the engine's cache reaches
+        (in blocks of the chains finished since, each session's once: its stack distance).
+        A first key past the chain: it held all of it."""
+        depth = len(chain.keys)
+        for newer in reversed(self._chains.values()):
+            if newer is chain:
+                break
+            depth += len(newer.keys)
+        if first != chain.keys[0]:
+            self._horizon = max(self._horizon, depth)
+            self.counters.engine_held += 1
+        elif depth < self._horizon:
+            self._horizon = depth
+
+    def on_finished(self, ctx: RequestContext, chain: Sequence[BlockKey] | None) -> None:
+        """``ctx`` finished: its chain becomes its session's paused chain."""
+        if not self._enabled:
+            return
+        seen = self._seen.pop(ctx.req_id, None)
+        if seen is None:
+            if not chain:
+                return
+            seen = _Seen(ctx.session_id or "chain:" + chain[0].hex())
+            self._active[seen.session] += 1
+        session = seen.session
+        self._active[session] -= 1
+        if self._active[session] <= 0:
+            del self._active[session]
+        keys = tuple(chain) if chain is not None else _merged(seen.looked_up, seen.stored)
+        self._drop_chain(session)
+        if not keys:
+            return
+        record = _Chain(session, keys, self._next_seq, self._clock(),
+                        RequestContext(f"{_CTX_PREFIX}{self._next_seq}"),
+                        active=session in self._active)
+        self._next_seq += 1
+        self._chains[session] = record
+        owner = self._owner
+        is_resident = self._pool.is_resident
+        record.index = {key: position for position, key in enumerate(keys)}
+        for position, key in enumerate(keys):
+            owner[key] = record
+            if not is_resident(key):
+                record.missing_set.add(position)
+        record.missing = sorted(record.missing_set)  # a sorted list is a heap
+        self.counters.chains += 1
+        while len(self._chains) > self._settings.max_chains:
+            self._drop_chain(next(iter(self._chains)))
+
+    def _on_removed(self, keys: Sequence[BlockKey]) -> None:
+        """``keys`` left the pool (evicted, demoted, cancelled): their chains' keys to bring
+        back (the pool tells through the event log, so no step scans a chain)."""
+        owner = self._owner
+        for key in keys:
+            chain = owner.get(key)
+            if chain is not None:
+                _mark_missing(chain, chain.index[key])
+
+    def _drop_chain(self, session: str) -> None:
+        """Forget ``session``'s chain; its prefetched blocks not used are wasted."""
+        chain = self._chains.pop(session, None)
+        if chain is None:
+            return
+        owner = self._owner
+        for key in chain.keys:
+            if owner.get(key) is chain:
+                del owner[key]
+        for tier in self._tiers:
+            tier.cleanup(chain.ctx.req_id)
+        stale = [key for key, owner_session in self._unused.items() if owner_session == session]
+        for key in stale:
+            del self._unused[key]
+        self.counters.wasted_blocks += len(stale)
+        self.counters.wasted_expired += len(stale)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self) -> None:
+        """Once per engine step, before the step's loads are submitted."""
+        if not self._enabled:
+            return
+        self._probes_left = PROBES_PER_STEP
+        self._settle_landed()
+        self._steps += 1
+        if self._steps % EVICTION_CHECK_STEPS == 0:
+            self._count_evicted()
+        self._expire()
+        if self._under_pressure():
+            return
+        if self._chains:
+            self._prefetch()
+
+    def _settle_landed(self) -> None:
+        """Apply the prefetches that landed or failed since the last call."""
+        outcomes = self._promotions.take_prefetch_outcomes()
+        counters = self.counters
+        for key, ok in outcomes:
+            owner = self._in_flight.pop(key, None)
+            if owner is None:
+                continue
+            session, tier_index = owner
+            self._tier_in_flight[tier_index] -= 1
+            if not ok:
+                counters.failed_blocks += 1
+                chain = self._owner.get(key)
+                if chain is not None:
+                    _mark_missing(chain, chain.index[key])
+            elif self._cooldown and self._pool.discard(key):  # the pool needs the room
+                counters.cancelled_blocks += 1
+                self._events.emit(BlockRemoved((key,), PRIMARY))
+            else:
+                counters.prefetched_blocks += 1
+                self._unused[key] = session
+
+    def _count_evicted(self) -> None:
+        evictions = self._pool.evictions
+        if evictions == self._evictions_seen:
+            return
+        self._evictions_seen = evictions
+        unused = self._unused
+        if not unused:
+            return
+        is_resident = self._pool.is_resident
+        gone = [key for key in unused if not is_resident(key)]
+        for key in gone:
+            del unused[key]
+        self.counters.wasted_blocks += len(gone)
+
+    def _expire(self) -> None:
+        if not self._chains:
+            return
+        horizon = self._clock() - self._settings.chain_ttl_s
+        while self._chains:
+            oldest = next(iter(self._chains.values()))
+            if oldest.finished_at > horizon:
+                return
+            self._drop_chain(oldest.session)
+
+    def _pressure_signal(self) -> int:
+        counters = self._manager_counters
+        return (counters.stores_deferred + counters.stores_rejected
+                + counters.promotions_no_slot + counters.piece_waits + counters.holds_refused)
+
+    def _under_pressure(self) -> bool:
+        signal = self._pressure_signal()
+        if signal != self._pressure_mark:
+            self._pressure_mark = signal
+            self._cooldown = PRESSURE_COOLDOWN_STEPS
+            self.counters.pressure_steps += 1
+            return True
+        if self._cooldown:
+            self._cooldown -= 1
+            return True
+        return False
+
+    def _cut(self, chain: _Chain, newer: int) -> int:
+        """How many leading keys of ``chain`` the engine has lost by now (``newer``: blocks of
+        the chains finished after it): those deeper than its cache's horizon (the first key is
+        the deepest); all of them for an engine with no cache."""
+        held = int(self._horizon * HORIZON_MARGIN) - newer
+        return len(chain.keys) if held <= 0 else max(0, len(chain.keys) - held)
+
+    def _prefetch(self) -> None:
+        """Start prefetches for the paused chains, newest first, within the budgets."""
+        room = min(STARTS_PER_STEP,
+                   self._budget - len(self._unused) - len(self._in_flight))
+        scan = SCAN_KEYS_PER_STEP
+        victims = self._victims()
+        newer = 0
+        for chain in reversed(self._chains.values()):
+            if room <= 0 or scan <= 0:
+                return
+            cut = self._cut(chain, newer)
+            newer += len(chain.keys)
+            if chain.active or not cut or not chain.missing or chain.missing[0] >= cut:
+                continue
+            started, scanned, blocked = self._prefetch_chain(chain, cut, room, scan, victims)
+            room -= started
+            scan -= scanned
+            if blocked:  # no I/O room or no slot: nothing more this step
+                return
+
+    def _victims(self) -> Iterator[BlockKey]:
+        """Resident blocks the engine still holds itself (paused chains within its horizon,
+        newest chain first, each from its tail, which the engine keeps longest): the lowest
+        value in the pool, given up first for a prefetched block. Only blocks a tier holds."""
+        pool = self._pool
+        newer = 0
+        for chain in reversed(self._chains.values()):
+            cut = self._cut(chain, newer)
+            newer += len(chain.keys)
+            if chain.active:
+                continue
+            if cut:
+                return  # this one and every older one: the engine lost them
+            keys = chain.keys
+            while chain.demoted < len(keys):
+                key = keys[len(keys) - 1 - chain.demoted]
+                chain.demoted += 1
+                if (pool.is_resident(key) and not pool.pin_count(key)
+                        and key not in self._unused and self._in_a_tier(key, chain)):
+                    yield key
+
+    def _in_a_tier(self, key: BlockKey, chain: _Chain) -> bool:
+        return any(self._lookup(tier, key, chain) for tier in self._tiers)
+
+    def _lookup(self, tier: SecondaryTier, key: BlockKey, chain: _Chain) -> bool | None:
+        """The tier's answer for ``key``; None (not asked) once this step's probes are spent,
+        so that prefetch never swells the probe batch a demand lookup waits for."""
+        if self._probes_left <= 0:
+            return None
+        verdict = tier.lookup(key, chain.ctx)
+        if verdict is None:
+            self._probes_left -= 1
+        return verdict
+
+    def _prefetch_chain(self, chain: _Chain, cut: int, room: int, scan: int,
+                        victims: Iterator[BlockKey]) -> tuple[int, int, bool]:
+        """Bring back ``chain``'s keys that left the pool and that the engine lost (positions
+        below ``cut``), first positions first; (started, keys looked at, blocked)."""
+        pool = self._pool
+        promotions = self._promotions
+        copy_of = self._writeback.copy_of
+        protect = _Protected(self._owner, chain.seq)
+        missing = chain.missing
+        later: list[int] = []
+        started = scanned = 0
+        blocked = False
+        while missing and missing[0] < cut and started < room and scanned < scan:
+            position = heapq.heappop(missing)
+            chain.missing_set.discard(position)
+            scanned += 1
+            key = chain.keys[position]
+            if (pool.is_resident(key) or key in promotions or pool.slot_of(key) is not None
+                    or copy_of(key) is not None):  # a copy: demand re-admits it from memory
+                continue
+            outcome = self._start(key, chain, protect, victims)
+            if outcome is _Start.STARTED:
+                started += 1
+            elif outcome is not _Start.ABSENT:
+                later.append(position)  # not answered yet, or no room now: next step
+                if outcome is not _Start.PENDING:
+                    blocked = True
+                    break
+        for position in later:
+            _mark_missing(chain, position)
+        return started, scanned, blocked
+
+    def _start(self, key: BlockKey, chain: _Chain, protect: _Protected,
+               victims: Iterator[BlockKey]) -> _Start:
+        """Prefetch ``key`` from the first tier that holds it."""
+        for index, tier in enumerate(self._tiers):
+            verdict = self._lookup(tier, key, chain)
+            if verdict is None:
+                return _Start.PENDING
+            if not verdict:
+                continue
+            if self._tier_in_flight[index] >= self._io_budget[index]:
+                return _Start.NO_IO
+            if not self._pool.free_slots:
+                self._demote_one(victims)
+            reservation = self._pool.reserve(key, protect)
+            if reservation is None:
+                return _Start.NO_SLOT
+            if reservation.evicted is not None:
+                self._writeback.on_evicted(reservation.evicted, reservation.slot)
+            if self._unused.pop(key, None) is not None:  # evicted unused, not counted yet
+                self.counters.wasted_blocks += 1
+            self._promotions.start_prefetch(key, index, reservation.slot)
+            self._in_flight[key] = (chain.session, index)
+            self._tier_in_flight[index] += 1
+            self.counters.started_blocks += 1
+            return _Start.STARTED
+        return _Start.ABSENT
+
+    def _demote_one(self, victims: Iterator[BlockKey]) -> None:
+        """Free the slot of the lowest-value block, if there is one (else the pool's own
+        eviction order decides, among blocks no newer chain needs)."""
+        for key in victims:
+            if self._pool.discard(key):
+                self.counters.demoted_blocks += 1
+                self._events.emit(BlockRemoved((key,), PRIMARY))
+                return
+
+    # ---- stats, lifecycle -----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        stats = asdict(self.counters)
+        stats.update(mode=self._settings.mode if self._enabled else "off",
+                     engine_horizon_blocks=self._horizon,
+                     in_flight_blocks=len(self._in_flight), unused_blocks=len(self._unused),
+                     paused_chains=sum(1 for c in self._chains.values() if not c.active),
+                     budget_blocks=self._budget)
+        return stats
+
+    def close(self) -> None:
+        """Shutdown: the landed prefetches are settled, the unused ones count as wasted, those
+        still in flight as cancelled, and every table is emptied."""
+        self._settle_landed()
+        self._count_evicted()
+        self.counters.wasted_blocks += len(self._unused)
+        self.counters.wasted_expired += len(self._unused)
+        self.counters.cancelled_blocks += len(self._in_flight)
+        self._seen.clear()
+        self._active.clear()
+        self._chains.clear()
+        self._owner.clear()
+        self._in_flight.clear()
+        self._unused.clear()
+
+
+def _mark_missing(chain: _Chain, position: int) -> None:
+    if position not in chain.missing_set:
+        chain.missing_set.add(position)
+        heapq.heappush(chain.missing, position)
+
+
+def _merged(looked_up: tuple[BlockKey, ...], stored: list[BlockKey]) -> tuple[BlockKey, ...]:
+    """The request's chain: what it looked up, then what it stored that it had not."""
+    if not stored:
+        return looked_up
+    known = set(looked_up)
+    return looked_up + tuple(key for key in stored if key not in known)

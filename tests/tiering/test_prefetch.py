@@ -1,0 +1,428 @@
+"""Session-aware prefetch (kvtier.tiering.prefetch) through a real TieringManager over a real
+memory tier: a chain evicted during a session's pause is back before its next lookup, within
+the budgets, cancelled when the pool needs the room, never ahead of a demand load, and its
+counters add up. Timing is pinned with wait_idle and threading.Event gates, never sleeps."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+from uuid import uuid4
+
+import pytest
+
+from kvtier.backends import Buffer, open_backend
+from kvtier.backends.base import Backend
+from kvtier.factory import open_manager
+from kvtier.keys import BlockKey, Namespace, RequestContext
+from kvtier.settings import ConfigError
+from kvtier.tiering.manager import (
+    BlockPrefetched,
+    BlockPromoted,
+    KeyStatus,
+    StoreMode,
+    TieringManager,
+)
+from kvtier.tiering.plans import LoadPriority
+from kvtier.tiering.tier import SecondaryTier
+from kvtier.tiering.tier_settings import PrefetchSettings, TierSettings
+
+BLOCK = 256
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def data(key: bytes) -> bytes:
+    return (key * (BLOCK // len(key) + 1))[:BLOCK]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+Factory = Callable[..., TieringManager]
+
+
+@pytest.fixture
+def namespace() -> Namespace:
+    return Namespace(model=f"test-{uuid4().hex}")
+
+
+@pytest.fixture
+def make() -> Iterator[Factory]:
+    managers: list[TieringManager] = []
+
+    def factory(slots: int = 8, prefetch: dict[str, Any] | None = None,
+                tier: dict[str, Any] | None = None, clock: FakeClock | None = None
+                ) -> TieringManager:
+        manager = open_manager({
+            "block_bytes": BLOCK, "primary_bytes": BLOCK * slots,
+            "namespace": {"model": f"test-{uuid4().hex}"},
+            "secondary_tiers": [{"url": "memory://", **(tier or {})}],
+            "prefetch": {"mode": "on", "pool_fraction": 0.5, **(prefetch or {})}},
+            clock=clock or FakeClock())
+        managers.append(manager)
+        return manager
+
+    yield factory
+    for manager in managers:
+        manager.shutdown(10)
+
+
+def store(manager: TieringManager, keys: Sequence[bytes], ctx: RequestContext) -> None:
+    plan = manager.prepare_store(keys, ctx)
+    assert plan is not None
+    for key, slot in zip(plan.keys, plan.slots, strict=True):
+        manager.primary_view(slot)[:] = data(key)
+    manager.complete_store(plan.keys, ctx)
+
+
+def step(manager: TieringManager) -> None:
+    manager.on_schedule_end()
+    assert manager.wait_idle(10)
+
+
+def read(manager: TieringManager, keys: Sequence[bytes], ctx: RequestContext) -> list[bytes]:
+    plan = manager.prepare_load(keys, ctx)
+    result = [bytes(manager.primary_view(slot)) for slot in plan.slots]
+    manager.complete_load(keys, ctx)
+    return result
+
+
+def turn(manager: TieringManager, keys: Sequence[bytes], req_id: str,
+         session: str | None) -> RequestContext:
+    """One finished request that computed and stored ``keys``, cascaded to the tier."""
+    ctx = RequestContext(req_id, session_id=session)
+    store(manager, keys, ctx)
+    manager.on_request_finished(ctx)
+    step(manager)
+    return ctx
+
+
+def evict_with_one_off_request(manager: TieringManager, first: int, count: int) -> None:
+    """Another request stores ``count`` blocks (evicting older ones) and finishes with no
+    chain to keep (an engine passes ``chain=()``), so its blocks are the cheapest victims;
+    their cascades land (``wait_idle``: no step, so no prefetch yet)."""
+    ctx = RequestContext(f"other-{first}")
+    store(manager, [k(i) for i in range(first, first + count)], ctx)
+    manager.on_request_finished(ctx, chain=())
+    assert manager.wait_idle(10)
+
+
+def prefetch_stats(manager: TieringManager) -> dict[str, Any]:
+    stats: dict[str, Any] = manager.get_stats()["prefetch"]
+    return stats
+
+
+def assert_counters_add_up(stats: dict[str, Any]) -> None:
+    assert stats["started_blocks"] == (stats["prefetched_blocks"] + stats["cancelled_blocks"]
+                                       + stats["failed_blocks"] + stats["in_flight_blocks"])
+    assert stats["prefetched_blocks"] == (stats["used_blocks"] + stats["wasted_blocks"]
+                                          + stats["unused_blocks"])
+
+
+def test_a_chain_evicted_during_the_pause_is_back_before_the_next_lookup(make: Factory) -> None:
+    m = make()
+    chain = [k(i) for i in range(1, 4)]
+    turn(m, chain, "s1-turn0", "s1")
+    evict_with_one_off_request(m, 100, 8)  # the whole pool: the chain left it
+    assert not any(m.pool.is_resident(key) for key in chain)
+    m.take_events()
+    step(m)  # the pause: prefetch brings the chain back from the tier
+    events = m.take_events()
+    prefetched = {key for e in events if isinstance(e, BlockPrefetched) for key in e.keys}
+    assert prefetched == set(chain)
+    assert not [e for e in events if isinstance(e, BlockPromoted)]
+    nxt = RequestContext("s1-turn1", session_id="s1")
+    assert m.lookup_prefix(chain, nxt) == 3  # at once: no probe, no load to wait for
+    assert read(m, chain, nxt) == [data(key) for key in chain]
+    m.on_request_finished(nxt)
+    stats = prefetch_stats(m)
+    assert (stats["started_blocks"], stats["prefetched_blocks"], stats["used_blocks"]) == (3, 3, 3)
+    assert stats["wasted_blocks"] == stats["cancelled_blocks"] == 0
+    assert_counters_add_up(stats)
+
+
+def test_without_a_session_id_the_finished_chain_is_the_session(make: Factory) -> None:
+    """No session id: a request whose keys start like a finished chain continues it."""
+    m = make()
+    chain = [k(i) for i in range(1, 4)]
+    turn(m, chain, "a", None)
+    evict_with_one_off_request(m, 100, 8)
+    step(m)
+    assert all(m.pool.is_resident(key) for key in chain)
+    nxt = RequestContext("b")
+    assert m.lookup_prefix(chain, nxt) == 3
+    read(m, chain, nxt)
+    assert prefetch_stats(m)["used_blocks"] == 3
+
+
+def test_prefetch_off_leaves_an_evicted_chain_to_demand(make: Factory) -> None:
+    m = make(prefetch={"mode": "off"})
+    chain = [k(i) for i in range(1, 4)]
+    turn(m, chain, "s1-turn0", "s1")
+    evict_with_one_off_request(m, 100, 8)
+    step(m)
+    assert not any(m.pool.is_resident(key) for key in chain)
+    assert m.get_stats()["prefetch"]["started_blocks"] == 0
+    assert m.get_stats()["prefetch"]["mode"] == "off"
+
+
+def test_the_pool_budget_is_respected(make: Factory) -> None:
+    """pool_fraction 0.25 of 16 slots: at most 4 prefetched blocks unused or in flight."""
+    m = make(slots=16, prefetch={"pool_fraction": 0.25})
+    chain = [k(i) for i in range(1, 11)]
+    turn(m, chain, "s1-turn0", "s1")
+    evict_with_one_off_request(m, 100, 16)
+    for _ in range(5):
+        step(m)
+        stats = prefetch_stats(m)
+        assert stats["unused_blocks"] + stats["in_flight_blocks"] <= 4
+    assert stats["budget_blocks"] == 4
+    assert [m.pool.is_resident(key) for key in chain] == [True] * 4 + [False] * 6
+    nxt = RequestContext("s1-turn1", session_id="s1")
+    read(m, chain[:4], nxt)  # used: the budget frees, the next blocks come
+    step(m)
+    assert [m.pool.is_resident(key) for key in chain] == [True] * 8 + [False] * 2
+    assert_counters_add_up(prefetch_stats(m))
+
+
+def test_a_newer_chain_is_never_evicted_for_an_older_one(make: Factory) -> None:
+    """Two paused sessions, pool full of their chains: the older one is not brought back at
+    the expense of the newer (it would cost the newer session's next turn)."""
+    m = make(slots=8, prefetch={"pool_fraction": 0.9})
+    old = [k(i) for i in range(1, 5)]
+    turn(m, old, "s1-turn0", "s1")
+    new = [k(i) for i in range(10, 18)]
+    turn(m, new, "s2-turn0", "s2")  # evicts the old chain
+    for _ in range(3):
+        step(m)
+    assert all(m.pool.is_resident(key) for key in new)
+    assert prefetch_stats(m)["started_blocks"] == 0
+
+
+class HeldGets:
+    """Fault injection a real backend cannot do on demand: hold every get on an Event and
+    record the order of the backend calls. Everything else goes to the real backend."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.release = threading.Event()
+        self.release.set()
+        self.entered = threading.Semaphore(0)
+        self.calls: list[tuple[str, tuple[BlockKey, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _hold(self, what: str, keys: Sequence[BlockKey]) -> None:
+        self.calls.append((what, tuple(keys)))
+        self.entered.release()
+        if not self.release.wait(30):
+            raise TimeoutError("test gate never opened")
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
+        self._hold("get", keys)
+        return self.inner.get_many(keys, outs)
+
+    def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
+        self._hold("put", keys)
+        return self.inner.put_many(keys, payloads)
+
+
+def test_prefetches_in_flight_are_cancelled_when_the_pool_needs_the_room(
+        make: Factory) -> None:
+    m = make(slots=8, prefetch={"pool_fraction": 0.9})
+    chain = [k(i) for i in range(1, 5)]
+    turn(m, chain, "s1-turn0", "s1")
+    evict_with_one_off_request(m, 100, 8)
+    tier = m.tiers[0]
+    held = HeldGets(tier.backend)
+    tier._backend = held  # inject the hold
+    held.release.clear()
+    m.on_schedule_end()  # prefetch starts: 4 slots filling, their reads held
+    assert held.entered.acquire(timeout=10)
+    assert prefetch_stats(m)["in_flight_blocks"] == 4
+    demand = RequestContext("s3-turn0", session_id="s3")
+    plan = m.prepare_store([k(i) for i in range(200, 208)], demand, StoreMode.PREFIX)
+    assert plan is not None and len(plan.deferred) == 4  # the filling slots are in the way
+    for key, slot in zip(plan.keys, plan.slots, strict=True):
+        m.primary_view(slot)[:] = data(key)
+    m.complete_store(plan.keys, demand)
+    m.on_schedule_end()  # the pool needed the room: nothing new starts
+    held.release.set()
+    assert m.wait_idle(10)
+    m.on_schedule_end()  # the prefetches landed: they give their slots back at once
+    stats = prefetch_stats(m)
+    assert stats["cancelled_blocks"] == 4 and stats["prefetched_blocks"] == 0
+    assert not any(m.pool.is_resident(key) for key in chain)
+    rest = m.prepare_store(list(plan.deferred), demand, StoreMode.PREFIX)
+    assert rest is not None and not rest.deferred  # the deferred stores now fit
+    m.complete_store(rest.keys, demand)
+    assert_counters_add_up(prefetch_stats(m))
+
+
+def test_a_request_that_joins_a_prefetch_is_not_held_behind_its_priority(
+        make: Factory) -> None:
+    """One I/O thread, busy with a held store; a prefetch waits at prefetch priority behind a
+    queued store. A request that now asks for the prefetched key moves its load to the demand
+    queue: it runs before the store, and the block counts as a demand promotion."""
+    m = make(slots=8, prefetch={"pool_fraction": 0.9}, tier={"io_threads": 1})
+    chain = [k(1)]
+    turn(m, chain, "s1-turn0", "s1")
+    evict_with_one_off_request(m, 100, 8)
+    tier = m.tiers[0]
+    held = HeldGets(tier.backend)
+    tier._backend = held
+    held.release.clear()
+    writer = RequestContext("w")
+    store(m, [k(50)], writer)  # evicts a one-off block; its cascade holds the only thread
+    m.on_schedule_end()  # also starts the prefetch of k(1), queued at prefetch priority
+    assert held.entered.acquire(timeout=10)
+    store(m, [k(51)], writer)
+    m.on_schedule_end()  # a second store queues (ahead of the prefetch, behind nothing)
+    nxt = RequestContext("s1-turn1", session_id="s1")
+    assert m.lookup(k(1), nxt) is KeyStatus.HIT_PENDING  # joins the prefetch in flight
+    held.release.set()
+    assert m.wait_idle(10)
+    order = list(held.calls)
+    assert order[0] == ("put", (k(50),))
+    assert order.index(("get", (k(1),))) < order.index(("put", (k(51),)))
+    events = m.take_events()
+    assert any(isinstance(e, BlockPromoted) and e.keys == (k(1),) for e in events)
+    assert not any(isinstance(e, BlockPrefetched) for e in events)
+
+
+def test_demand_loads_and_stores_run_before_prefetch_loads(namespace: Namespace) -> None:
+    """On the tier's I/O threads a prefetch load is taken only when no demand load and no
+    store waits."""
+    held = HeldGets(open_backend("memory://", namespace))
+    held.inner.put_many([k(8), k(9)], [data(k(8)), data(k(9))])
+    tier = SecondaryTier("prio", held, TierSettings(io_threads=1))
+    try:
+        held.release.clear()
+        assert tier.submit_store([k(1)], [data(k(1))]) is not None
+        assert held.entered.acquire(timeout=10)  # the only I/O thread is busy
+        out8, out9 = bytearray(BLOCK), bytearray(BLOCK)
+        prefetch = tier.submit_load([k(8)], [memoryview(out8)], LoadPriority.PREFETCH)
+        assert tier.submit_store([k(2)], [data(k(2))]) is not None
+        demand = tier.submit_load([k(9)], [memoryview(out9)])
+        held.release.set()
+        done = tier.get_finished_jobs(wait=True, timeout=10)
+        assert len(done) == 4
+        assert held.calls == [("put", (k(1),)), ("get", (k(9),)), ("put", (k(2),)),
+                              ("get", (k(8),))]
+        assert prefetch.results == demand.results == (True,)
+        assert bytes(out8) == data(k(8))
+    finally:
+        held.release.set()
+        tier.shutdown(10)
+
+
+def test_unused_prefetched_blocks_count_as_wasted(make: Factory) -> None:
+    """Evicted before use, or still unused when the session's next request finished."""
+    m = make(slots=8, prefetch={"pool_fraction": 0.5})
+    chain = [k(i) for i in range(1, 4)]
+    turn(m, chain, "s1-turn0", "s1")
+    evict_with_one_off_request(m, 100, 8)
+    step(m)
+    step(m)
+    assert prefetch_stats(m)["prefetched_blocks"] == 3
+    nxt = RequestContext("s1-turn1", session_id="s1")
+    assert m.lookup_prefix(chain, nxt) == 3
+    read(m, chain[:1], nxt)  # the engine had the rest itself (its own GPU cache)
+    m.on_request_finished(nxt, chain=chain)
+    stats = prefetch_stats(m)
+    assert (stats["used_blocks"], stats["wasted_blocks"]) == (1, 2)
+    assert_counters_add_up(stats)
+
+
+def test_a_paused_chain_expires_after_its_ttl(make: Factory) -> None:
+    clock = FakeClock()
+    m = make(slots=8, prefetch={"chain_ttl_s": 5.0}, clock=clock)
+    turn(m, [k(1), k(2)], "s1-turn0", "s1")
+    assert prefetch_stats(m)["paused_chains"] == 1
+    clock.now += 6.0
+    step(m)
+    assert prefetch_stats(m)["paused_chains"] == 0
+    evict_with_one_off_request(m, 100, 8)
+    step(m)
+    assert prefetch_stats(m)["started_blocks"] == 0
+
+
+def test_shutdown_settles_the_counters(make: Factory) -> None:
+    m = make()
+    chain = [k(i) for i in range(1, 4)]
+    turn(m, chain, "s1-turn0", "s1")
+    evict_with_one_off_request(m, 100, 8)
+    step(m)
+    m.shutdown(10)
+    stats = m.get_stats()["prefetch"]
+    assert stats["prefetched_blocks"] == stats["wasted_blocks"] == 3
+    assert_counters_add_up(stats)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"mode": "maybe"}, "prefetch.mode: expected one of 'off', 'on', got 'maybe'"),
+    ({"pool_fraction": 0.95}, "prefetch.pool_fraction"),
+    ({"io_fraction": -1}, "prefetch.io_fraction"),
+    ({"pool_fractio": 0.5}, "did you mean pool_fraction"),
+])
+def test_bad_prefetch_settings_are_named(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        PrefetchSettings.parse(values)
+
+
+def test_a_bad_session_id_is_refused() -> None:
+    with pytest.raises(ValueError, match="session_id must be a non-empty str or None, got ''"):
+        RequestContext("r", session_id="")
+
+
+def test_what_the_engine_still_holds_is_not_prefetched_what_it_lost_is(make: Factory) -> None:
+    """A next turn that asks from past its chain's start says the engine held the chain (its
+    own cache); the prefetcher learns how deep that cache reaches and brings back only the
+    blocks deeper than that, the chain's oldest first."""
+    m = make(slots=8, prefetch={"pool_fraction": 0.9})
+    turn(m, [k(1), k(2), k(3)], "s1-turn0", "s1")
+    nxt = RequestContext("s1-turn1", session_id="s1")
+    m.lookup_prefix([k(4)], nxt)  # the engine had k(1)..k(3) itself
+    assert prefetch_stats(m)["engine_horizon_blocks"] == 3
+    store(m, [k(4)], nxt)
+    m.on_request_finished(nxt, chain=[k(1), k(2), k(3), k(4)])
+    step(m)
+    evict_with_one_off_request(m, 100, 8)
+    step(m)
+    step(m)
+    # 90 % of the 3-block horizon: the engine is taken to hold the newest 2 blocks.
+    assert [m.pool.is_resident(k(i)) for i in range(1, 5)] == [True, True, False, False]
+
+
+def test_a_prefetch_takes_the_slot_of_a_block_the_engine_still_holds(make: Factory) -> None:
+    """Pool full: the prefetched block gets the slot of the lowest-value block, one of the
+    newest chain (which the engine holds), from its tail; not a block the engine may need."""
+    m = make(slots=8, prefetch={"pool_fraction": 0.9})
+    newer = [k(i) for i in range(10, 14)]
+    turn(m, newer, "s2-turn0", "s2")
+    older = [k(1), k(2), k(3)]
+    turn(m, older, "s1-turn0", "s1")
+    nxt = RequestContext("s2-turn1", session_id="s2")
+    m.lookup_prefix([k(14)], nxt)  # held: the engine's cache reaches 7 blocks deep
+    store(m, [k(14)], nxt)
+    m.on_request_finished(nxt, chain=[*newer, k(14)])
+    step(m)
+    assert prefetch_stats(m)["engine_horizon_blocks"] == 7
+    m.touch([*newer, k(14)], nxt)  # the older chain's k(1), k(2) are now the LRU victims
+    evict_with_one_off_request(m, 100, 2)  # evicts them; the pool is full
+    step(m)
+    step(m)
+    assert m.pool.is_resident(k(1)) and m.pool.is_resident(k(2))  # the engine lost them
+    assert not m.pool.is_resident(k(14)) and not m.pool.is_resident(k(13))  # demoted
+    assert m.pool.is_resident(k(100)) and m.pool.is_resident(k(101))
+    assert prefetch_stats(m)["demoted_blocks"] == 2
