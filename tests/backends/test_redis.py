@@ -340,8 +340,8 @@ def test_large_payloads_go_to_the_socket_without_a_copy(backend: RedisBackend) -
     small = packer.pack("SET", b"n", FramedValue(header, memoryview(b"tiny")))
     assert all(isinstance(c, bytes) for c in small)
     # The real backend uses this packer, and a 1 MiB block survives the trip intact.
-    assert isinstance(backend._standalone_client, redis.Redis)
-    assert backend._standalone_client.connection_pool.connection_class is FrameConnection
+    assert isinstance(backend._clients.standalone, redis.Redis)
+    assert backend._clients.standalone.connection_pool.connection_class is FrameConnection
     keys = random_keys(1)
     assert backend.put_many(keys, [view]) == [True]
     out = np.zeros(1 << 20, dtype=np.uint8)
@@ -828,8 +828,8 @@ def test_threads_share_one_backend(
         thread.join(30)
     assert problems == [] and backend.stats()["errors"] == 0
     if max_connections is not None:
-        assert isinstance(backend._standalone_client, redis.Redis)
-        pool = backend._standalone_client.connection_pool
+        assert isinstance(backend._clients.standalone, redis.Redis)
+        pool = backend._clients.standalone.connection_pool
         assert isinstance(pool, redis.BlockingConnectionPool)
         assert len(pool._connections) == 1
 

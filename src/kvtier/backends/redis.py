@@ -1,22 +1,20 @@
 """Redis / Valkey backend: standalone (``redis://``), TLS (``rediss://``) and Redis Cluster
 (``redis+cluster://``, ``rediss+cluster://``), on redis-py with hiredis. URL and options:
-:mod:`kvtier.backends.redis_config`; inventory: :mod:`kvtier.backends.redis_kind`; the bytes on
-the socket (packer, reply reader, one-pipeline exchanges): :mod:`kvtier.backends.redis_wire`.
+:mod:`kvtier.backends.redis_config`; inventory: :mod:`kvtier.backends.redis_kind`; the redis-py
+clients: :mod:`kvtier.backends.redis_client`; pipelines and lanes:
+:mod:`kvtier.backends.redis_batch`; the bytes on the socket (packer, reply reader, one-pipeline
+exchanges): :mod:`kvtier.backends.redis_wire`.
 
-State (used from any thread at once): the redis-py client and pools (redis-py's own locking;
-every batch takes its own connections); ``_cluster_client`` and ``_lanes`` (the thread pool
-that runs a call's extra lanes), built lazily under ``_client_lock``; counters, error log and
-lifecycle, each under its own lock. A lane thread owns only the connection it was handed and the
-reply buffers of its own pipelines.
+State (used from any thread at once): the clients (:class:`RedisClients`) and the batches'
+lane pool (:class:`RedisBatches`), each under its own lock; counters, error log and lifecycle,
+each under its own lock.
 
 Layout: one string per block, ``kvtier:<namespace digest hex>:<key hex>``, holding the frame.
 No hash tag on purpose: blocks spread over every Cluster slot instead of one node.
 
 Batches: ``exists``, ``put_many`` (``SET NX [PX]``) and ``get_many`` (``GET`` / ``GETEX PX``)
-split a call's keys into pipelines of at most ``batch_bytes`` value bytes (and
-``_MAX_PIPELINE_COMMANDS`` commands), per node on a Cluster. Up to ``connections`` pipelines of
-one call run at once, each lane on its own connection (taken on the calling thread, so a call
-never waits for a connection another lane of it holds); the calling thread runs the first lane.
+split a call's keys into pipelines of at most ``batch_bytes`` value bytes, per node on a
+Cluster, run on up to ``connections`` connections at once (:mod:`kvtier.backends.redis_batch`).
 ``delete`` (``UNLINK``) and the rare paths send one redis-py pipeline.
 
 Copies: payloads go to the socket without a copy on plain TCP (header and payload are separate
@@ -37,18 +35,13 @@ ACL user raises ``ValueError`` at open (when reachable). ``ttl_s`` expires every
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import logging
-import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from collections.abc import Callable
+from typing import Any, Final
 
 import redis
 import redis.cluster
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from kvtier.backends.base import (
     CORRUPT_FETCH,
@@ -61,21 +54,15 @@ from kvtier.backends.base import (
     Verdict,
 )
 from kvtier.backends.manifest import MAX_MANIFEST_BYTES
+from kvtier.backends.redis_batch import FAILED, RedisBatches
+from kvtier.backends.redis_client import IO_ERRORS, RedisClients
 from kvtier.backends.redis_config import (
     SETTINGS,
     RedisConfig,
     RedisTopology,
     parse_redis_url,
 )
-from kvtier.backends.redis_wire import (
-    ZERO_COPY_SUPPORTED,
-    FrameConnection,
-    FramedValue,
-    InPlaceRead,
-    exchange,
-    exchange_gets,
-    is_redirect,
-)
+from kvtier.backends.redis_wire import ZERO_COPY_SUPPORTED, FramedValue, InPlaceRead
 from kvtier.codec import HEADER_BYTES
 from kvtier.keys import BlockKey, Namespace
 
@@ -93,7 +80,6 @@ MANIFEST_SUFFIX: Final = b"namespace"
 """``kvtier:<digest>:namespace`` holds the namespace manifest; a block's suffix is hex."""
 
 _log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 _KEY_PREFIX: Final = b"kvtier:"
 # Deletes a corrupt block only if it is still the object we read: a string whose SHA-1 is
@@ -112,48 +98,7 @@ end
 return 0
 """
 
-# The I/O errors a batch call turns into False answers. RedisClusterException is not a
-# RedisError subclass (e.g. "no node reachable for slot"), hence listed on its own.
-_IO_ERRORS: Final = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
-
-
-class _BatchFailed:
-    """The reply of a command whose pipeline failed (the failure is already counted)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<pipeline failed>"
-
-
-_FAILED: Final = _BatchFailed()
-
-
-def _identity(key: BlockKey) -> BlockKey:
-    return key
-
-
-_MAX_PIPELINE_COMMANDS: Final = 1024
 _SERVED: Final = frozenset({Verdict.VALID, Verdict.OLDER_KEY, Verdict.OLDER_FORMAT})
-
-
-@dataclass(slots=True)
-class _Unit:
-    """One pipeline of a call: the indexes of its items, all on the node behind ``pool``."""
-
-    pool: Any
-    indexes: list[int]
-    replies: list[Any] | None = None  # None: the pipeline failed (already counted)
-
-
-@dataclass(slots=True)
-class _Lane:
-    """Pipelines run one after another on one connection (taken on the calling thread)."""
-
-    pool: Any
-    units: list[_Unit]
-    connection: Any = None
-
 
 # --------------------------------------------------------------------------- the backend
 
@@ -171,93 +116,28 @@ class RedisBackend(Backend):
                          auth_key=config.auth_key)
         self._prefix = _KEY_PREFIX + namespace.digest_hex.encode() + b":"
         self._zero_copy = ZERO_COPY_SUPPORTED and not config.tls
-        self._client_lock = threading.Lock()
-        self._lanes: concurrent.futures.ThreadPoolExecutor | None = None
-        # A bounded pool could make two calls wait on each other's extra connections.
-        self._lanes_per_node = 1 if config.max_connections is not None else config.connections
-        self._standalone_client: redis.Redis | None = None
-        self._cluster_client: redis.cluster.RedisCluster | None = None
+        self._clients = RedisClients(config, self._zero_copy)
+        self._batches = RedisBatches(config, self._clients, self._stats, self._name,
+                                     self._count_error)
         if config.topology is RedisTopology.STANDALONE:
-            self._standalone_client = redis.Redis(connection_pool=self._standalone_pool())
             self._check_credentials()
         else:
             try:
-                self._connect_cluster()
-            except _IO_ERRORS as exc:
+                self._clients.connect_cluster()
+            except IO_ERRORS as exc:
                 self._check_auth_error(exc)
                 self._count_error("open", 0, exc)
 
     # -- construction ---------------------------------------------------------------------
 
-    def _common_kwargs(self) -> dict[str, Any]:
-        config = self._config
-        kwargs: dict[str, Any] = {
-            "username": config.username,
-            "password": None if config.password is None else config.password.reveal(),
-            "socket_timeout": config.socket_timeout_s,
-            "socket_connect_timeout": config.connect_timeout_s,
-            "max_connections": config.max_connections,
-        }
-        if config.tls:
-            kwargs.update(
-                ssl_ca_certs=config.ssl_ca_certs,
-                ssl_certfile=config.ssl_certfile,
-                ssl_keyfile=config.ssl_keyfile,
-                ssl_cert_reqs="required",
-                ssl_check_hostname=config.ssl_check_hostname,
-            )
-        return kwargs
-
-    def _standalone_pool(self) -> redis.ConnectionPool:
-        config = self._config
-        kwargs = self._common_kwargs()
-        pool_class: type[redis.ConnectionPool] = redis.ConnectionPool
-        if kwargs["max_connections"] is None:
-            del kwargs["max_connections"]
-        else:
-            # With a bound, callers wait for a free connection instead of failing.
-            pool_class = redis.BlockingConnectionPool
-            kwargs["timeout"] = config.socket_timeout_s
-        return pool_class(
-            connection_class=redis.SSLConnection if config.tls else FrameConnection,
-            host=config.host,
-            port=config.port,
-            db=config.db,
-            # One immediate retry on a broken connection: the first call after a server restart
-            # finds a stale pooled socket, reconnects and succeeds. Timeouts are not retried, so
-            # a hung server costs at most one socket_timeout per call.
-            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-            **kwargs,
-        )
-
-    def _connect_cluster(self) -> redis.cluster.RedisCluster:
-        built = self._cluster_client
-        if built is not None:  # the hot path takes no lock
-            return built
-        with self._client_lock:
-            if self._cluster_client is None:
-                config = self._config
-                kwargs = self._common_kwargs()
-                if self._zero_copy:
-                    kwargs["connection_class"] = FrameConnection
-                host = f"[{config.host}]" if ":" in config.host else config.host
-                # The seed goes in as a URL: only redis-py's URL path builds node pools from
-                # our kwargs, which is how the node connections get the zero-copy packer.
-                self._cluster_client = redis.cluster.RedisCluster(
-                    url=f"{'rediss' if config.tls else 'redis'}://{host}:{config.port}",
-                    retry=Retry(NoBackoff(), 1),
-                    **kwargs,
-                )
-            return self._cluster_client
-
     def _check_credentials(self) -> None:
         """Fail fast on a wrong password; a server that is down now is not an error."""
-        client = self._standalone_client
+        client = self._clients.standalone
         if client is None:
             return
         try:
             client.ping()
-        except _IO_ERRORS as exc:
+        except IO_ERRORS as exc:
             self._check_auth_error(exc)
             self._check_db_error(exc)
             self._count_error("open", 0, exc)
@@ -286,11 +166,6 @@ class RedisBackend(Backend):
                 f"({text}); check the username/password options"
             ) from None
 
-    def _pipeline(self) -> Any:
-        if self._standalone_client is not None:
-            return self._standalone_client.pipeline(transaction=False)
-        return self._connect_cluster().pipeline()  # type: ignore[no-untyped-call]
-
     # -- helpers ----------------------------------------------------------------------------
 
     def _name(self, key: BlockKey) -> bytes:
@@ -298,239 +173,6 @@ class RedisBackend(Backend):
 
     def _count_error(self, operation: str, keys: int, exc: BaseException) -> None:
         self._fail(operation, f"{keys} key(s)", exc)
-
-    def _execute(self, pipe: Any, operation: str, keys: int) -> list[Any] | None:
-        """Run a pipeline; its replies (errors as exception objects), or None if it failed."""
-        try:
-            self._stats.add("round_trips")
-            replies: list[Any] = pipe.execute(raise_on_error=False)
-        except _IO_ERRORS as exc:
-            self._count_error(operation, keys, exc)
-            return None
-        finally:
-            pipe.reset()
-        if len(replies) != keys:
-            self._count_error(
-                operation, keys, RuntimeError(f"{len(replies)} replies for {keys} commands")
-            )
-            return None
-        return replies
-
-    def _run(self, operation: str, items: Sequence[_T], add: Callable[[Any, _T], object],
-             key_of: Callable[[Any], BlockKey] = _identity) -> list[Any]:
-        """One pipeline with one command per item: one reply per item, :data:`_FAILED` for
-        the items whose pipeline failed (already counted and logged).
-
-        On a Cluster, redis-py fails the whole pipeline when one node is dead, so a failed
-        batch is run again one pipeline per node (keys grouped by the client's slot map): the
-        keys on live nodes are answered, only the dead node's keys answer ``_FAILED``. The
-        retry costs a second connect attempt to the dead node (one ``connect_timeout_s`` at
-        most; a refused connection returns at once).
-        """
-        replies = self._run_one(operation, items, add)
-        if replies is not None:
-            return replies
-        if self._cluster_client is None or len(items) < 2:
-            return [_FAILED] * len(items)
-        return self._run_per_node(operation, items, add, key_of)
-
-    def _run_one(self, operation: str, items: Sequence[_T],
-                 add: Callable[[Any, _T], object]) -> list[Any] | None:
-        try:
-            pipe = self._pipeline()
-        except _IO_ERRORS as exc:
-            self._count_error(operation, len(items), exc)
-            return None
-        for item in items:
-            add(pipe, item)
-        return self._execute(pipe, operation, len(items))
-
-    def _run_per_node(self, operation: str, items: Sequence[_T],
-                      add: Callable[[Any, _T], object],
-                      key_of: Callable[[_T], BlockKey]) -> list[Any]:
-        groups: dict[str, list[int]] = {}
-        replies: list[Any] = [_FAILED] * len(items)
-        client = self._connect_cluster()
-        for index, item in enumerate(items):
-            try:
-                node = client.nodes_manager.get_node_from_slot(
-                    client.keyslot(self._name(key_of(item))))  # type: ignore[no-untyped-call]
-            except _IO_ERRORS:  # a slot no node serves: that key stays _FAILED
-                continue
-            groups.setdefault(node.name, []).append(index)
-        self._stats.add("node_fallbacks")
-        for indexes in groups.values():
-            group = self._run_one(operation, [items[index] for index in indexes], add)
-            for index, reply in zip(indexes, group or (), strict=False):
-                replies[index] = reply
-        return replies
-
-    # -- batches over parallel connections ----------------------------------------------------
-
-    def _batched(self, operation: str, keys: list[BlockKey],
-                 command: Callable[[int], tuple[Any, ...]], sizes: list[int] | None = None,
-                 outs: list[memoryview] | None = None) -> list[Any]:
-        """One reply per key (``_FAILED`` where its pipeline failed, already counted): the keys
-        split into pipelines by node, ``batch_bytes`` of ``sizes`` and command count, run on up
-        to ``connections`` connections per node at once. ``outs``: ``GET`` replies are read
-        into them (:class:`ReplyReader`)."""
-        replies: list[Any] = [_FAILED] * len(keys)
-        units, unplaced = self._plan(keys, sizes)
-
-        def run_unit(conn: Any, unit: _Unit) -> list[Any]:
-            commands = [command(index) for index in unit.indexes]
-            if outs is None:
-                return exchange(conn, commands)
-            return exchange_gets(conn, commands, [outs[index] for index in unit.indexes])
-
-        self._run_lanes(operation, units, run_unit)
-        again = list(unplaced)
-        for unit in units:
-            if unit.replies is None:
-                again += unit.indexes
-                continue
-            for index, reply in zip(unit.indexes, unit.replies, strict=True):
-                if self._cluster_client is not None and is_redirect(reply):
-                    again.append(index)
-                else:
-                    replies[index] = reply
-        if again and self._cluster_client is not None:
-            # redis-py's cluster pipeline follows MOVED / refreshes the slot map after a
-            # failover; if that fails too, one pipeline per node (a dead node costs its keys).
-            again.sort()
-            rerun = self._run(operation, again,
-                              lambda pipe, index: pipe.execute_command(*command(index)),
-                              lambda index: keys[index])
-            for index, reply in zip(again, rerun, strict=True):
-                replies[index] = reply
-        return replies
-
-    def _plan(self, keys: list[BlockKey],
-              sizes: list[int] | None) -> tuple[list[_Unit], list[int]]:
-        """The pipelines of one call, and the indexes no node serves now (cluster only)."""
-        groups, unplaced = self._by_node(keys)
-        units: list[_Unit] = []
-        for pool, indexes in groups:
-            units += self._split(pool, indexes, sizes)
-        return units, unplaced
-
-    def _by_node(self, keys: list[BlockKey]) -> tuple[list[tuple[Any, list[int]]], list[int]]:
-        """(connection pool, indexes) per node; and the indexes of keys no node serves now."""
-        if self._standalone_client is not None:
-            return [(self._standalone_client.connection_pool, list(range(len(keys))))], []
-        try:
-            client = self._connect_cluster()
-        except _IO_ERRORS as exc:
-            self._count_error("connect", len(keys), exc)
-            return [], []
-        groups: dict[int, tuple[Any, list[int]]] = {}
-        unplaced: list[int] = []
-        for index, key in enumerate(keys):
-            try:
-                node = client.nodes_manager.get_node_from_slot(
-                    client.keyslot(self._name(key)))  # type: ignore[no-untyped-call]
-                pool = client.get_redis_connection(node).connection_pool
-            except _IO_ERRORS:  # no node serves the slot now: the cluster path decides
-                unplaced.append(index)
-                continue
-            groups.setdefault(id(pool), (pool, []))[1].append(index)
-        return list(groups.values()), unplaced
-
-    def _split(self, pool: Any, indexes: list[int], sizes: list[int] | None) -> list[_Unit]:
-        """Consecutive runs of ``indexes`` of at most ``batch_bytes`` (a larger item alone)
-        and ``_MAX_PIPELINE_COMMANDS`` commands."""
-        limit = self._config.batch_bytes
-        units = [_Unit(pool, [])]
-        held = 0
-        for index in indexes:
-            size = 0 if sizes is None else sizes[index]
-            current = units[-1].indexes
-            if current and (held + size > limit or len(current) >= _MAX_PIPELINE_COMMANDS):
-                units.append(_Unit(pool, []))
-                held = 0
-            units[-1].indexes.append(index)
-            held += size
-        return units if units[0].indexes else []
-
-    def _run_lanes(self, operation: str, units: list[_Unit],
-                   run_unit: Callable[[Any, _Unit], list[Any]]) -> None:
-        """Run ``units`` (setting their ``replies``): per node up to ``connections`` lanes,
-        the first on this thread, the others on the lane pool."""
-        lanes = self._lanes_for(operation, units)
-        if not lanes:
-            return
-        futures: list[tuple[concurrent.futures.Future[None], _Lane]] = []
-        here = [lanes[0]]
-        for lane in lanes[1:]:
-            try:
-                futures.append((self._lane_pool().submit(self._run_lane, operation, lane,
-                                                         run_unit), lane))
-            except RuntimeError:  # the backend closed meanwhile: the lane runs here
-                here.append(lane)
-        for lane in here:
-            self._run_lane(operation, lane, run_unit)
-        for future, lane in futures:
-            try:
-                future.result()
-            except concurrent.futures.CancelledError:  # closed meanwhile: its units failed
-                lane.pool.release(lane.connection)
-
-    def _lanes_for(self, operation: str, units: list[_Unit]) -> list[_Lane]:
-        """Lanes with their connections, taken here so that lanes never wait for each other.
-        A node whose first connection fails gets no lane (its units stay failed)."""
-        by_pool: dict[int, list[_Unit]] = {}
-        for unit in units:
-            by_pool.setdefault(id(unit.pool), []).append(unit)
-        lanes: list[_Lane] = []
-        for pool_units in by_pool.values():
-            pool = pool_units[0].pool
-            connections: list[Any] = []
-            for _number in range(min(self._lanes_per_node, len(pool_units))):
-                try:
-                    connections.append(pool.get_connection())
-                except _IO_ERRORS as exc:
-                    if not connections:  # the node is down: one error for all its keys
-                        self._count_error(operation, sum(len(u.indexes) for u in pool_units),
-                                          exc)
-                    break  # else fewer lanes: the units go round the ones we have
-            for number, connection in enumerate(connections):
-                lanes.append(_Lane(pool, pool_units[number::len(connections)], connection))
-        return lanes
-
-    def _run_lane(self, operation: str, lane: _Lane,
-                  run_unit: Callable[[Any, _Unit], list[Any]]) -> None:
-        try:
-            for unit in lane.units:
-                unit.replies = self._exchange_unit(operation, lane.connection, unit, run_unit)
-        finally:
-            lane.pool.release(lane.connection)
-
-    def _exchange_unit(self, operation: str, conn: Any, unit: _Unit,
-                       run_unit: Callable[[Any, _Unit], list[Any]]) -> list[Any] | None:
-        """One pipeline, retried once on a broken (not a timed-out) connection."""
-        for attempt in (1, 2):
-            self._stats.add("round_trips")
-            try:
-                return run_unit(conn, unit)
-            except redis.ConnectionError as exc:  # reconnects on the next send
-                if attempt == 2:
-                    self._count_error(operation, len(unit.indexes), exc)
-            except _IO_ERRORS as exc:
-                conn.disconnect()
-                self._count_error(operation, len(unit.indexes), exc)
-                return None
-        return None
-
-    def _lane_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        lanes = self._lanes
-        if lanes is not None:
-            return lanes
-        with self._client_lock:
-            if self._lanes is None:
-                self._lanes = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=4 * self._config.connections,
-                    thread_name_prefix="kvtier-redis-lane")
-            return self._lanes
 
     # -- identity -----------------------------------------------------------------------------
 
@@ -545,14 +187,15 @@ class RedisBackend(Backend):
     # -- medium hooks -------------------------------------------------------------------------
 
     def _m_exists(self, keys: list[BlockKey]) -> list[Outcome]:
-        replies = self._batched("exists", keys, lambda index: ("EXISTS", self._name(keys[index])))
+        replies = self._batches.batched("exists", keys,
+                                        lambda index: ("EXISTS", self._name(keys[index])))
         return self._outcomes("exists", replies,
                               lambda reply: Outcome.OK if reply == 1 else Outcome.MISSING)
 
     def _outcomes(self, op: str, replies: list[Any],
                   answered: Callable[[Any], Outcome]) -> list[Outcome]:
         """One outcome per pipeline reply: a failed batch, a failed command, or ``answered``."""
-        return [Outcome.FAILED if reply is _FAILED
+        return [Outcome.FAILED if reply is FAILED
                 else self._fail(op, "1 key", reply) if isinstance(reply, Exception)
                 else answered(reply)
                 for reply in replies]
@@ -566,8 +209,8 @@ class RedisBackend(Backend):
                      else frame.joined())
             return ("SET", self._name(frame.key), value, "NX", *expiry)
 
-        replies = self._batched("put", [frame.key for frame in frames], command,
-                                [frame.nbytes for frame in frames])
+        replies = self._batches.batched("put", [frame.key for frame in frames], command,
+                                        [frame.nbytes for frame in frames])
         # SET NX answers nil when the block is already stored: never overwritten
         return self._outcomes("put", replies,
                               lambda reply: Outcome.OK if reply else Outcome.PRESENT)
@@ -580,14 +223,14 @@ class RedisBackend(Backend):
                 return ("GET", self._name(keys[index]))
             return ("GETEX", self._name(keys[index]), "PX", ttl_ms)
 
-        replies = self._batched("get", keys, command,
-                                [HEADER_BYTES + out.nbytes for out in outs], outs)
+        replies = self._batches.batched("get", keys, command,
+                                        [HEADER_BYTES + out.nbytes for out in outs], outs)
         return [self._fetched(reply) for reply in replies]
 
     def _fetched(self, reply: Any) -> Fetched:
         if isinstance(reply, Fetched):  # read into the caller's buffer by ReplyReader
             return reply
-        if reply is _FAILED:
+        if reply is FAILED:
             return FAILED_FETCH
         if reply is None:
             return MISSING_FETCH
@@ -622,7 +265,7 @@ class RedisBackend(Backend):
         """
         targets = [(key, self._object_digest(item)) for key, item in bad]
         keys = [key for key, _digest in targets]
-        replies = self._run(
+        replies = self._batches.run(
             "delete corrupt", targets,
             # execute_command: redis-py's ClusterPipeline refuses .eval(), not EVAL itself.
             lambda pipe, target: pipe.execute_command(
@@ -655,7 +298,8 @@ class RedisBackend(Backend):
 
     def _unlink(self, key_list: list[BlockKey], operation: str) -> None:
         # One UNLINK per key: a multi-key command would be CROSSSLOT on a Cluster.
-        replies = self._run(operation, key_list, lambda pipe, key: pipe.unlink(self._name(key)))
+        replies = self._batches.run(operation, key_list,
+                                    lambda pipe, key: pipe.unlink(self._name(key)))
         for reply in replies:
             if isinstance(reply, Exception):
                 self._count_error(operation, 1, reply)
@@ -664,15 +308,8 @@ class RedisBackend(Backend):
         self._client_close()
 
     def _client_close(self) -> None:
-        with self._client_lock:
-            if self._lanes is not None:
-                # Lanes in flight end within a socket timeout; their callers answer False.
-                self._lanes.shutdown(wait=False, cancel_futures=True)
-            if self._standalone_client is not None:
-                self._standalone_client.close()
-                self._standalone_client.connection_pool.disconnect()
-            if self._cluster_client is not None:
-                self._cluster_client.close()
+        self._batches.close()
+        self._clients.close()
 
     # Test hooks: raw access to the stored objects, used by the contract suite to inject faults.
     def _m_update_manifest(self, decide: Callable[[bytes | None], bytes]) -> None:
@@ -692,9 +329,7 @@ class RedisBackend(Backend):
 
     def raw_client(self) -> Any:
         """The redis-py client (standalone or Cluster) this backend talks through."""
-        if self._standalone_client is not None:
-            return self._standalone_client
-        return self._connect_cluster()
+        return self._clients.raw()
 
     def _raw_read(self, key: BlockKey) -> bytes | None:
         value = self.raw_client().get(self._name(key))
