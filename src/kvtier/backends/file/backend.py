@@ -13,15 +13,16 @@ two racing writers of one key both answer True.
 
 Sharing. Several processes may share one directory: ``exists`` / ``get_many`` / ``put_many``
 consult the filesystem; the capacity index (:mod:`.capacity`) only drives ``max_bytes`` and LRU
-eviction over the blocks this process knows. On open the directory is scanned, temp files of
-dead processes are removed and blocks of the old two-level layout moved into the current one.
+eviction over the blocks this process knows. On open the directory is scanned (:mod:`.scan`),
+temp files of dead processes are removed and blocks of the old two-level layout moved into the
+current one.
 
 Hygiene. The root, its path and the namespace directory must pass :class:`.dirs.DirRule`
 (owned by us or root, writable by nobody else unless sticky), unless ``shared_dir`` (which
 requires ``auth_key``). Block files are opened ``O_NONBLOCK | O_NOFOLLOW`` and only regular
 files are read: anything else at a block path is moved aside, removed and counted corrupt. A
 buffered read lands in the caller's buffer (``preadv`` of header and payload, one verification
-pass); ``o_direct`` reads go through a page-aligned per-thread buffer.
+pass); ``o_direct`` reads go through a page-aligned per-thread buffer (:mod:`.frameio`).
 
 State and owners (any caller thread): ``_capacity`` (its own lock); ``_dirs`` (its own lock,
 see :mod:`.dirs`); ``_direct_io``, written once under ``_lock`` when O_DIRECT turns out
@@ -31,7 +32,6 @@ unsupported, read without it (a stale read costs one more EINVAL fallback); ``_p
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -59,40 +59,27 @@ from kvtier.backends.base import (
     load_auth_key,
 )
 from kvtier.backends.file.capacity import CapacityIndex
-from kvtier.backends.file.dirs import (
-    DirRule,
-    NamespaceGoneError,
-    Sharing,
-    TierDirs,
-    View,
-    walk,
-)
+from kvtier.backends.file.dirs import DirRule, NamespaceGoneError, Sharing, TierDirs, View
+from kvtier.backends.file.frameio import inode_of, read_frame, read_whole, write_temp
 from kvtier.backends.file.layout import (
-    _ALIGN,
+    _CREATE_FLAGS,
     _FILE_MODE,
     _MISSING_ERRNOS,
     _NOT_READABLE_ERRNOS,
     _NOT_REGULAR_ERRNOS,
-    _O_CLOEXEC,
     _O_DIRECT,
-    _O_NOFOLLOW,
     _READ_FLAGS,
     _TEMP_COUNTER,
     _TEMP_PREFIX,
     MANIFEST_NAME,
     DirectIO,
-    Layout,
-    _claimed_length,
-    _round_up,
     _Scratch,
     _write_all,
-    is_aligned,
-    is_stray_temp,
     is_trailer,
-    key_from_location,
     locate,
 )
 from kvtier.backends.file.publish import Publisher, rename_noreplace
+from kvtier.backends.file.scan import scan_blocks
 from kvtier.backends.manifest import read_manifest_file
 from kvtier.keys import BlockKey, Namespace, check_key
 from kvtier.settings import ConfigError, Kind, Setting, SettingsTable
@@ -113,17 +100,6 @@ SETTINGS = SettingsTable("file backend", (
 ))
 
 _TEMP_PREFIX_BYTES = os.fsencode(_TEMP_PREFIX)
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW
-_MAX_WHOLE_READ = 1 << 30
-"""The largest file the rare path reads whole to judge it (a bigger one is no block)."""
-
-
-def _inode_of(fd: int) -> int | None:
-    """The inode of the open file ``fd`` (the token of a block found bad), None if unknown."""
-    try:
-        return os.fstat(fd).st_ino
-    except OSError:
-        return None
 
 
 class FileBackend(Backend):
@@ -379,8 +355,9 @@ class FileBackend(Backend):
                     return Outcome.FAILED
             temp = b"%s%d-%d" % (_TEMP_PREFIX_BYTES, self._pid, next(self._temp_counter))
             try:
-                self._write_temp(dir_fd, temp, frame.header, frame.payload,
-                                 self._direct_io is DirectIO.ACTIVE)
+                write_temp(dir_fd, temp, frame.header, frame.payload,
+                           direct=self._direct_io is DirectIO.ACTIVE, fsync=self._fsync,
+                           scratch=self._scratch, on_direct_refused=self._disable_direct_io)
                 published = self._publisher.publish(dir_fd, temp, dir_fd, name)
             except OSError as exc:
                 capacity.release(reserved, key=None)
@@ -414,65 +391,6 @@ class FileBackend(Backend):
         self._stats.add("corrupt_objects")
         self._drop_bad(key, dir_fd, name, None, "not a regular file")
         return None
-
-    def _write_temp(self, dir_fd: int, temp: str | bytes, trailer: bytes, view: memoryview,
-                    direct: bool) -> None:
-        """Write the frame (payload, then its trailer) to ``temp``. Raises OSError."""
-        if direct:
-            try:
-                fd = os.open(temp, _CREATE_FLAGS | _O_DIRECT, _FILE_MODE, dir_fd=dir_fd)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._disable_direct_io(exc)
-                return self._write_temp(dir_fd, temp, trailer, view, direct=False)
-        else:
-            fd = os.open(temp, _CREATE_FLAGS, _FILE_MODE, dir_fd=dir_fd)
-        try:
-            if direct:
-                try:
-                    self._write_direct(fd, trailer, view)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    # Some filesystems accept O_DIRECT at open and refuse it at write.
-                    os.close(fd)
-                    fd = -1
-                    os.unlink(temp, dir_fd=dir_fd)
-                    self._disable_direct_io(exc)
-                    return self._write_temp(dir_fd, temp, trailer, view, direct=False)
-            else:
-                written = os.writev(fd, (view, trailer))
-                if written != view.nbytes + len(trailer):  # a short write: rare
-                    _write_all(fd, [view, trailer], skip=written)
-            if self._fsync:
-                os.fsync(fd)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        return None
-
-    def _write_direct(self, fd: int, trailer: bytes, view: memoryview) -> None:
-        """O_DIRECT: whole pages from aligned memory, then the file cut to the frame's size.
-
-        A page-aligned payload of whole pages (an engine's pool slot) is written from where it
-        is, its trailer from a page of its own; any other payload is copied once into the
-        per-thread aligned buffer."""
-        nbytes = view.nbytes
-        frame_len = nbytes + len(trailer)
-        if is_aligned(view):
-            page = self._scratch.trailer_page()
-            page[: len(trailer)] = trailer
-            page[len(trailer):] = bytes(_ALIGN - len(trailer))
-            _write_all(fd, [view, page])
-        else:
-            size = _round_up(frame_len)
-            buffer = self._scratch.get(size)
-            buffer[:nbytes] = view
-            buffer[nbytes:frame_len] = trailer
-            buffer[frame_len:size] = bytes(size - frame_len)
-            _write_all(fd, [buffer[:size]])
-        os.ftruncate(fd, frame_len)
 
     # ------------------------------------------------------------------ reads
 
@@ -537,15 +455,15 @@ class FileBackend(Backend):
                 os.close(dir_fd)
         try:
             if direct:
-                fetched = self._read(fd, out, direct)
+                fetched = read_frame(fd, out, direct, self._scratch)
             else:  # _read's buffered case, inline
                 page = self._scratch.trailer_page()
                 if os.preadv(fd, (out, page), 0) == out.nbytes + codec.HEADER_BYTES and \
                         is_trailer(page):
                     fetched = Fetched(Outcome.OK, header=page[: codec.HEADER_BYTES],
-                                      payload_bytes=out.nbytes, token=partial(_inode_of, fd))
+                                      payload_bytes=out.nbytes, token=partial(inode_of, fd))
                 else:
-                    fetched = self._read_whole(fd)
+                    fetched = read_whole(fd, self._scratch)
         except OSError as exc:
             if exc.errno in _NOT_READABLE_ERRNOS:  # a FIFO or directory: never a block
                 os.close(fd)
@@ -559,52 +477,6 @@ class FileBackend(Backend):
         if self._capacity.bounded and fetched.outcome is Outcome.OK:
             self._evict_files(view, self._capacity.adopt(key, out.nbytes + codec.HEADER_BYTES))
         return fetched, fd
-
-    def _read(self, fd: int, out: memoryview, direct: bool) -> Fetched:
-        """One ``preadv``: the payload straight into ``out``, the trailer into a page of this
-        thread's (O_DIRECT where ``out`` is page-aligned whole pages; else the whole frame
-        through the aligned buffer, one copy)."""
-        nbytes = out.nbytes
-        expected = nbytes + codec.HEADER_BYTES
-        page = self._scratch.trailer_page()
-        if not direct or is_aligned(out):
-            count = os.preadv(fd, (out, page), 0)
-            if count == expected and is_trailer(page):
-                return Fetched(Outcome.OK, header=page[: codec.HEADER_BYTES],
-                               payload_bytes=nbytes, token=partial(_inode_of, fd))
-            return self._read_whole(fd)
-        buffer = self._scratch.get(_round_up(expected) + _ALIGN)
-        count = os.preadv(fd, (buffer,), 0)
-        if count == expected and is_trailer(buffer[nbytes:]):
-            return Fetched(Outcome.OK, frame=buffer[:expected], token=partial(_inode_of, fd))
-        return self._read_whole(fd)
-
-    def _read_whole(self, fd: int) -> Fetched:
-        """The rare path: a file that is not a format-4 frame of the caller's size.
-
-        It may be a valid block of another size (kept for the template to count and remove), a
-        format-3 block written before format 4 (served; the next store rewrites it), a newer
-        kvtier's (refused, left) or a damaged one. The file is read whole (bounded) and handed
-        to the template, cut to the frame its header states where it is a padded format-3 one;
-        a file that is not regular, or too large to be a block, is corrupt.
-        """
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):  # a FIFO, directory or device: never read
-            return Fetched(Outcome.CORRUPT, token=info.st_ino)
-        size = info.st_size
-        if size < codec.HEADER_BYTES or size > _MAX_WHOLE_READ:
-            return Fetched(Outcome.CORRUPT, token=info.st_ino)
-        capacity = _round_up(size) + _ALIGN
-        buffer = self._scratch.get(capacity)
-        count = os.preadv(fd, [buffer[:capacity]], 0)
-        if count != size:
-            return Fetched(Outcome.CORRUPT, token=info.st_ino)
-        frame = buffer[:size]
-        if codec.record_offset(frame) == 0 and _claimed_length(frame) >= 0:
-            frame_len = codec.HEADER_BYTES + _claimed_length(frame)
-            if size == _round_up(frame_len) > frame_len:  # a padded O_DIRECT format-3 file
-                frame = buffer[:frame_len]
-        return Fetched(Outcome.OK, frame=frame, token=info.st_ino)
 
     def _m_remove_bad(self, bad: list[tuple[BlockKey, Fetched]]) -> None:
         def run(view: View) -> list[Outcome]:
@@ -670,70 +542,27 @@ class FileBackend(Backend):
     # ------------------------------------------------------------------ capacity index
 
     def _scan(self) -> None:
-        """Rebuild the index from the namespace directory; remove temp files of dead processes;
-        move blocks of the two-level layout into the current one (and their emptied
-        directories away)."""
-        found: list[tuple[int, BlockKey, int]] = []
-        removed = moved = 0
+        """Rebuild the index from the namespace directory (:func:`.scan.scan_blocks`: temp files
+        of dead processes removed, two-level-layout blocks moved) and evict past ``max_bytes``."""
         writing = not self._read_only
         try:
             view = self._dirs.acquire()
         except NamespaceGoneError:
             return  # READ_ONLY, and the namespace was never written: nothing to index
         try:
-            for parts, dir_fd, files, subdirs in walk(view.fd):
-                for name in files:
-                    if name.startswith(_TEMP_PREFIX):
-                        if writing and is_stray_temp(name, self._pid):
-                            self._unlink_quietly(dir_fd, name, None)
-                            removed += 1
-                        continue
-                    located = key_from_location(parts, name)
-                    if located is None:
-                        continue
-                    try:
-                        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                    except OSError:
-                        continue
-                    if not stat.S_ISREG(info.st_mode):
-                        continue
-                    key, layout = located
-                    if layout is Layout.TWO_LEVEL:
-                        if not writing or not self._move_to_current(view, key, dir_fd, name):
-                            continue
-                        moved += 1
-                    found.append((info.st_mtime_ns, key, info.st_size))
-                for subdir in subdirs if writing else ():  # the two-level layout's, emptied
-                    if len(parts) + 1 >= 2 and len((*parts, subdir)[1]) == 2:
-                        # not empty: a live writer's temp file, or not ours
-                        with contextlib.suppress(OSError):
-                            os.rmdir(subdir, dir_fd=dir_fd)
-            found.sort(key=lambda entry: entry[0])
-            victims = self._capacity.load((key, size) for _mtime, key, size in found)
+            scanned = scan_blocks(view, self._pid, writing=writing, publisher=self._publisher,
+                                  unlink=self._unlink_quietly, fail=self._fail)
+            victims = self._capacity.load(scanned.blocks)
             if writing:
                 self._evict_files(view, victims)
         finally:
             self._dirs.release(view)
+        removed, moved = scanned.removed, scanned.moved
         self._stats.add_many({"stray_temp_files_removed": removed,
                               "old_layout_blocks_moved": moved})
         if removed or moved:
             _log.info("file backend: removed %d stray temp files, moved %d blocks of the "
                       "two-level layout under %s", removed, moved, self._dirs.namespace_path)
-
-    def _move_to_current(self, view: View, key: BlockKey, dir_fd: int, name: str) -> bool:
-        """Rename a two-level-layout block to its current place; False where a block is there
-        already (then this copy is removed) or the move failed."""
-        parts, final = locate(key)
-        try:
-            target, owned = view.key_dir(parts, create=True)
-            try:
-                return self._publisher.publish(dir_fd, name, target, final)
-            finally:
-                if owned:
-                    os.close(target)
-        except OSError as exc:
-            self._fail("move to the current layout", key, exc)
-            return False
 
     def _evict_files(self, view: View, victims: list[BlockKey], *, count: bool = True) -> None:
         for victim in victims:
