@@ -21,24 +21,19 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
+from kvtier.backends.args import check_get_args, check_keys, check_put_args
 from kvtier.backends.base import (
-    STANDARD_COUNTERS,
     Backend,
-    BackendClosedError,
-    BackendStats,
     BackendUnavailableError,
     Buffer,
     Fetched,
     NoTierError,
     OpenMode,
     Outcome,
-    RateLimitedLog,
     StoredFrame,
     UnkeyedWriterError,
-    check_get_args,
-    check_keys,
-    check_put_args,
 )
+from kvtier.backends.lifecycle import BackendClosedError
 from kvtier.backends.registry import (
     BUILTIN_SCHEMES,
     BackendFactory,
@@ -51,6 +46,7 @@ from kvtier.backends.registry import (
     registered_kinds,
     registered_schemes,
 )
+from kvtier.backends.stats import STANDARD_COUNTERS, BackendStats, RateLimitedLog
 from kvtier.keys import Namespace
 from kvtier.settings import SettingsTable
 from kvtier.text import first_line

@@ -43,16 +43,18 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from kvtier import codec
+from kvtier.backends.args import check_get_args, check_keys, check_put_args
 from kvtier.backends.auth import COMMON_SETTINGS, load_auth_key
+from kvtier.backends.lifecycle import Lifecycle
 from kvtier.backends.manifest import TierAuth, manifest_auth, manifest_document
-from kvtier.codec import Buffer, KeyRing, Provenance, as_byte_view
-from kvtier.errors import ClosedError, KvtierError
-from kvtier.keys import MAX_KEY_BYTES, BlockKey, Namespace, check_key
+from kvtier.backends.stats import BackendStats, RateLimitedLog
+from kvtier.codec import Buffer, KeyRing, Provenance
+from kvtier.errors import KvtierError
+from kvtier.keys import BlockKey, Namespace
 from kvtier.lru import BoundedLRU
 from kvtier.settings import ConfigError
 from kvtier.text import first_line
@@ -60,24 +62,16 @@ from kvtier.text import first_line
 __all__ = [
     "COMMON_SETTINGS",
     "COPIED_FETCH",
-    "STANDARD_COUNTERS",
     "AuthKey",
     "Backend",
-    "BackendClosedError",
-    "BackendStats",
     "BackendUnavailableError",
     "Buffer",
     "Fetched",
-    "Lifecycle",
     "NoTierError",
     "OpenMode",
     "Outcome",
-    "RateLimitedLog",
     "StoredFrame",
     "UnkeyedWriterError",
-    "check_get_args",
-    "check_keys",
-    "check_put_args",
     "load_auth_key",
 ]
 
@@ -86,8 +80,6 @@ _log = logging.getLogger(__name__)
 AuthKey = bytes | KeyRing
 """One auth key, or a ring of them (the first signs, every one verifies)."""
 _MAX_REPLACEABLE = 65536  # keys remembered for rewriting; one that falls out is found again
-
-BackendClosedError = ClosedError  # the one closed error; this name is kept for callers
 
 
 class UnkeyedWriterError(ConfigError):
@@ -213,201 +205,6 @@ class StoredFrame(NamedTuple):
         frame = bytearray(self.header)
         frame += self.payload
         return frame
-
-
-# --------------------------------------------------------------------------- lifecycle
-
-
-class LifecycleState(enum.Enum):
-    OPEN = "open"
-    CLOSED = "closed"
-
-
-class Lifecycle:
-    """Open/closed state of one backend instance."""
-
-    __slots__ = ("_lock", "_name", "_state")
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._state = LifecycleState.OPEN
-        self._lock = threading.Lock()
-
-    @property
-    def state(self) -> LifecycleState:
-        return self._state
-
-    def check_open(self) -> None:
-        if self._state is LifecycleState.CLOSED:
-            raise BackendClosedError(f"{self._name} is closed")
-
-    def close(self) -> bool:
-        """Mark closed; True only for the call that actually closed it."""
-        with self._lock:
-            if self._state is LifecycleState.CLOSED:
-                return False
-            self._state = LifecycleState.CLOSED
-            return True
-
-
-# --------------------------------------------------------------------------- counters
-
-
-STANDARD_COUNTERS = (
-    "puts",
-    "puts_existing",
-    "gets",
-    "hits",
-    "misses",
-    "exists_calls",
-    "deletes",
-    "bytes_read",
-    "bytes_written",
-    "corrupt_objects",
-    "size_mismatches",
-    "auth_failures",
-    "auth_old_key",
-    "old_format",
-    "errors",
-    "round_trips",
-)
-"""Counters every backend reports under these exact names."""
-
-
-class BackendStats:
-    """Thread-safe integer counters; ``snapshot()`` always has every standard counter."""
-
-    __slots__ = ("_counters", "_lock")
-
-    def __init__(self, extra: Sequence[str] = ()) -> None:
-        self._lock = threading.Lock()
-        self._counters: dict[str, int] = dict.fromkeys((*STANDARD_COUNTERS, *extra), 0)
-
-    def add(self, name: str, amount: int = 1) -> None:
-        with self._lock:
-            self._counters[name] = self._counters.get(name, 0) + amount
-
-    def add_many(self, amounts: Mapping[str, int]) -> None:
-        with self._lock:
-            for name, amount in amounts.items():
-                self._counters[name] = self._counters.get(name, 0) + amount
-
-    def set(self, name: str, value: int) -> None:
-        with self._lock:
-            self._counters[name] = value
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counters)
-
-
-class RateLimitedLog:
-    """Logs at most one warning per ``interval_s``; the ones in between are counted, not lost.
-
-    A dead server can fail every call many times per second; one line per interval, carrying the
-    number of suppressed messages, keeps the log readable.
-    """
-
-    __slots__ = ("_clock", "_interval_s", "_last", "_lock", "_logger", "_suppressed")
-
-    def __init__(
-        self,
-        logger: logging.Logger,
-        interval_s: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._logger = logger
-        self._interval_s = interval_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._last: float | None = None
-        self._suppressed = 0
-
-    def warning(self, message: str, *args: object) -> bool:
-        """Log unless one was logged less than ``interval_s`` ago; True if it was logged."""
-        now = self._clock()
-        with self._lock:
-            if self._last is not None and now - self._last < self._interval_s:
-                self._suppressed += 1
-                return False
-            suppressed, self._suppressed, self._last = self._suppressed, 0, now
-        if suppressed:
-            message = f"{message} (%d similar messages suppressed)"
-            args = (*args, suppressed)
-        self._logger.warning(message, *args)
-        return True
-
-
-# --------------------------------------------------------------------------- argument checks
-
-
-def _is_flat_sequence(value: object) -> bool:
-    if type(value) is list or type(value) is tuple:  # the common case, without an ABC check
-        return True
-    return isinstance(value, Sequence) and not isinstance(
-        value, (bytes, bytearray, memoryview, str)
-    )
-
-
-def _all_keys(keys: Sequence[object]) -> bool:
-    """Whether every item is a valid block key (the fast path of :func:`check_keys`)."""
-    return all(type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES for key in keys)
-
-
-def check_keys(keys: Sequence[BlockKey], argument: str = "keys") -> list[BlockKey]:
-    """``keys`` as a list, raising naming the first key that is not 1..255 bytes."""
-    if not _is_flat_sequence(keys):
-        raise TypeError(
-            f"{argument} must be a sequence of BlockKey (bytes), got {type(keys).__name__}"
-        )
-    if _all_keys(keys):
-        return list(keys)
-    return [check_key(key, f"{argument}[{index}]") for index, key in enumerate(keys)]
-
-
-def _check_same_length(name: str, values: Sequence[object], keys: list[BlockKey]) -> None:
-    if len(values) != len(keys):
-        raise ValueError(
-            f"len({name}) must equal len(keys): got {len(values)} {name} for {len(keys)} keys"
-        )
-
-
-def check_put_args(
-    keys: Sequence[BlockKey], payloads: Sequence[Buffer]
-) -> tuple[list[BlockKey], list[memoryview]]:
-    """Validated keys and flat byte views of the payloads (no copy)."""
-    key_list = check_keys(keys)
-    if not _is_flat_sequence(payloads):
-        raise TypeError(f"payloads must be a sequence of buffers, got {type(payloads).__name__}")
-    _check_same_length("payloads", payloads, key_list)
-    views = [payload if type(payload) is memoryview and payload.format == "B"
-             and payload.ndim == 1 and payload.c_contiguous
-             else as_byte_view(payload, f"payloads[{index}]")
-             for index, payload in enumerate(payloads)]
-    return key_list, views
-
-
-def check_get_args(
-    keys: Sequence[BlockKey], outs: Sequence[memoryview]
-) -> tuple[list[BlockKey], list[memoryview]]:
-    """Validated keys and flat, writable byte views of the output buffers."""
-    key_list = check_keys(keys)
-    if not _is_flat_sequence(outs):
-        raise TypeError(f"outs must be a sequence of memoryview, got {type(outs).__name__}")
-    _check_same_length("outs", outs, key_list)
-    views: list[memoryview] = []
-    for index, out in enumerate(outs):
-        if type(out) is memoryview and out.format == "B" and out.ndim == 1 and \
-                out.c_contiguous and not out.readonly:  # the common case, checked at once
-            views.append(out)
-            continue
-        if not isinstance(out, memoryview):
-            raise TypeError(f"outs[{index}] must be a memoryview, got {type(out).__name__}")
-        view = as_byte_view(out, f"outs[{index}]")
-        if view.readonly:
-            raise TypeError(f"outs[{index}] must be a writable memoryview")
-        views.append(view)
-    return key_list, views
 
 
 # --------------------------------------------------------------------------- the template
@@ -714,4 +511,3 @@ class Backend:
     def _m_extra_stats(self) -> dict[str, int]:
         """Gauges computed at ``stats()`` time (blocks held, bytes used, ...)."""
         return {}
-

@@ -32,7 +32,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
-from kvtier.backends.base import RateLimitedLog
+from kvtier.backends.stats import RateLimitedLog
 from kvtier.errors import ClosedError, KvtierError
 from kvtier.keys import MAX_KEY_BYTES, BlockKey, RequestContext, check_key, validate_keys
 from kvtier.lookup.breaker import BreakerState, CircuitBreaker

@@ -25,7 +25,7 @@ from typing import Final
 
 import numpy as np
 
-from kvtier.backends.base import RateLimitedLog
+from kvtier.backends.stats import RateLimitedLog
 from kvtier.keys import BlockKey, RequestContext
 
 __all__ = ["ProbeBatch", "ProbeResult", "ProbeWorker", "as_verdict", "rate_limited_logs"]

@@ -40,7 +40,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from kvtier.backends.base import Backend, Buffer, RateLimitedLog
+from kvtier.backends.base import Backend, Buffer
+from kvtier.backends.stats import RateLimitedLog
 from kvtier.errors import ClosedError
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.lookup.manager import AsyncLookupManager

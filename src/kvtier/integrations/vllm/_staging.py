@@ -59,7 +59,8 @@ from typing import Any
 
 import xxhash
 
-from kvtier.backends.base import Backend, Buffer, RateLimitedLog
+from kvtier.backends.base import Backend, Buffer
+from kvtier.backends.stats import RateLimitedLog
 from kvtier.keys import BlockKey
 from kvtier.settings import ConfigError
 
