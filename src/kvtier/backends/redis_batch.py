@@ -22,7 +22,7 @@ from typing import Any, Final, TypeVar
 
 import redis
 
-from kvtier.backends.base import BackendStats
+from kvtier.backends.stats import BackendStats
 from kvtier.backends.redis_client import IO_ERRORS, RedisClients
 from kvtier.backends.redis_config import RedisConfig
 from kvtier.backends.redis_wire import exchange, exchange_gets, is_redirect
