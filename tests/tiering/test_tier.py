@@ -505,7 +505,7 @@ def test_a_verified_re_store_lifts_the_quarantine(tmp_path: Any, namespace: Name
 
 
 def test_recent_load_failures_expire_oldest_first_and_stay_bounded() -> None:
-    from kvtier.tiering.tier import RecentLoadFailures
+    from kvtier.tiering.tier_lookup import RecentLoadFailures
 
     now = [0.0]
     failures = RecentLoadFailures(10.0, clock=lambda: now[0], max_keys=2)

@@ -22,10 +22,10 @@ from typing import Any, Final, TypeVar
 
 import redis
 
-from kvtier.backends.stats import BackendStats
 from kvtier.backends.redis_client import IO_ERRORS, RedisClients
 from kvtier.backends.redis_config import RedisConfig
 from kvtier.backends.redis_wire import exchange, exchange_gets, is_redirect
+from kvtier.backends.stats import BackendStats
 from kvtier.keys import BlockKey
 
 __all__ = ["FAILED", "RedisBatches"]

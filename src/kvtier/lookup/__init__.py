@@ -2,10 +2,10 @@
 
 ``AsyncLookupManager`` (manager.py: phases, in-flight reuse, orphans, generations,
 ``mark_miss``) over small pieces, each in its own module: the per-key table and verdict cache
-(states.py), the expiry map shared by the verdict cache and the quarantine (expiry.py), the probe
-worker thread (worker.py), the circuit breaker (breaker.py), the settings table (settings.py)
-and the stats record (stats.py). One manager per secondary tier, owned by the engine's
-scheduler thread.
+(states.py), the application of probe results and timeouts (results.py), the expiry map shared
+by the verdict cache and the quarantine (expiry.py), the probe worker thread (worker.py), the
+circuit breaker (breaker.py), the settings table (settings.py) and the stats record (stats.py).
+One manager per secondary tier, owned by the engine's scheduler thread.
 """
 
 from kvtier.lookup.breaker import BreakerState, CircuitBreaker

@@ -16,6 +16,8 @@ Owner threads:
   talks to the scheduler through two ``queue.SimpleQueue`` and a posted-results count under a
   condition, which only ``wait_for_probes`` / ``_wait_for_results`` wait on.
 
+Applying the worker's results and timing out stuck batches: lookup/results.py (a mixin).
+
 The settings table lives in lookup/settings.py and is re-exported here.
 """
 
@@ -29,7 +31,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Final
 
 from kvtier.backends.stats import RateLimitedLog
@@ -37,10 +39,11 @@ from kvtier.errors import ClosedError, KvtierError
 from kvtier.keys import MAX_KEY_BYTES, BlockKey, RequestContext, check_key, validate_keys
 from kvtier.lookup.breaker import BreakerState, CircuitBreaker
 from kvtier.lookup.expiry import ExpiryMap
+from kvtier.lookup.results import InFlightBatch, ProbeResults
 from kvtier.lookup.settings import LOOKUP_SETTINGS
 from kvtier.lookup.states import KeyState, KeyTable, LookupPhase, VerdictSource
 from kvtier.lookup.stats import LookupStats
-from kvtier.lookup.worker import Entry, ProbeBatch, ProbeResult, ProbeWorker, rate_limited_logs
+from kvtier.lookup.worker import Entry, ProbeBatch, ProbeWorker, rate_limited_logs
 
 __all__ = [
     "LOOKUP_SETTINGS",
@@ -93,16 +96,9 @@ _LIFECYCLE_CLOSED: Final = _Lifecycle.CLOSED
 _GATE_READY: Final = _Gate.READY
 _GATE_DRAIN_FIRST: Final = _Gate.DRAIN_FIRST
 _GATE_CLOSED: Final = _Gate.CLOSED
-_SOURCE_BACKEND: Final = VerdictSource.BACKEND
 _SOURCE_NOTED: Final = VerdictSource.NOTED
 _SOURCE_FAULT: Final = VerdictSource.FAULT
 _SOURCE_MISS_MARKED: Final = VerdictSource.MISS_MARKED
-
-
-@dataclass(slots=True)
-class _InFlightBatch:
-    deadline: float
-    entries: list[Entry]
 
 
 def _check_number(name: str, value: object, *, minimum: float, maximum: float = math.inf,
@@ -127,17 +123,13 @@ def _checked_keys(keys: Iterable[BlockKey]) -> list[BlockKey]:
     return checked
 
 
-def _clock_reader(clock: Callable[[], float], now: float | None) -> Callable[[], float]:
-    return clock if now is None else (lambda: now)
-
-
 def _closed_error(tier_name: str, operation: str) -> ClosedError:
     return LookupManagerClosedError(
         f"lookup manager for tier {tier_name!r} is shut down; {operation}() is not allowed any more"
     )
 
 
-class AsyncLookupManager(abc.ABC):
+class AsyncLookupManager(ProbeResults, abc.ABC):
     """Non-blocking, deduplicating existence probes for one slow tier.
 
     Subclasses implement :meth:`batch_lookup` (called on the probe worker thread) and may
@@ -216,7 +208,7 @@ class AsyncLookupManager(abc.ABC):
         self._cur_req_id: str | None = None
         self._cur_attached: dict[BlockKey, KeyState] = {}
         self._pending: list[Entry] = []
-        self._inflight_batches: dict[int, _InFlightBatch] = {}
+        self._inflight_batches: dict[int, InFlightBatch] = {}
         self._quarantine: ExpiryMap[BlockKey, None] = ExpiryMap(self._max_cached_verdicts)
         # True whenever the quarantine has entries or the breaker is not closed (so new keys
         # take the slow path that may refuse them); recomputed at every flush.
@@ -374,7 +366,7 @@ class AsyncLookupManager(abc.ABC):
             return
         batch_id = self._next_batch_id
         self._next_batch_id += 1
-        self._inflight_batches[batch_id] = _InFlightBatch(deadline, entries)
+        self._inflight_batches[batch_id] = InFlightBatch(deadline, entries)
         self._breaker.sent(batch_id)
         self._counters.probes_submitted += len(entries)
         self._worker.submit(ProbeBatch(batch_id, entries))
@@ -623,93 +615,6 @@ class AsyncLookupManager(abc.ABC):
         self._pending.append((state.key, state.generation, req_context))
         return None
 
-    def _drain(self, now: float | None) -> None:
-        # One consumer (this thread): empty() then get_nowait() never blocks, and an empty
-        # queue costs no exception (drained up to three times per step).
-        result_queue = self._worker.results
-        while not result_queue.empty():
-            self._apply(result_queue.get_nowait(), now)
-
-    def _apply(self, result: ProbeResult, now: float | None) -> None:
-        counters = self._counters
-        counters.backend_calls += len(result.call_outcomes)
-        batch = self._inflight_batches.pop(result.batch_id, None)
-        if batch is None:
-            if result.batch_id >= self._next_batch_id:
-                self._violation("result for batch %d that was never sent", result.batch_id)
-            # Timed out earlier: every answer is late; the timeout already fed the breaker and
-            # was counted (failed_calls, probe_timeouts), so its errors are not counted again.
-            counters.stale_results_dropped += len(result.answers)
-            return
-        counters.failed_calls += result.call_outcomes.count(False)
-        counters.probe_errors += result.error_keys
-        self._breaker.record(result.batch_id, result.call_outcomes,
-                             _clock_reader(self._clock, now))
-        ttl = self._verdict_ttl_s
-        states = self._states
-        trusted_expiry = result.answered_at + ttl if ttl > 0 else None
-        for key, generation, verdict, trusted in result.answers:
-            state = states.get(key)
-            if state is None or state.generation != generation:
-                counters.stale_results_dropped += 1
-                continue
-            if state.phase is not _PHASE_IN_FLIGHT:
-                self._violation("one-result-per-generation: key %s of generation %d is %s",
-                                key.hex(), generation, state.phase.name)
-                continue
-            # KeyState.resolve() inlined: this loop runs once per probed key
-            state.phase = _PHASE_RESOLVED
-            if trusted:
-                state.verdict = verdict
-                state.source = _SOURCE_BACKEND
-                state.cache_expiry = trusted_expiry
-            else:
-                state.verdict = False
-                state.source = _SOURCE_FAULT
-                state.cache_expiry = None
-            if not state.refs:  # an orphan: nobody waits for it any more
-                counters.orphans_reclaimed += 1
-                self._keys.release(state)
-
-    def _expire_timed_out(self, now: float) -> None:
-        """Resolve False every probe whose batch passed its deadline (batches are in order) -
-        unless the worker is still making progress: a backend call started less than
-        ``probe_timeout_s`` ago means the batches behind it are queued, not lost, and they wait
-        (back-pressure, counted in ``probes_delayed``); only a call that runs past the timeout
-        (a stuck or dead backend) times them out and feeds the breaker."""
-        inflight = self._inflight_batches
-        if not inflight or next(iter(inflight.values())).deadline > now:
-            return
-        if self._worker.is_progressing(now, self._probe_timeout_s):
-            self._counters.probes_delayed += 1
-            return
-        expired: list[int] = []
-        for batch_id, batch in inflight.items():
-            if batch.deadline > now:
-                break
-            expired.append(batch_id)
-        states = self._states
-        timed_out = 0
-        for batch_id in expired:
-            for key, generation, _ in inflight.pop(batch_id).entries:
-                state = states.get(key)
-                if (state is None or state.generation != generation
-                        or state.phase is not _PHASE_IN_FLIGHT):
-                    continue
-                timed_out += 1
-                if state.refs:
-                    self._keys.supersede(state)
-                    state.resolve(False, _SOURCE_FAULT, None)
-                else:
-                    del states[key]
-            self._breaker.record(batch_id, (False,), _clock_reader(self._clock, now))
-        self._counters.probe_timeouts += timed_out
-        self._counters.failed_calls += len(expired)
-        if timed_out:
-            self._logs["timeout"].warning(
-                "tier %s: %d probes timed out after %.3fs; answering False",
-                self._tier_name, timed_out, self._probe_timeout_s)
-
     def _note(self, keys: Iterable[BlockKey], verdict: bool) -> None:
         checked = _checked_keys(keys)
         if self._lifecycle is _LIFECYCLE_CLOSED or not checked:
@@ -739,11 +644,6 @@ class AsyncLookupManager(abc.ABC):
                 states[key] = cached[key] = state
         if len(cached) > table.capacity:
             table.evict_over_capacity()
-
-    def _violation(self, message: str, *args: object) -> None:
-        self._counters.invariant_violations += 1
-        self._logs["invariant"].warning("tier %s: invariant violated: " + message,
-                                        self._tier_name, *args)
 
     def _breaker_opened(self, cooldown_s: float) -> None:
         self._check_new_keys = True

@@ -24,7 +24,9 @@ Thread ownership:
 - The backend is thread-safe by contract. The settings (``_settings``, a frozen
   :class:`~kvtier.tiering.tier_settings.TierSettings`) are read by every thread.
 
-Transfers, deadlines and backpressure: see :class:`SecondaryTier`.
+Transfers, deadlines and backpressure: see :class:`SecondaryTier`. The jobs are in
+tiering/jobs.py, their I/O-thread half (parts, backend calls, settling) in tiering/tier_io.py,
+the lookup manager and the recent load failures in tiering/tier_lookup.py.
 """
 
 from __future__ import annotations
@@ -36,31 +38,36 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
 
 from kvtier.backends.base import Backend, Buffer
 from kvtier.backends.stats import RateLimitedLog
 from kvtier.errors import ClosedError
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.lookup.manager import AsyncLookupManager
-from kvtier.lru import BoundedLRU
 from kvtier.ops.metrics import ProbeMetrics
 from kvtier.settings import Kind, Setting
 from kvtier.tiering.io_pool import IoThreadPool
+from kvtier.tiering.jobs import JobKind, Part, TierJob
 from kvtier.tiering.load_rate import LoadRate
 from kvtier.tiering.payoff import blocks_worth_loading
 from kvtier.tiering.plans import LoadPriority
-from kvtier.tiering.ready_parts import ReadyParts, ReadyQueue
+from kvtier.tiering.ready_parts import ReadyParts
+from kvtier.tiering.tier_io import TierIo
+from kvtier.tiering.tier_lookup import BackendLookupManager, RecentLoadFailures
 from kvtier.tiering.tier_settings import LookupConfig, TierSettings
 from kvtier.tiering.tier_stats import TierCounters, TierStats
+
+# JobKind and TierJob (tiering/jobs.py) are re-exported: the tier's callers name them from here.
+__all__ = ["IO_YIELD_S", "JobKind", "LookupFactory", "SecondaryTier", "TierClosedError",
+           "TierJob"]
 
 _MAX_KEYS_PER_CALL = Setting("max_keys_per_call", Kind.INT, None,
                              "keys per backend get/put call (None: no limit)", minimum=1)
 
 _log = logging.getLogger("kvtier.tiering.tier")
-_MIN_LOAD_PART_KEYS = 8  # a load is split across I/O threads in parts of at least this many
 # How long an engine's scheduler thread waits, at the end of a step with transfers or probes in
 # flight, so that they get the GIL: a thread that never blocks keeps it for Python's whole switch
 # interval (5 ms) each time an I/O thread returns from a system call, and a file transfer makes
@@ -72,11 +79,6 @@ _PROBE_SHUTDOWN_WAIT_S = 2.0
 LookupFactory = Callable[[str, Backend, Mapping[str, Any]], AsyncLookupManager]
 
 
-class JobKind(enum.Enum):
-    LOAD = "load"
-    STORE = "store"
-
-
 TierClosedError = ClosedError  # the one closed error; this name is kept for callers
 
 
@@ -85,142 +87,7 @@ class _TierState(enum.Enum):
     CLOSED = "closed"
 
 
-@dataclass(slots=True, eq=False)
-class TierJob:
-    """One batch transfer between a tier's backend and caller buffers.
-
-    ``results`` has one entry per key (True = that key moved) once the job is finished;
-    ``error`` is set when a backend call raised (its keys and the rest of its part are False)
-    or the load timed out (the keys of parts that had not finished are False).
-    """
-
-    job_id: int
-    kind: JobKind
-    keys: tuple[BlockKey, ...]
-    buffers: tuple[Buffer, ...]
-    nbytes: int
-    results: tuple[bool, ...] = ()
-    error: str | None = None
-    seconds: float = 0.0
-    suspects: tuple[int, ...] = ()  # store: positions whose load failed recently (read back)
-    verified: tuple[int, ...] = ()  # store: suspects whose read-back succeeded
-    deadline: float = float("inf")  # the tier's clock() past which a load job fails
-    priority: LoadPriority = LoadPriority.DEMAND
-    settled: bool = False           # results are final (set once, under the tier's settle lock)
-    abandoned: bool = False         # a load failed by its deadline while its I/O still runs
-    # Progress of its parts (a load runs as parts on several I/O threads), under the settle
-    # lock: parts in a backend call now, parts not finished, per-key answers, first error.
-    running: int = 0
-    parts_left: int = 1
-    partial: list[bool] = field(default_factory=list)
-    first_error: str | None = None
-    busy_s: float = 0.0
-    first_began: float = 0.0  # perf_counter() when its first part began (under the settle lock)
-    wall_s: float = 0.0       # first part began -> last part ended: what the load rate measures
-
-    @property
-    def succeeded(self) -> list[BlockKey]:
-        return [key for key, ok in zip(self.keys, self.results, strict=True) if ok]
-
-    @property
-    def failed(self) -> list[BlockKey]:
-        return [key for key, ok in zip(self.keys, self.results, strict=True) if not ok]
-
-
-class BackendLookupManager(AsyncLookupManager):
-    """The tier's lookup manager: one ``backend.probe`` call per probe batch.
-
-    ``probe`` raises when the medium fails (where ``exists`` would answer False), so the lookup
-    manager counts the failure as a probe error, never caches it, and feeds its circuit breaker.
-    """
-
-    def __init__(self, tier_name: str, backend: Backend, metrics: ProbeMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 options: Mapping[str, Any] | None = None) -> None:
-        self._backend = backend
-        self._observe_probe = None if metrics is None else metrics.probe_observer(tier_name)
-        super().__init__(tier_name, clock=clock, **(options or {}))
-
-    def batch_lookup(self, keys: list[BlockKey], req_context: RequestContext) -> Sequence[bool]:
-        started = time.perf_counter()
-        try:
-            return self._backend.probe(keys)
-        finally:
-            if self._observe_probe is not None:
-                self._observe_probe(time.perf_counter() - started)
-
-
-class RecentLoadFailures:
-    """Keys whose load from one tier failed recently; owned by the scheduler thread.
-
-    ``put_many`` answers True both for "written" and for "already present", so a store of a key
-    whose load just failed proves nothing by itself: the backend may be keeping the very object
-    that could not be loaded (a file that stats but cannot be read; a frame of another size or
-    a corrupt one is removed by the failed load, so the store does write it again). Lifting the
-    key's quarantine with ``note_stored`` then would restart the same doomed
-    promotion for every later request, the livelock class. So a store job of such a key reads
-    the object back on its I/O thread (a full, verified ``get``): when the read-back succeeds
-    the tier really holds a good block again and the quarantine is lifted (:meth:`discard`);
-    when it fails (the damaged object is still there) the key stays quarantined until it ends.
-    """
-
-    __slots__ = ("_clock", "_hold_s", "_until")
-
-    def __init__(self, hold_s: float, clock: Callable[[], float] = time.monotonic,
-                 max_keys: int = 65536) -> None:
-        self._hold_s = hold_s
-        self._clock = clock
-        self._until: BoundedLRU[BlockKey, float] = BoundedLRU(max_keys)  # in expiry order
-
-    def __len__(self) -> int:
-        return len(self._until)
-
-    def add(self, keys: Iterable[BlockKey]) -> None:
-        if self._hold_s <= 0:
-            return
-        until = self._clock() + self._hold_s
-        for key in keys:
-            self._until.put(key, until)
-
-    def without(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
-        """``keys`` less those whose load failed within the hold time."""
-        if not self._until:
-            return list(keys)
-        now = self._clock()
-        while self._until:
-            oldest = next(iter(self._until))
-            until = self._until.get(oldest)
-            if until is not None and until > now:
-                break
-            self._until.pop(oldest)
-        return [key for key in keys if key not in self._until]
-
-    def contains(self, key: BlockKey) -> bool:
-        return key in self._until
-
-    def discard(self, keys: Iterable[BlockKey]) -> None:
-        for key in keys:
-            self._until.pop(key)
-
-
-def _so_far(job: TierJob) -> tuple[bool, ...]:
-    """Per key of ``job``, whether a part that has finished moved it (under the settle lock).
-    A part records its answers only when its backend call has returned, so a key of a part
-    still running (a stuck NFS server) or never started answers False, and a key a finished part
-    moved is delivered, never thrown away with the stuck ones."""
-    return tuple(job.partial)
-
-
-@dataclass(slots=True)
-class _Part:
-    """Keys ``start:end`` of a job: what one I/O thread runs."""
-
-    job: TierJob
-    start: int
-    end: int
-
-
-class SecondaryTier:
+class SecondaryTier(TierIo):
     """A backend + its :class:`AsyncLookupManager` + transfer jobs on I/O threads.
 
     A load job reads straight into caller-provided ``memoryview``s (primary slots that the caller
@@ -241,7 +108,7 @@ class SecondaryTier:
     thread takes the oldest waiting load before any waiting store, so a promotion a request waits
     for never queues behind a backlog of cascades.
 
-    A load of more than ``_MIN_LOAD_PART_KEYS`` keys is split into up to ``io_threads`` parts that
+    A load of more than ``MIN_LOAD_PART_KEYS`` keys is split into up to ``io_threads`` parts that
     run side by side (with ``max_keys_per_call``, parts of at most that many keys); a store runs its
     keys in consecutive calls of at most ``max_keys_per_call`` (one I/O thread, in order). A call
     that raises or answers short fails its keys and the rest of its part; keys moved by other calls
@@ -303,7 +170,7 @@ class SecondaryTier:
         self._abandoned = 0  # abandoned loads not yet released (scheduler thread)
         self._loads_outstanding = 0  # load jobs submitted and not yet collected
         self._outstanding: dict[int, TierJob] = {}
-        self.ready: ReadyParts[_Part] = ReadyParts()  # public: a prefetch load is expedited
+        self.ready: ReadyParts[Part] = ReadyParts()  # public: a prefetch load is expedited
         self._job_ids = itertools.count()
         self._store_bytes = 0
         self._store_jobs = 0
@@ -445,35 +312,6 @@ class SecondaryTier:
         self._counters.stores_shed += 1
         self._counters.store_keys_shed += keys
 
-    def _start(self, job: TierJob) -> None:
-        self._outstanding[job.job_id] = job
-        parts = self._parts(job)
-        job.parts_left = len(parts)
-        job.partial = [False] * len(job.keys)
-        self.ready.push(ReadyQueue.STORE if job.kind is JobKind.STORE else ReadyQueue.LOAD
-                         if job.priority is LoadPriority.DEMAND else ReadyQueue.PREFETCH, parts)
-        try:
-            for _ in parts:
-                self._executor.submit(self._run_next)
-        except RuntimeError as exc:  # executor shut down underneath us: fail the jobs, no hang
-            # Tasks already submitted each pop one part (or find none and return); every part
-            # still waiting now fails its job here, so no part is run twice or left behind.
-            for waiting in self.ready.drain():
-                self._settle(waiting.job, (False,) * len(waiting.job.keys),
-                             f"executor unavailable: {exc!r}")
-
-    def _parts(self, job: TierJob) -> list[_Part]:
-        """A store is one part (its calls in order); a load is split across the I/O threads,
-        as an engine's own file tier reads with parallel threads: parts of at least
-        ``_MIN_LOAD_PART_KEYS`` keys, at most ``max_keys_per_call``."""
-        count = len(job.keys)
-        if job.kind is JobKind.STORE or count == 0 or job.priority is LoadPriority.PREFETCH:
-            return [_Part(job, 0, count)]
-        size = max(_MIN_LOAD_PART_KEYS, -(-count // self._settings.io_threads))
-        if self._max_keys_per_call is not None:
-            size = min(size, self._max_keys_per_call)
-        return [_Part(job, start, min(count, start + size)) for start in range(0, count, size)]
-
     def get_finished_jobs(self, *, wait: bool = False,
                           timeout: float | None = None) -> list[TierJob]:
         """Collect finished jobs and apply their effects on the lookup manager.
@@ -522,25 +360,6 @@ class SecondaryTier:
                 self._io_log.warning("tier %s: load job of %d keys timed out after %g s; %d "
                                      "keys of finished parts delivered", self._name,
                                      len(job.keys), limit, sum(job.results))
-
-    def _settle(self, job: TierJob, results: tuple[bool, ...] | None, error: str | None, *,
-                abandon: bool = False) -> bool:
-        """Make ``results`` final and post the job, unless it was already settled (then False).
-        ``results`` None: what the job's finished parts answered so far (:func:`_so_far`).
-        ``abandon``: the job's I/O is still running (a deadline, not the I/O thread, settles it).
-        """
-        with self._settle_lock:
-            if job.settled:
-                return False
-            job.results = _so_far(job) if results is None else results
-            job.error = error
-            job.abandoned = abandon and job.running > 0
-            job.settled = True
-        if job.abandoned:
-            self._abandoned += 1
-            self._counters.loads_abandoned += 1
-        self._finished.put(job)
-        return True
 
     def take_released_loads(self, wait_s: float = 0.0) -> list[TierJob]:
         """Abandoned load jobs whose backend call has ended since the last call (scheduler
@@ -610,86 +429,6 @@ class SecondaryTier:
             self._counters.store_keys_failed += len(job.keys) - len(stored)
             self._counters.write_bytes += moved
             self._counters.write_seconds += job.seconds
-
-    # ---- I/O thread ---------------------------------------------------------------------------
-    def _run_next(self) -> None:
-        """Run the oldest waiting load, else store, else prefetch part (one per task)."""
-        part = self.ready.pop()
-        if part is not None:
-            self._run_part(part)
-
-    def _run_part(self, part: _Part) -> None:
-        job = part.job
-        with self._settle_lock:
-            if job.settled:  # expired (or failed) before this part began: never start it
-                return
-            job.running += 1
-            began = time.perf_counter()
-            if not job.first_began:
-                job.first_began = began
-        answers, error = self._call(job, part.start, part.end)
-        busy = time.perf_counter() - began
-        with self._settle_lock:
-            job.running -= 1
-            job.busy_s += busy  # busy time summed over the threads that ran its parts
-            job.partial[part.start : part.end] = answers
-            if error is not None and job.first_error is None:
-                job.first_error = error
-            job.parts_left -= 1
-            done = job.parts_left == 0
-            released = job.abandoned and job.running == 0
-        if released:  # timed out meanwhile: its keys already failed; its buffers are free now
-            self._released.put(job)
-            return
-        if not done:
-            return
-        final = tuple(job.partial)
-        if job.suspects:
-            job.results = final
-            self._read_back(job)
-        job.seconds = job.busy_s
-        job.wall_s = time.perf_counter() - job.first_began
-        self._settle(job, final, job.first_error)
-
-    def _call(self, job: TierJob, start: int, end: int) -> tuple[list[bool], str | None]:
-        """Keys ``start:end`` of ``job`` through the backend, in calls of at most
-        ``max_keys_per_call``. Keys after a failed call fail; keys moved before stay moved."""
-        results: list[bool] = []
-        step = self._max_keys_per_call or max(1, end - start)
-        try:
-            for first in range(start, end, step):
-                last = min(end, first + step)
-                keys = job.keys[first:last]
-                if job.kind is JobKind.LOAD:
-                    outs = cast("Sequence[memoryview]", job.buffers[first:last])
-                    raw = self._backend.get_many(keys, outs)
-                else:
-                    raw = self._backend.put_many(keys, job.buffers[first:last])
-                answers = [item is True for item in raw]
-                if len(answers) != len(keys):
-                    raise ValueError(f"backend returned {len(answers)} results for "
-                                     f"{len(keys)} keys")
-                results.extend(answers)
-        except Exception as exc:  # an I/O thread survives everything; the job fails safe
-            self._io_log.warning("tier %s: %s job of %d keys failed: %r", self._name,
-                                 job.kind.value, len(job.keys), exc)
-            return results + [False] * (end - start - len(results)), repr(exc)
-        return results, None
-
-    def _read_back(self, job: TierJob) -> None:
-        """Store job, I/O thread: read back the stored keys whose load failed recently; the
-        ones that load (frame verified by the backend) are ``job.verified``."""
-        positions = [p for p in job.suspects if job.results[p]]
-        if not positions:
-            return
-        outs = [memoryview(bytearray(memoryview(job.buffers[p]).nbytes)) for p in positions]
-        try:
-            loaded = self._backend.get_many([job.keys[p] for p in positions], outs)
-        except Exception as exc:  # the quarantine simply stays
-            self._io_log.warning("tier %s: read-back of %d re-stored keys failed: %r",
-                                 self._name, len(positions), exc)
-            return
-        job.verified = tuple(p for p, ok in zip(positions, loaded, strict=False) if ok is True)
 
     # ---- introspection ------------------------------------------------------------------------
     @property
