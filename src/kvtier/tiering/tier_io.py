@@ -12,9 +12,10 @@ is its I/O half, mixed in):
   :class:`~kvtier.tiering.ready_parts.ReadyParts`: demand loads, then stores, then prefetch
   loads; appended by the scheduler, popped by I/O threads, each part popped exactly once).
   They call the backend and record the part's answers in the job under ``_settle_lock``
-  (``running``, ``parts_left``, ``partial``, ``first_error``); the thread that finishes the last part fills in ``results``, ``error`` and ``seconds`` and posts
-  the job to ``_finished`` (a ``queue.SimpleQueue``). After posting no I/O thread touches the
-  job again; before posting the scheduler never reads those fields.
+  (``running``, ``parts_left``, ``partial``, ``first_error``); the thread that finishes the
+  last part fills in ``results``, ``error`` and ``seconds`` and posts the job to ``_finished``
+  (a ``queue.SimpleQueue``). After posting no I/O thread touches the job again; before posting
+  the scheduler never reads those fields.
 - The backend is thread-safe by contract. The settings (``_settings``) are read by every thread.
 """
 
