@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -29,29 +29,14 @@ from kvtier.tiering.manager import (
     StoreShed,
     TieringManager,
 )
+from tiering.manager_helpers import BLOCK, Factory, FakeClock, data, k, read, step, store
 
-BLOCK = 256
 HIT, PENDING, RETRY, MISS = (KeyStatus.HIT, KeyStatus.HIT_PENDING, KeyStatus.RETRY,
                              KeyStatus.MISS)
 
 
-def k(i: int) -> bytes:
-    return i.to_bytes(16, "big")
 
 
-def data(key: bytes) -> bytes:
-    return (key * (BLOCK // len(key) + 1))[:BLOCK]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-Factory = Callable[..., TieringManager]
 
 
 @pytest.fixture
@@ -73,24 +58,7 @@ def make(tmp_path: Path) -> Iterator[Factory]:
         manager.shutdown(10)
 
 
-def store(manager: TieringManager, keys: Sequence[bytes], ctx: RequestContext) -> None:
-    plan = manager.prepare_store(keys, ctx)
-    assert plan is not None
-    for key, slot in zip(plan.keys, plan.slots, strict=True):
-        manager.primary_view(slot)[:] = data(key)
-    manager.complete_store(plan.keys, ctx)
 
-
-def step(manager: TieringManager) -> None:
-    manager.on_schedule_end()
-    assert manager.wait_idle(10)
-
-
-def read(manager: TieringManager, keys: Sequence[bytes], ctx: RequestContext) -> list[bytes]:
-    plan = manager.prepare_load(keys, ctx)
-    result = [bytes(manager.primary_view(slot)) for slot in plan.slots]
-    manager.complete_load(keys, ctx)
-    return result
 
 
 def assert_no_state(manager: TieringManager) -> None:

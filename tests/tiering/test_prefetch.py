@@ -6,7 +6,7 @@ counters add up. Timing is pinned with wait_idle and threading.Event gates, neve
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 from uuid import uuid4
 
@@ -27,27 +27,7 @@ from kvtier.tiering.manager import (
 from kvtier.tiering.plans import LoadPriority
 from kvtier.tiering.tier import SecondaryTier
 from kvtier.tiering.tier_settings import PrefetchSettings, TierSettings
-
-BLOCK = 256
-
-
-def k(i: int) -> bytes:
-    return i.to_bytes(16, "big")
-
-
-def data(key: bytes) -> bytes:
-    return (key * (BLOCK // len(key) + 1))[:BLOCK]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-Factory = Callable[..., TieringManager]
+from tiering.manager_helpers import BLOCK, Factory, FakeClock, data, k, read, step, store
 
 
 @pytest.fixture
@@ -76,24 +56,7 @@ def make() -> Iterator[Factory]:
         manager.shutdown(10)
 
 
-def store(manager: TieringManager, keys: Sequence[bytes], ctx: RequestContext) -> None:
-    plan = manager.prepare_store(keys, ctx)
-    assert plan is not None
-    for key, slot in zip(plan.keys, plan.slots, strict=True):
-        manager.primary_view(slot)[:] = data(key)
-    manager.complete_store(plan.keys, ctx)
 
-
-def step(manager: TieringManager) -> None:
-    manager.on_schedule_end()
-    assert manager.wait_idle(10)
-
-
-def read(manager: TieringManager, keys: Sequence[bytes], ctx: RequestContext) -> list[bytes]:
-    plan = manager.prepare_load(keys, ctx)
-    result = [bytes(manager.primary_view(slot)) for slot in plan.slots]
-    manager.complete_load(keys, ctx)
-    return result
 
 
 def turn(manager: TieringManager, keys: Sequence[bytes], req_id: str,
