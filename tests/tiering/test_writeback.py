@@ -223,14 +223,16 @@ def test_a_stalled_tier_sheds_the_excess_once_and_is_not_waited_for_again() -> N
     tier.stuck = True
     apply = apply_to(writeback, tier, applied)
     writeback.submit(0, tier, apply=apply)  # type: ignore[arg-type]
-    assert tier.store_stalls == 1 and tier.now == tier.store_stall_s
+    assert tier.store_stalls == 1 and tier.now >= tier.store_stall_s
     assert counters.cascades_shed == 64 and writeback.sizes()["queued_stores"] == 256
+    waits_before = tier.waits
     for i in range(384, 448):  # another step's cascades: shed at once, no second wait
         resident(pool, k(i))
     writeback.note_stored([k(i) for i in range(384, 448)])
     writeback.flush_unwritten()
     writeback.submit(0, tier, apply=apply)  # type: ignore[arg-type]
-    assert tier.waits == 1 and tier.store_waits == 1 and counters.cascades_shed == 128
+    assert tier.waits == waits_before and tier.store_waits == 1
+    assert counters.cascades_shed == 128
     tier.stuck = False  # the tier finishes its job: progress, so it is waited for again
     apply(0, finished(tier.outstanding[0].job_id, JobKind.STORE, tier.outstanding[0].keys,
                       [True] * 64))

@@ -49,6 +49,7 @@ from kvtier.tiering.tier import SecondaryTier, TierJob
 __all__ = ["MAX_WAITING_CASCADE_FRACTION", "Backlog", "QueuedStore", "WriteBack"]
 
 MAX_WAITING_CASCADE_FRACTION = 0.5  # cascades waiting for a backlogged tier, share of the pool
+_WAIT_SLICE_S = 0.01  # back-pressure checks for room at least this often
 
 
 class Backlog(enum.Enum):
@@ -231,7 +232,8 @@ class WriteBack:
             if remaining <= 0:
                 self._stalled[tier_index] = True
                 break
-            finished = tier.get_finished_jobs(wait=True, timeout=remaining)
+            # In slices: the wait ends as soon as a finished job makes room, not when all have.
+            finished = tier.get_finished_jobs(wait=True, timeout=min(remaining, _WAIT_SLICE_S))
             if finished:
                 last_progress = clock()
             for job in finished:
