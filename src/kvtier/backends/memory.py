@@ -2,8 +2,8 @@
 
 State and owners (any caller thread; all guarded by ``MemoryBackend._lock``):
 
-- ``_frames``: key -> (stored frame, whether this instance encoded it), least recently used
-  first.
+- ``_frames``: key -> (stored frame, a view of its payload where this instance encoded it,
+  else None), least recently used first.
 - ``_used_bytes``: sum of the stored frame sizes.
 
 Frames are encoded and verified by the same template as every other backend. A frame this
@@ -61,7 +61,8 @@ class MemoryBackend(Backend):
                          logger=_log, auth_key=auth_key)
         self._max_bytes: int = SETTINGS["max_bytes"].parse(max_bytes)
         self._lock = threading.Lock()
-        self._frames: OrderedDict[BlockKey, tuple[bytes | bytearray, bool]] = OrderedDict()
+        self._frames: OrderedDict[BlockKey, tuple[bytes | bytearray, memoryview | None]] = \
+            OrderedDict()
         self._used_bytes = 0
 
     @property
@@ -94,7 +95,7 @@ class MemoryBackend(Backend):
                     _old_key, (old, _trusted) = self._frames.popitem(last=False)
                     self._used_bytes -= len(old)
                     evicted += 1
-                self._frames[frame.key] = (joined, True)
+                self._frames[frame.key] = (joined, memoryview(joined)[HEADER_BYTES:])
                 self._used_bytes += size
             outcomes.append(Outcome.OK)
         if evicted:
@@ -102,25 +103,32 @@ class MemoryBackend(Backend):
         return outcomes
 
     def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> list[Fetched]:
+        frames = self._frames
         with self._lock:  # one acquisition per batch; the copies run outside it
-            entries = [self._frames.get(key) for key in keys]
+            entries = [frames.get(key) for key in keys]
+            move = frames.move_to_end
             for key, entry in zip(keys, entries, strict=True):
                 if entry is not None:
-                    self._frames.move_to_end(key)
+                    move(key)
         fetched: list[Fetched] = []
+        append = fetched.append
         for out, entry in zip(outs, entries, strict=True):
             if entry is None:
-                fetched.append(MISSING_FETCH)
+                append(MISSING_FETCH)
                 continue
-            frame, trusted = entry  # never changed once stored: safe to read without the lock
-            if trusted and len(frame) - HEADER_BYTES == out.nbytes:
-                # A frame this instance encoded (FRAME_LAYOUT HEADER: the payload follows the
-                # header): one copy, nothing to check.
-                out[:] = memoryview(frame)[HEADER_BYTES:]
-                fetched.append(COPIED_FETCH)
-            else:
-                fetched.append(Fetched(Outcome.OK, frame=memoryview(frame), token=frame,
-                                       trusted=trusted))
+            frame, payload = entry  # never changed once stored: safe to read without the lock
+            if payload is not None:
+                # A frame this instance encoded: one copy of its payload view, nothing to check
+                # (a destination of another size refuses the copy and is judged below).
+                try:
+                    out[:] = payload
+                except ValueError:
+                    pass
+                else:
+                    append(COPIED_FETCH)
+                    continue
+            append(Fetched(Outcome.OK, frame=memoryview(frame), token=frame,
+                           trusted=payload is not None))
         return fetched
 
     def _m_remove_bad(self, bad: list[tuple[BlockKey, Fetched]]) -> None:
@@ -158,7 +166,7 @@ class MemoryBackend(Backend):
             old = self._frames.get(key)
             if old is not None:
                 self._used_bytes -= len(old[0])
-            self._frames[key] = (bytes(frame), False)  # not ours: verified on every read
+            self._frames[key] = (bytes(frame), None)  # not ours: verified on every read
             self._used_bytes += len(frame)
 
 

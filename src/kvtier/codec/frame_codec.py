@@ -200,23 +200,32 @@ class FrameCodec:
 
         ``payload_bytes`` is how many bytes the stored object carried besides its record.
         """
-        if (self._ring is None and type(header) is bytes and len(header) == HEADER_BYTES
-                and payload_bytes == out.nbytes
-                and header[4] == self._version):
-            # The common case (an unkeyed record of this codec's format) in two compares and
-            # one hash pass, without the calls of the general path below.
-            fixed = self._parts.get((self._version, len(key), payload_bytes))
-            if fixed is not None and header.startswith(
-                    b"".join((fixed, key, self._pad_tail[len(key)]))):
-                payload_first = self._layout is FrameLayout.TRAILER
-                hasher = xxhash.xxh3_64(out if payload_first else header[:_CHECK_OFFSET])
-                hasher.update(header[:_CHECK_OFFSET] if payload_first else out)
-                if header.endswith(_CHECKSUM_PADDED.pack(hasher.intdigest(), 0)):
-                    return Provenance.CURRENT
+        if self.is_current(header, key, out, payload_bytes):
+            return Provenance.CURRENT
         length = self._verify_header(header, key, payload_bytes)
         if length != out.nbytes:  # the medium should have returned the whole frame instead
             raise LengthMismatch(f"header says {length} payload bytes, out has {out.nbytes}")
         return self._verify_integrity(header, out)
+
+    def is_current(self, header: Buffer, key: bytes, out: memoryview, payload_bytes: int) -> bool:
+        """Whether ``header`` + ``out`` are exactly an unkeyed frame of this codec's format for
+        ``key`` (the common case of :meth:`verify_in_place`, in two compares and one hash pass,
+        raising nothing). False says only "not this case": :meth:`verify_in_place` then gives
+        the verdict (and the precise error)."""
+        if (self._ring is not None or type(header) is not bytes or len(header) != HEADER_BYTES
+                or payload_bytes != out.nbytes or header[4] != self._version):
+            return False
+        fixed = self._parts.get((self._version, len(key), payload_bytes))
+        if fixed is None or not header.startswith(b"".join((fixed, key,
+                                                            self._pad_tail[len(key)]))):
+            return False
+        if self._layout is FrameLayout.TRAILER:
+            hasher = xxhash.xxh3_64(out)
+            hasher.update(header[:_CHECK_OFFSET])
+        else:
+            hasher = xxhash.xxh3_64(header[:_CHECK_OFFSET])
+            hasher.update(out)
+        return header.endswith(_CHECKSUM_PADDED.pack(hasher.intdigest(), 0))
 
     def verify(self, frame: memoryview, key: bytes) -> int:
         """Verify a whole frame without copying it; its payload length."""

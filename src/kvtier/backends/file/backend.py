@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import stat
 import threading
@@ -64,11 +65,13 @@ from kvtier.backends.file.frameio import inode_of, read_frame, read_whole, write
 from kvtier.backends.file.layout import (
     _CREATE_FLAGS,
     _FILE_MODE,
+    _MAX_NAME_HEX,
     _MISSING_ERRNOS,
     _NOT_READABLE_ERRNOS,
     _NOT_REGULAR_ERRNOS,
     _O_DIRECT,
     _READ_FLAGS,
+    _SUFFIX,
     _TEMP_COUNTER,
     _TEMP_PREFIX,
     MANIFEST_NAME,
@@ -407,11 +410,38 @@ class FileBackend(Backend):
             return
         fd = -1
         try:
+            if self._direct_io is DirectIO.ACTIVE or self._capacity.bounded:
+                for key, out in zip(keys, outs, strict=True):
+                    fetched, fd = self._fetch_one(view, key, out)
+                    # The descriptor stays open while the template judges the item: a bad
+                    # frame's token (its inode) is taken from it then, and only then.
+                    yield fetched
+                    if fd >= 0:
+                        os.close(fd)
+                        fd = -1
+                return
+            # Buffered and unbounded (the common case): _fetch_one's good path inline, one
+            # open and one preadv per block without a call per step; anything else (a cached
+            # fan-out directory missing, an error, a short read) goes through _fetch_one.
+            fans = view.fans
+            page = self._scratch.trailer_page()
             for key, out in zip(keys, outs, strict=True):
-                fetched, fd = self._fetch_one(view, key, out)
-                # The descriptor stays open while the template judges the item: a bad frame's
-                # token (its inode) is taken from it then, and only then.
-                yield fetched
+                key_hex = key.hex()
+                dir_fd = fans.get(key_hex[:2], -1) if len(key_hex) <= _MAX_NAME_HEX else -1
+                item: Fetched | None = None
+                if dir_fd >= 0:
+                    try:
+                        fd = os.open(key_hex + _SUFFIX, _READ_FLAGS, dir_fd=dir_fd)
+                    except OSError as exc:
+                        item = self._open_failed(key, exc, direct=False)
+                    else:
+                        item = self._read_buffered(fd, out, page)
+                        if item is None:  # the read raised: _fetch_one gives the answer
+                            os.close(fd)
+                            fd = -1
+                if item is None:
+                    item, fd = self._fetch_one(view, key, out)
+                yield item
                 if fd >= 0:
                     os.close(fd)
                     fd = -1
@@ -419,6 +449,34 @@ class FileBackend(Backend):
             if fd >= 0:
                 os.close(fd)
             self._dirs.release(view)
+
+    def _read_buffered(self, fd: int, out: memoryview, page: mmap.mmap) -> Fetched | None:
+        """The buffered read of an open block file: the payload into ``out``, the trailer into
+        ``page``; None where the read raised (the caller asks :meth:`_fetch_one`)."""
+        try:
+            count = os.preadv(fd, (out, page), 0)
+        except OSError:
+            return None
+        if count == out.nbytes + codec.HEADER_BYTES and is_trailer(page):
+            return Fetched(Outcome.OK, header=page[: codec.HEADER_BYTES],
+                           payload_bytes=out.nbytes, token=partial(inode_of, fd))
+        try:
+            return read_whole(fd, self._scratch)
+        except OSError:
+            return None
+
+    def _open_failed(self, key: BlockKey, exc: OSError, *, direct: bool) -> Fetched | None:
+        """What a failed open of ``key``'s file means; None: ask :meth:`_fetch_one` again (a
+        filesystem refused O_DIRECT)."""
+        if exc.errno in _MISSING_ERRNOS:
+            return MISSING_FETCH
+        if exc.errno in _NOT_REGULAR_ERRNOS:
+            return CORRUPT_FETCH  # a symlink or socket at the block path
+        if direct and exc.errno == errno.EINVAL:
+            self._disable_direct_io(exc)
+            return None
+        self._fail("get", key, exc)
+        return FAILED_FETCH
 
     def _fetch_one(self, view: View, key: BlockKey, out: memoryview) -> tuple[Fetched, int]:
         """What the file of ``key`` holds, and the descriptor to close once it is judged (-1:
@@ -441,15 +499,8 @@ class FileBackend(Backend):
         try:
             fd = os.open(name, _READ_FLAGS | (_O_DIRECT if direct else 0), dir_fd=dir_fd)
         except OSError as exc:
-            if exc.errno in _MISSING_ERRNOS:
-                return MISSING_FETCH, -1
-            if exc.errno in _NOT_REGULAR_ERRNOS:
-                return CORRUPT_FETCH, -1  # a symlink or socket at the block path
-            if direct and exc.errno == errno.EINVAL:
-                self._disable_direct_io(exc)
-                return self._fetch_one(view, key, out)
-            self._fail("get", key, exc)
-            return FAILED_FETCH, -1
+            answer = self._open_failed(key, exc, direct=direct)
+            return (self._fetch_one(view, key, out) if answer is None else (answer, -1))
         finally:
             if owned:
                 os.close(dir_fd)
