@@ -34,15 +34,17 @@ promoted back, newest chain first (for the heavy-tailed pauses of agents, a sess
 a short while ago is the likeliest to come back next), within two budgets: the prefetched
 blocks not used yet plus those in flight hold at most ``pool_fraction`` of the pool, and each
 tier runs at most ``io_fraction`` of its I/O threads' worth of prefetch load jobs. A prefetch
-never takes the slot of a block of a newer chain or of a session with a request running.
+takes a free slot or the one the value order names (an ended session's block, or one the engine
+holds), never the pool's LRU victim (another chain the engine lost: no gain, and the scan of a
+protected LRU order cost the scheduler thread more than the rest of the prefetcher).
 
 Prefetch never costs a demand load:
 
 - its loads run at ``LoadPriority.PREFETCH`` (an I/O thread takes one only when no demand load
   and no store waits), and a request that joins a prefetch in flight moves it to the demand
   queue (:class:`~kvtier.tiering.promotions.PromotionTable`);
-- a slot for a prefetch never costs a block of a newer chain, of a session with a request
-  running, or a pinned or held one;
+- a slot for a prefetch never costs a block of a chain the engine lost, of a session with a
+  request running, or a pinned or held one;
 - its lookups probe at most ``PROBES_PER_STEP`` keys a step, so a demand lookup's probe batch
   stays small;
 - when the pool needs the room (a store deferred or refused, a promotion without a slot, a piece
@@ -64,7 +66,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -140,30 +142,6 @@ class _Chain:
     missing: list[int] = field(default_factory=list)  # heap: positions that left the pool
     missing_set: set[int] = field(default_factory=set)
     demoted: int = 0         # keys from the tail given up for the engine holds them
-
-
-class _Protected:
-    """The keys a prefetch for the chain of finish order ``seq`` must not evict: keys of a chain
-    as new or newer, or of a session with a request running."""
-
-    __slots__ = ("_owner", "_seq")
-
-    def __init__(self, owner: dict[BlockKey, _Chain], seq: int) -> None:
-        self._owner = owner
-        self._seq = seq
-
-    def __contains__(self, key: object) -> bool:
-        chain = self._owner.get(key)  # type: ignore[call-overload]
-        return chain is not None and (chain.active or chain.seq >= self._seq)
-
-    def __bool__(self) -> bool:
-        return True  # PrimaryPool.reserve skips the check for an empty collection
-
-    def __len__(self) -> int:
-        return 0  # never iterated: PrimaryPool.reserve only asks membership
-
-    def __iter__(self) -> Iterator[BlockKey]:
-        return iter(())
 
 
 class Prefetcher:
@@ -298,7 +276,8 @@ class Prefetcher:
             del self._active[session]
         keys = tuple(chain) if chain is not None else _merged(seen.looked_up, seen.stored)
         self._drop_chain(session)
-        if not keys:
+        if not keys:  # the engine keeps no chain of it (``chain=()``): the cheapest victims
+            self._ended.extend(_merged(seen.looked_up, seen.stored))
             return
         if next_turn is NextTurn.NONE and session not in self._active:
             self.counters.ended_sessions += 1
@@ -454,9 +433,10 @@ class Prefetcher:
 
     def _choose_victim(self, skip: SkipPredicate) -> BlockKey | None:
         """The pool's next victim by value (``PrimaryPool.victim_chooser``): a block of an
-        ended session, else one of a paused chain the engine still holds (newest chain first,
-        from its tail, which the engine keeps longest); only blocks a tier holds. None: the
-        pool's own order decides (among the chains the engine lost and blocks of no chain)."""
+        ended session (or of a request the engine kept no chain of), else one of a paused
+        chain the engine still holds (newest chain first, from its tail, which the engine
+        keeps longest); only blocks a tier holds. None: the pool's own order decides (among
+        the chains the engine lost)."""
         pool = self._pool
         unwritten = self._writeback.is_unwritten
         ended = self._ended
@@ -483,6 +463,15 @@ class Prefetcher:
                     return key
         return None
 
+    def _demote_one(self) -> bool:
+        """Free the slot of the lowest-value block (written to a tier), if there is one."""
+        pins = self._pool.pin_count
+        key = self._choose_victim(lambda candidate: pins(candidate) > 0)
+        if key is None or not self._pool.discard(key):
+            return False
+        self._events.emit(BlockRemoved((key,), PRIMARY))
+        return True
+
     def _lookup(self, tier: SecondaryTier, key: BlockKey, chain: _Chain) -> bool | None:
         """The tier's answer for ``key``; None (not asked) once this step's probes are spent,
         so that prefetch never swells the probe batch a demand lookup waits for."""
@@ -499,7 +488,6 @@ class Prefetcher:
         pool = self._pool
         promotions = self._promotions
         copy_of = self._writeback.copy_of
-        protect = _Protected(self._owner, chain.seq)
         missing = chain.missing
         later: list[int] = []
         started = scanned = 0
@@ -512,7 +500,7 @@ class Prefetcher:
             if (pool.is_resident(key) or key in promotions or pool.slot_of(key) is not None
                     or copy_of(key) is not None):  # a copy: demand re-admits it from memory
                 continue
-            outcome = self._start(key, chain, protect)
+            outcome = self._start(key, chain)
             if outcome is _Start.STARTED:
                 started += 1
             elif outcome is not _Start.ABSENT:
@@ -524,8 +512,10 @@ class Prefetcher:
             _mark_missing(chain, position)
         return started, scanned, blocked
 
-    def _start(self, key: BlockKey, chain: _Chain, protect: _Protected) -> _Start:
-        """Prefetch ``key`` from the first tier that holds it."""
+    def _start(self, key: BlockKey, chain: _Chain) -> _Start:
+        """Prefetch ``key`` from the first tier that holds it, into a free slot or the slot of
+        the lowest-value block (never by the pool's own order: that would cost a chain the
+        engine lost as much as it brings back, and scanning it costs the scheduler's time)."""
         for index, tier in enumerate(self._tiers):
             verdict = self._lookup(tier, key, chain)
             if verdict is None:
@@ -534,11 +524,11 @@ class Prefetcher:
                 continue
             if self._tier_in_flight[index] >= self._io_budget[index]:
                 return _Start.NO_IO
-            reservation = self._pool.reserve(key, protect)
+            if not self._pool.free_slots and not self._demote_one():
+                return _Start.NO_SLOT
+            reservation = self._pool.reserve(key)
             if reservation is None:
                 return _Start.NO_SLOT
-            if reservation.evicted is not None:
-                self._writeback.on_evicted(reservation.evicted, reservation.slot)
             if self._unused.pop(key, None) is not None:  # evicted unused, not counted yet
                 self.counters.wasted_blocks += 1
             self._promotions.start_prefetch(key, index, reservation.slot)
