@@ -46,6 +46,17 @@ def wasted_share(result: ReplayResult) -> float:
     return result.prefetch.get("wasted_blocks", 0) / prefetched if prefetched else 0.0
 
 
+def prefetcher_totals(result: ReplayResult) -> dict[str, int]:
+    """Every numeric prefetcher counter (kept, demoted, ended sessions...), summed over the
+    replay's instances."""
+    totals: dict[str, int] = {}
+    for stats in result.manager_stats:
+        for name, value in stats.get("prefetch", {}).items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                totals[name] = totals.get(name, 0) + value
+    return totals
+
+
 def summary(runs: dict[str, list[ReplayResult]]) -> dict[str, Any]:
     on, off = runs["on"], runs["off"]
     med = statistics.median
@@ -64,6 +75,7 @@ def summary(runs: dict[str, list[ReplayResult]]) -> dict[str, Any]:
         "wall_s_on": med(r.wall_s for r in on),
         "wall_s_off": med(r.wall_s for r in off),
         "prefetch_last_round": on[-1].prefetch,
+        "prefetcher_last_round": prefetcher_totals(on[-1]),
         "hit_sources_on_last_round": on[-1].hit_sources,
         "hit_sources_off_last_round": off[-1].hit_sources,
     }
@@ -106,6 +118,7 @@ def main() -> int:
           f"{report['block_hit_ratio_off']:.4f} off, steps waited "
           f"{report['steps_waited_on']:,.0f} on / {report['steps_waited_off']:,.0f} off")
     print("prefetch (last round):", report["prefetch_last_round"])
+    print("prefetcher (last round):", report["prefetcher_last_round"])
     print("hit sources on / off (last round):", report["hit_sources_on_last_round"], "/",
           report["hit_sources_off_last_round"])
     for label, passed in checks.items():

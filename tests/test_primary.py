@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from uuid import uuid4
 
@@ -73,6 +74,36 @@ def test_free_slots_first_then_lru_eviction_reports_the_victim() -> None:
         assert pool.state_of(k(3)) is SlotState.FILLING
         assert not pool.is_resident(k(3))
         assert pool.evictions == 1
+
+
+def test_a_victim_chooser_goes_before_the_policy_and_a_stale_pick_falls_back() -> None:
+    with PrimaryPool(8, 3) as pool:
+        for i in (1, 2, 3):
+            fill(pool, k(i))
+        picks = [k(3), k(9), None]  # the newest; then one not resident; then no opinion
+        asked: list[bool] = []
+
+        def choose(skip: Callable[[bytes], bool]) -> bytes | None:
+            asked.append(skip(k(1)))
+            return picks.pop(0)
+
+        pool.victim_chooser = choose
+        first = pool.reserve(k(4))
+        assert first is not None and first.evicted == k(3)  # not the LRU victim k(1)
+        pool.commit(k(4))
+        second = pool.reserve(k(5))  # k(9) is stale: refused, counted, LRU decides
+        assert second is not None and second.evicted == k(1)
+        assert pool.chooser_refused == 1
+        pool.commit(k(5))
+        pool.pin(k(2))
+        third = pool.reserve(k(6))  # no pick: the policy, which skips the pinned k(2)
+        assert third is not None and third.evicted == k(4)
+        assert asked == [False, False, False]
+        pool.commit(k(6))
+        pool.victim_chooser = lambda skip: k(2)  # pinned: never evicted, whoever picks it
+        fourth = pool.reserve(k(7))
+        assert fourth is not None and fourth.evicted == k(5)
+        assert pool.is_resident(k(2)) and pool.chooser_refused == 2
 
 
 def test_pinned_and_filling_slots_are_never_evicted_and_a_full_pool_is_not_an_error() -> None:

@@ -21,6 +21,10 @@ not evictable) or ``RESIDENT`` (readable, evictable unless pinned); a slot whose
 abandoned while its I/O may still write it is ``RETIRED`` (no key, never handed out) until
 ``reclaim``. A full pool is not an error:
 ``reserve`` answers None when every slot is filling or pinned.
+
+Eviction order: the policy's (LRU, ARC), unless a ``victim_chooser`` is set (the manager's
+prefetcher, which knows which resident blocks the engine above still holds itself): its pick,
+when it names an evictable key, goes first, and the policy decides when it names none.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import numpy.typing as npt
 
 from kvtier.errors import ClosedError, KvtierError
 from kvtier.keys import BlockKey
-from kvtier.policies import EvictionPolicy, PolicyName, make_policy
+from kvtier.policies import EvictionPolicy, PolicyName, SkipPredicate, make_policy
 from kvtier.settings import ConfigError
 
 
@@ -163,6 +167,10 @@ class PrimaryPool:
         self._retired: set[int] = set()  # slots an abandoned load may still write
         self._pins: dict[BlockKey, int] = {}
         self.evictions = 0
+        # The lowest-value resident key for which the predicate is False, or None (see the
+        # module docstring); set by the owner of the pool, on the scheduler thread.
+        self.victim_chooser: Callable[[SkipPredicate], BlockKey | None] | None = None
+        self.chooser_refused = 0  # picks that named no evictable key (fell back to the policy)
 
     # ---- geometry -------------------------------------------------------------------------
     @property
@@ -262,7 +270,16 @@ class PrimaryPool:
             skip: Callable[[BlockKey], bool] = (
                 (lambda k: k in pins or k in protect) if protect else pins.__contains__
             )
-            evicted = self._policy.victim(skip, key)
+            evicted = None
+            if self.victim_chooser is not None:
+                evicted = _chosen_victim(self.victim_chooser, skip, self._slot_of, self._filling)
+                if evicted is None or evicted is _STALE:
+                    self.chooser_refused += evicted is _STALE
+                    evicted = None
+                else:
+                    self._policy.remove(evicted)
+            if evicted is None:
+                evicted = self._policy.victim(skip, key)
             if evicted is None:
                 return None
             slot = self._slot_of.pop(evicted)
@@ -389,6 +406,21 @@ class PrimaryPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+_STALE = b""  # a chooser's pick that is not evictable (never a real key: keys are not empty)
+
+
+def _chosen_victim(chooser: Callable[[SkipPredicate], BlockKey | None], skip: SkipPredicate,
+                   slot_of: dict[BlockKey, int], filling: set[BlockKey]) -> BlockKey | None:
+    """The chooser's pick; None when it names none, ``_STALE`` when it names a key that is
+    not evictable (the chooser's view of the pool was stale: counted, the policy decides)."""
+    key = chooser(skip)
+    if key is None:
+        return None
+    if key not in slot_of or key in filling or skip(key):
+        return _STALE
+    return key
 
 
 class ArenaMapping:

@@ -21,6 +21,7 @@ from kvtier.tiering.manager import (
     BlockPrefetched,
     BlockPromoted,
     KeyStatus,
+    NextTurn,
     StoreMode,
     TieringManager,
 )
@@ -175,8 +176,9 @@ class HeldGets:
     """Fault injection a real backend cannot do on demand: hold every get on an Event and
     record the order of the backend calls. Everything else goes to the real backend."""
 
-    def __init__(self, inner: Backend) -> None:
+    def __init__(self, inner: Backend, only: set[BlockKey] | None = None) -> None:
         self.inner = inner
+        self.only = only  # hold only calls that touch one of these keys (None: every call)
         self.release = threading.Event()
         self.release.set()
         self.entered = threading.Semaphore(0)
@@ -187,6 +189,8 @@ class HeldGets:
 
     def _hold(self, what: str, keys: Sequence[BlockKey]) -> None:
         self.calls.append((what, tuple(keys)))
+        if self.only is not None and not self.only.intersection(keys):
+            return
         self.entered.release()
         if not self.release.wait(30):
             raise TimeoutError("test gate never opened")
@@ -348,10 +352,11 @@ def test_a_bad_session_id_is_refused() -> None:
         RequestContext("r", session_id="")
 
 
-def test_what_the_engine_still_holds_is_not_prefetched_what_it_lost_is(make: Factory) -> None:
+def test_a_chain_the_engine_lost_comes_back_whole(make: Factory) -> None:
     """A next turn that asks from past its chain's start says the engine held the chain (its
-    own cache); the prefetcher learns how deep that cache reaches and brings back only the
-    blocks deeper than that, the chain's oldest first."""
+    own cache); the prefetcher learns how deep that cache reaches. A chain whose first block
+    is deeper than that is loaded whole by its next turn (a prefix cache serves only a
+    prefix), so all of it comes back, not only the blocks past the horizon."""
     m = make(slots=8, prefetch={"pool_fraction": 0.9})
     turn(m, [k(1), k(2), k(3)], "s1-turn0", "s1")
     nxt = RequestContext("s1-turn1", session_id="s1")
@@ -363,13 +368,14 @@ def test_what_the_engine_still_holds_is_not_prefetched_what_it_lost_is(make: Fac
     evict_with_one_off_request(m, 100, 8)
     step(m)
     step(m)
-    # 90 % of the 3-block horizon: the engine is taken to hold the newest 2 blocks.
-    assert [m.pool.is_resident(k(i)) for i in range(1, 5)] == [True, True, False, False]
+    # 90 % of the 3-block horizon: the 4-block chain's first block is past it.
+    assert [m.pool.is_resident(k(i)) for i in range(1, 5)] == [True] * 4
 
 
-def test_a_prefetch_takes_the_slot_of_a_block_the_engine_still_holds(make: Factory) -> None:
-    """Pool full: the prefetched block gets the slot of the lowest-value block, one of the
-    newest chain (which the engine holds), from its tail; not a block the engine may need."""
+def test_the_pool_keeps_what_the_engine_lost_and_evicts_what_it_holds(make: Factory) -> None:
+    """Pool full: a store takes the slot of the lowest-value block, one of the newest chain
+    (which the engine holds), from its tail; not the LRU victim, a block of the older chain
+    the engine lost. That chain is kept (no prefetch needed) and counted at its next turn."""
     m = make(slots=8, prefetch={"pool_fraction": 0.9})
     newer = [k(i) for i in range(10, 14)]
     turn(m, newer, "s2-turn0", "s2")
@@ -382,10 +388,55 @@ def test_a_prefetch_takes_the_slot_of_a_block_the_engine_still_holds(make: Facto
     step(m)
     assert prefetch_stats(m)["engine_horizon_blocks"] == 7
     m.touch([*newer, k(14)], nxt)  # the older chain's k(1), k(2) are now the LRU victims
-    evict_with_one_off_request(m, 100, 2)  # evicts them; the pool is full
+    evict_with_one_off_request(m, 100, 2)  # the pool is full: two blocks must go
     step(m)
-    step(m)
-    assert m.pool.is_resident(k(1)) and m.pool.is_resident(k(2))  # the engine lost them
+    assert all(m.pool.is_resident(key) for key in older)  # kept: the engine lost them
     assert not m.pool.is_resident(k(14)) and not m.pool.is_resident(k(13))  # demoted
     assert m.pool.is_resident(k(100)) and m.pool.is_resident(k(101))
-    assert prefetch_stats(m)["demoted_blocks"] == 2
+    back = RequestContext("s1-turn1", session_id="s1")
+    assert m.lookup_prefix(older, back) == 3
+    stats = prefetch_stats(m)
+    assert (stats["demoted_blocks"], stats["kept_blocks"], stats["started_blocks"]) == (2, 3, 0)
+
+
+def test_an_ended_session_is_evicted_first_and_never_prefetched(make: Factory) -> None:
+    """NextTurn.NONE: the engine says the session ended; its blocks go before the LRU
+    victims (an older paused chain) and nothing of it comes back."""
+    m = make(slots=8, prefetch={"pool_fraction": 0.9})
+    paused = [k(i) for i in range(10, 13)]
+    turn(m, paused, "s2-turn0", "s2")
+    ended = [k(1), k(2), k(3)]
+    ctx = RequestContext("s1-last", session_id="s1")
+    store(m, ended, ctx)
+    m.on_request_finished(ctx, next_turn=NextTurn.NONE)
+    step(m)
+    evict_with_one_off_request(m, 100, 4)  # 2 free slots, then 2 evictions
+    for _ in range(3):
+        step(m)
+    assert all(m.pool.is_resident(key) for key in paused)
+    assert [m.pool.is_resident(key) for key in ended] == [False, False, True]
+    stats = prefetch_stats(m)
+    assert (stats["ended_sessions"], stats["started_blocks"], stats["paused_chains"]) == (1, 0, 1)
+    with pytest.raises(ValueError, match="next_turn must be one of"):
+        m.on_request_finished(ctx, next_turn="none")  # type: ignore[arg-type]
+
+
+def test_the_end_of_step_wait_never_waits_for_a_prefetch_load(namespace: Namespace) -> None:
+    """A held prefetch load and a demand load: the step's I/O yield collects the demand load
+    and returns, the prefetch load still running (were it waited for, the yield's hour-long
+    budget would hang the test into its timeout)."""
+    held = HeldGets(open_backend("memory://", namespace), only={k(8)})
+    held.inner.put_many([k(8), k(9)], [data(k(8)), data(k(9))])
+    tier = SecondaryTier("yield", held, TierSettings(io_threads=2))
+    try:
+        held.release.clear()
+        out8, out9 = bytearray(BLOCK), bytearray(BLOCK)
+        tier.submit_load([k(8)], [memoryview(out8)], LoadPriority.PREFETCH)
+        assert held.entered.acquire(timeout=10)  # the prefetch load is on a thread, held
+        demand = tier.submit_load([k(9)], [memoryview(out9)])
+        done = tier.yield_to_io(3600.0)
+        assert done == [demand] and demand.results == (True,)
+        assert tier.outstanding_jobs == 1  # the prefetch load, still held
+    finally:
+        held.release.set()
+        tier.shutdown(10)

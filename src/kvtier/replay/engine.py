@@ -268,6 +268,12 @@ class _Loop:
                 if record.after is not None:
                     self._dependents.setdefault(record.after, []).append(index)
         self._due: list[tuple[float, int]] = []
+        # session -> its last request (only when the trace names sessions and their order)
+        self._last_of_session: dict[int | None, int] = {}
+        if self.causal:
+            for index, record in enumerate(trace.requests):
+                if record.session is not None:
+                    self._last_of_session[record.session] = index
         self._finished = 0
         self.window = max(1, -(-max(1, self.served) // options.timeline_windows))
         self.timeline: list[TimelinePoint] = []
@@ -309,6 +315,8 @@ class _Loop:
                     None if record.session is None else f"session-{record.session}")),
                 keys=self._keys_for(record),
                 arrival_s=record.timestamp_ms / 1000.0,
+                # A session's last turn (an agent's loop ends): the manager keeps nothing of it.
+                last_turn=self._last_of_session.get(record.session) == index,
             )
         )
 

@@ -19,7 +19,7 @@ from kvtier.keys import BlockKey, RequestContext
 from kvtier.replay.errors import ReplayError, ReplayIntegrityError, ReplayStuckError
 from kvtier.replay.options import _KEY_PREFIX_BYTES, _PAYLOAD_SEED, PrefixLoading, ReplayOptions
 from kvtier.replay.trace import TraceRequest
-from kvtier.tiering.plans import PrefixPiece
+from kvtier.tiering.plans import NextTurn, PrefixPiece
 
 if TYPE_CHECKING:
     from kvtier.tiering.manager import TieringManager
@@ -65,6 +65,7 @@ class _Request:
     ctx: RequestContext
     keys: list[BlockKey]
     arrival_s: float
+    last_turn: bool = False     # its session sends nothing after it (the trace says so)
     first_wait_wall: float | None = None
     first_ask_seq: int | None = None  # the instance's event count at its first lookup
     gpu_run: int | None = None  # its GPU prefix, fixed once it started loading in pieces
@@ -233,7 +234,9 @@ class _Instance:
                     keep.append(request)
                 else:
                     # Its whole chain, as an engine knows it (the GPU prefix included).
-                    manager.on_request_finished(request.ctx, request.keys)
+                    manager.on_request_finished(request.ctx, request.keys,
+                                                next_turn=NextTurn.NONE if request.last_turn
+                                                else NextTurn.EXPECTED)
                     on_finished(request)
                     did_work = True
             self.running = keep

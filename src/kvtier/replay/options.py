@@ -37,9 +37,9 @@ class Prefetch(enum.Enum):
 
 DEFAULT_PREFETCH = Prefetch.OFF
 """The replay's default, the library's too: measured on ``builtin:agentic`` (8 sessions, speed 20,
-``benchmarks/session_prefetch.py``), prefetch keeps every hit but brings back only 0.26 of the
-tier-served blocks in time, wastes 0.57 of what it reads, and costs scheduler time per step and
-steps waited; ``--prefetch on`` measures it."""
+``benchmarks/session_prefetch.py``), prefetch keeps every hit, wastes 0.245 of what it reads
+and waits no more steps than off, but brings back only 0.261 of the tier-served blocks in time
+(target 0.80) and costs scheduler time per step; ``--prefetch on`` measures it."""
 
 
 class PrefixLoading(enum.Enum):

@@ -57,6 +57,7 @@ from kvtier.tiering.plans import (
     KeyNotResidentError,
     KeyStatus,
     LoadPlan,
+    NextTurn,
     PrefixPiece,
     StoreMode,
     StorePlan,
@@ -81,6 +82,7 @@ __all__ = [
     "LoadPlan",
     "ManagerClosedError",
     "ManagerEvent",
+    "NextTurn",
     "PrefixPiece",
     "PromotionFailed",
     "StoreMode",
@@ -375,15 +377,21 @@ class TieringManager:
                 self.publish_metrics()
 
     def on_request_finished(self, ctx: RequestContext,
-                            chain: Sequence[BlockKey] | None = None) -> None:
+                            chain: Sequence[BlockKey] | None = None, *,
+                            next_turn: NextTurn = NextTurn.EXPECTED) -> None:
         """Release the request's lookup state and any pins it still holds.
 
         Call it only after the engine stopped reading the request's loaded slots. ``chain``:
         the request's block keys as the engine knows them, for prefetch (None: the keys it
-        looked up and stored here).
+        looked up and stored here); ``next_turn``: ``NONE`` when the engine knows the session
+        ended (its chain is then not kept for a next turn).
         """
         self._require_running("on_request_finished")
-        self._prefetch.on_finished(ctx, None if chain is None else validate_keys(chain))
+        if not isinstance(next_turn, NextTurn):
+            raise ValueError(f"next_turn must be one of {[t.value for t in NextTurn]}, got "
+                             f"{next_turn!r}")
+        self._prefetch.on_finished(ctx, None if chain is None else validate_keys(chain),
+                                   next_turn)
         for tier in self._tiers:
             tier.cleanup(ctx.req_id)
         self._promotions.forget_request(ctx.req_id)

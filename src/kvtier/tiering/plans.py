@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from kvtier.errors import KvtierError
 from kvtier.keys import BlockKey
 
-__all__ = ["KeyNotResidentError", "KeyStatus", "LoadPlan", "PrefixPiece", "StoreMode", "StorePlan"]
+__all__ = ["KeyNotResidentError", "KeyStatus", "LoadPlan", "NextTurn", "PrefixPiece", "StoreMode",
+           "StorePlan"]
 
 
 class LoadPriority(enum.Enum):
@@ -20,6 +21,14 @@ class LoadPriority(enum.Enum):
 
     DEMAND = "demand"
     PREFETCH = "prefetch"
+
+
+class NextTurn(enum.Enum):
+    """What the engine knows, when a request finishes, about its session's next turn."""
+
+    EXPECTED = "expected"  # the session goes on, or the engine does not know (the default)
+    NONE = "none"          # the session ended (an agent's loop returned its final answer):
+    #                        its chain is never prefetched and its blocks are evicted first
 
 
 class KeyStatus(enum.Enum):

@@ -20,22 +20,31 @@ chains: a block kvtier holds that the engine holds too is worth little, and one 
 dropped is worth its next turn's load. The prefetcher learns how deep the engine's cache reaches
 (``_horizon``, in blocks of chains finished since): a next turn that asks from its chain's first
 key says the engine lost it, one that asks from further in says the engine still held its
-start. Every step, the keys of the paused chains the engine has lost by then (those deeper than
-the horizon; every key with no engine cache) that left the pool are promoted back, newest chain
-first, within two budgets: the prefetched blocks not used yet plus those in flight hold at most
-``pool_fraction`` of the pool, and each tier runs at most ``io_fraction`` of its I/O threads'
-worth of prefetch load jobs. A slot comes from the lowest value first: a free one, else a block
-of a paused chain the engine still holds (newest chain first, from its tail: *demoted*, only
-when a tier holds it), else the pool's own eviction order among blocks of older chains and of
-no chain.
+start. A prefix cache serves only a prefix, so once a chain's first block is deeper than that
+horizon the next turn loads the *whole* chain from below the engine, and until then none of it.
+
+Keep, then prefetch. The pool's eviction goes by value (``PrimaryPool.victim_chooser``): first
+the blocks of sessions that ended (``NextTurn.NONE``: never needed again), then the blocks of
+paused chains the engine still holds (newest chain first, each from its tail: the engine keeps
+them longest; only blocks a tier holds), and only then the pool's own order (LRU) among the
+rest. So the chains the engine lost stay in the pool (*kept*, counted at their next turn) and
+the pool holds what the engine does not, instead of a copy of the engine's newest chains.
+Every step, the chains the engine has lost by then whose blocks left the pool anyway are
+promoted back, newest chain first (for the heavy-tailed pauses of agents, a session that paused
+a short while ago is the likeliest to come back next), within two budgets: the prefetched
+blocks not used yet plus those in flight hold at most ``pool_fraction`` of the pool, and each
+tier runs at most ``io_fraction`` of its I/O threads' worth of prefetch load jobs. A prefetch
+takes a free slot or the one the value order names (an ended session's block, or one the engine
+holds), never the pool's LRU victim (another chain the engine lost: no gain, and the scan of a
+protected LRU order cost the scheduler thread more than the rest of the prefetcher).
 
 Prefetch never costs a demand load:
 
 - its loads run at ``LoadPriority.PREFETCH`` (an I/O thread takes one only when no demand load
   and no store waits), and a request that joins a prefetch in flight moves it to the demand
   queue (:class:`~kvtier.tiering.promotions.PromotionTable`);
-- a slot for a prefetch never costs a block of a newer chain, of a session with a request
-  running, or a pinned or held one;
+- a slot for a prefetch never costs a block of a chain the engine lost, of a session with a
+  request running, or a pinned or held one;
 - its lookups probe at most ``PROBES_PER_STEP`` keys a step, so a demand lookup's probe batch
   stays small;
 - when the pool needs the room (a store deferred or refused, a promotion without a slot, a piece
@@ -47,20 +56,25 @@ Counters (blocks): ``started = prefetched + cancelled + failed + in flight`` and
 ``prefetched = used + wasted + unused``: used = loaded by a request (``prepare_load``), wasted =
 evicted unused, or still unused when its session's next request finished, its chain expired
 (``chain_ttl_s``) or the manager shut down; in flight at shutdown counts as cancelled.
+``kept_blocks``: blocks of chains the engine had lost that were still resident (never
+prefetched) when their session's next turn asked; ``demoted_blocks``: evictions the value order
+chose instead of the pool's own.
 """
 
 from __future__ import annotations
 
 import enum
 import heapq
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvtier.keys import BlockKey, RequestContext
+from kvtier.policies import SkipPredicate
 from kvtier.primary import PrimaryPool
 from kvtier.tiering.events import PRIMARY, BlockRemoved, Counters, EventLog
+from kvtier.tiering.plans import NextTurn
 from kvtier.tiering.promotions import PREFETCH_CHUNK_KEYS, PromotionTable
 from kvtier.tiering.tier import SecondaryTier
 from kvtier.tiering.tier_settings import PrefetchSettings
@@ -73,6 +87,7 @@ SCAN_KEYS_PER_STEP = 1024     # chain keys checked per step at most (the schedul
 STARTS_PER_STEP = 128         # prefetches started per step at most (the scheduler's time)
 EVICTION_CHECK_STEPS = 16     # prefetched blocks are checked for eviction this often
 PROBES_PER_STEP = 512         # prefetch lookups a tier may have to probe, per step at most
+HORIZON_SAMPLES = 64          # recent next turns the engine's horizon is learned from
 HORIZON_MARGIN = 0.9          # start on a chain a little before the engine's cache drops it
 _CTX_PREFIX = "kvtier-prefetch:"
 
@@ -99,8 +114,11 @@ class PrefetchCounters:
     pressure_steps: int = 0  # steps in which the pool needed the room
     wasted_expired: int = 0  # of wasted_blocks: unused when the turn came, the chain expired,
     #                          or at shutdown (the rest were evicted unused)
-    demoted_blocks: int = 0  # resident blocks the engine holds, freed for prefetched ones
+    demoted_blocks: int = 0  # evictions chosen by value: a block the engine holds, or of an
+    #                          ended session, instead of the pool's LRU victim
     engine_held: int = 0     # next turns that found their chain's start in the engine's cache
+    kept_blocks: int = 0     # blocks of lost chains still resident (not prefetched) at the turn
+    ended_sessions: int = 0  # requests finished with NextTurn.NONE
 
 
 @dataclass(slots=True)
@@ -124,30 +142,6 @@ class _Chain:
     missing: list[int] = field(default_factory=list)  # heap: positions that left the pool
     missing_set: set[int] = field(default_factory=set)
     demoted: int = 0         # keys from the tail given up for the engine holds them
-
-
-class _Protected:
-    """The keys a prefetch for the chain of finish order ``seq`` must not evict: keys of a chain
-    as new or newer, or of a session with a request running."""
-
-    __slots__ = ("_owner", "_seq")
-
-    def __init__(self, owner: dict[BlockKey, _Chain], seq: int) -> None:
-        self._owner = owner
-        self._seq = seq
-
-    def __contains__(self, key: object) -> bool:
-        chain = self._owner.get(key)  # type: ignore[call-overload]
-        return chain is not None and (chain.active or chain.seq >= self._seq)
-
-    def __bool__(self) -> bool:
-        return True  # PrimaryPool.reserve skips the check for an empty collection
-
-    def __len__(self) -> int:
-        return 0  # never iterated: PrimaryPool.reserve only asks membership
-
-    def __iter__(self) -> Iterator[BlockKey]:
-        return iter(())
 
 
 class Prefetcher:
@@ -179,9 +173,13 @@ class Prefetcher:
         self._unused: dict[BlockKey, str] = {}  # prefetched, not loaded yet -> session
         self._next_seq = 0
         self._horizon = 0          # blocks of recent chains the engine itself still holds
+        self._observed: deque[tuple[int, bool]] = deque(maxlen=HORIZON_SAMPLES)  # (depth, held)
         self._evictions_seen = pool.evictions
+        # keys of ended sessions, the first victims (more than the pool holds: never reached)
+        self._ended: deque[BlockKey] = deque(maxlen=pool.num_slots)
         if self._enabled:
             events.removed_listener = self._on_removed
+            pool.victim_chooser = self._choose_victim
         self._pressure_mark = self._pressure_signal()
         self._cooldown = 0
         self._probes_left = PROBES_PER_STEP
@@ -231,27 +229,39 @@ class Prefetcher:
             chain.active = True  # the next turn arrived: its own lookups take over
             if keys:
                 self._learn_horizon(chain, keys[0])
+                if keys[0] == chain.keys[0]:  # the engine lost it: what did the pool keep?
+                    self._count_kept(chain)
         return seen
+
+    def _count_kept(self, chain: _Chain) -> None:
+        is_resident = self._pool.is_resident
+        unused = self._unused
+        self.counters.kept_blocks += sum(1 for key in chain.keys
+                                         if is_resident(key) and key not in unused)
 
     def _learn_horizon(self, chain: _Chain, first: BlockKey) -> None:
         """The engine asks from ``first`` on: it held the blocks of ``chain`` before it (its own
         cache, a GPU), or none. Engines evict the least recently used first, so the chain's
         first block is its oldest: held or lost, it says how deep the engine's cache reaches
         (in blocks of the chains finished since, each session's once: its stack distance).
-        A first key past the chain: it held all of it."""
+        A first key past the chain: it held all of it. The depths are those of finish order,
+        which is not quite the engine's order, so one observation does not set the horizon: it
+        is the depth that best separates the recent held from the recent lost ones."""
         depth = len(chain.keys)
         for newer in reversed(self._chains.values()):
             if newer is chain:
                 break
             depth += len(newer.keys)
-        if first != chain.keys[0]:
-            self._horizon = max(self._horizon, depth)
+        held = first != chain.keys[0]
+        if held:
             self.counters.engine_held += 1
-        elif depth < self._horizon:
-            self._horizon = depth
+        self._observed.append((depth, held))
+        self._horizon = _best_threshold(self._observed)
 
-    def on_finished(self, ctx: RequestContext, chain: Sequence[BlockKey] | None) -> None:
-        """``ctx`` finished: its chain becomes its session's paused chain."""
+    def on_finished(self, ctx: RequestContext, chain: Sequence[BlockKey] | None,
+                    next_turn: NextTurn = NextTurn.EXPECTED) -> None:
+        """``ctx`` finished: its chain becomes its session's paused chain, or, when the session
+        ended, its blocks become the pool's first victims."""
         if not self._enabled:
             return
         seen = self._seen.pop(ctx.req_id, None)
@@ -266,7 +276,12 @@ class Prefetcher:
             del self._active[session]
         keys = tuple(chain) if chain is not None else _merged(seen.looked_up, seen.stored)
         self._drop_chain(session)
-        if not keys:
+        if not keys:  # the engine keeps no chain of it (``chain=()``): the cheapest victims
+            self._ended.extend(_merged(seen.looked_up, seen.stored))
+            return
+        if next_turn is NextTurn.NONE and session not in self._active:
+            self.counters.ended_sessions += 1
+            self._ended.extend(keys)
             return
         record = _Chain(session, keys, self._next_seq, self._clock(),
                         RequestContext(f"{_CTX_PREFIX}{self._next_seq}"),
@@ -390,56 +405,72 @@ class Prefetcher:
             return True
         return False
 
-    def _cut(self, chain: _Chain, newer: int) -> int:
-        """How many leading keys of ``chain`` the engine has lost by now (``newer``: blocks of
-        the chains finished after it): those deeper than its cache's horizon (the first key is
-        the deepest); all of them for an engine with no cache."""
-        held = int(self._horizon * HORIZON_MARGIN) - newer
-        return len(chain.keys) if held <= 0 else max(0, len(chain.keys) - held)
+    def _lost(self, chain: _Chain, newer: int) -> bool:
+        """Whether the engine has lost ``chain``'s first block by now (``newer``: blocks of
+        the chains finished after it), so that its next turn loads all of it from below (a
+        little early: ``HORIZON_MARGIN``); always, for an engine with no cache."""
+        return len(chain.keys) + newer > int(self._horizon * HORIZON_MARGIN)
 
     def _prefetch(self) -> None:
-        """Start prefetches for the paused chains, newest first, within the budgets."""
+        """Start prefetches for the paused chains the engine lost, newest first, within the
+        budgets."""
         room = min(STARTS_PER_STEP,
                    self._budget - len(self._unused) - len(self._in_flight))
         scan = SCAN_KEYS_PER_STEP
-        victims = self._victims()
         newer = 0
         for chain in reversed(self._chains.values()):
             if room <= 0 or scan <= 0:
                 return
-            cut = self._cut(chain, newer)
+            lost = self._lost(chain, newer)
             newer += len(chain.keys)
-            if chain.active or not cut or not chain.missing or chain.missing[0] >= cut:
+            if chain.active or not lost or not chain.missing:
                 continue
-            started, scanned, blocked = self._prefetch_chain(chain, cut, room, scan, victims)
+            started, scanned, blocked = self._prefetch_chain(chain, room, scan)
             room -= started
             scan -= scanned
             if blocked:  # no I/O room or no slot: nothing more this step
                 return
 
-    def _victims(self) -> Iterator[BlockKey]:
-        """Resident blocks the engine still holds itself (paused chains within its horizon,
-        newest chain first, each from its tail, which the engine keeps longest): the lowest
-        value in the pool, given up first for a prefetched block. Only blocks a tier holds."""
+    def _choose_victim(self, skip: SkipPredicate) -> BlockKey | None:
+        """The pool's next victim by value (``PrimaryPool.victim_chooser``): a block of an
+        ended session (or of a request the engine kept no chain of), else one of a paused
+        chain the engine still holds (newest chain first, from its tail, which the engine
+        keeps longest); only blocks a tier holds. None: the pool's own order decides (among
+        the chains the engine lost)."""
         pool = self._pool
+        unwritten = self._writeback.is_unwritten
+        ended = self._ended
+        while ended:
+            key = ended.popleft()
+            if (pool.is_resident(key) and not skip(key) and not unwritten(key)
+                    and key not in self._owner):  # not a block a paused chain shares
+                self.counters.demoted_blocks += 1
+                return key
         newer = 0
         for chain in reversed(self._chains.values()):
-            cut = self._cut(chain, newer)
+            if self._lost(chain, newer):
+                return None  # this one and every older one: the engine lost them
             newer += len(chain.keys)
             if chain.active:
                 continue
-            if cut:
-                return  # this one and every older one: the engine lost them
             keys = chain.keys
             while chain.demoted < len(keys):
                 key = keys[len(keys) - 1 - chain.demoted]
                 chain.demoted += 1
-                if (pool.is_resident(key) and not pool.pin_count(key)
-                        and key not in self._unused and self._in_a_tier(key, chain)):
-                    yield key
+                if (pool.is_resident(key) and not skip(key) and key not in self._unused
+                        and not unwritten(key)):
+                    self.counters.demoted_blocks += 1
+                    return key
+        return None
 
-    def _in_a_tier(self, key: BlockKey, chain: _Chain) -> bool:
-        return any(self._lookup(tier, key, chain) for tier in self._tiers)
+    def _demote_one(self) -> bool:
+        """Free the slot of the lowest-value block (written to a tier), if there is one."""
+        pins = self._pool.pin_count
+        key = self._choose_victim(lambda candidate: pins(candidate) > 0)
+        if key is None or not self._pool.discard(key):
+            return False
+        self._events.emit(BlockRemoved((key,), PRIMARY))
+        return True
 
     def _lookup(self, tier: SecondaryTier, key: BlockKey, chain: _Chain) -> bool | None:
         """The tier's answer for ``key``; None (not asked) once this step's probes are spent,
@@ -451,19 +482,17 @@ class Prefetcher:
             self._probes_left -= 1
         return verdict
 
-    def _prefetch_chain(self, chain: _Chain, cut: int, room: int, scan: int,
-                        victims: Iterator[BlockKey]) -> tuple[int, int, bool]:
-        """Bring back ``chain``'s keys that left the pool and that the engine lost (positions
-        below ``cut``), first positions first; (started, keys looked at, blocked)."""
+    def _prefetch_chain(self, chain: _Chain, room: int, scan: int) -> tuple[int, int, bool]:
+        """Bring back ``chain``'s keys that left the pool, first positions first (the order
+        its next turn loads them in); (started, keys looked at, blocked)."""
         pool = self._pool
         promotions = self._promotions
         copy_of = self._writeback.copy_of
-        protect = _Protected(self._owner, chain.seq)
         missing = chain.missing
         later: list[int] = []
         started = scanned = 0
         blocked = False
-        while missing and missing[0] < cut and started < room and scanned < scan:
+        while missing and started < room and scanned < scan:
             position = heapq.heappop(missing)
             chain.missing_set.discard(position)
             scanned += 1
@@ -471,7 +500,7 @@ class Prefetcher:
             if (pool.is_resident(key) or key in promotions or pool.slot_of(key) is not None
                     or copy_of(key) is not None):  # a copy: demand re-admits it from memory
                 continue
-            outcome = self._start(key, chain, protect, victims)
+            outcome = self._start(key, chain)
             if outcome is _Start.STARTED:
                 started += 1
             elif outcome is not _Start.ABSENT:
@@ -483,9 +512,10 @@ class Prefetcher:
             _mark_missing(chain, position)
         return started, scanned, blocked
 
-    def _start(self, key: BlockKey, chain: _Chain, protect: _Protected,
-               victims: Iterator[BlockKey]) -> _Start:
-        """Prefetch ``key`` from the first tier that holds it."""
+    def _start(self, key: BlockKey, chain: _Chain) -> _Start:
+        """Prefetch ``key`` from the first tier that holds it, into a free slot or the slot of
+        the lowest-value block (never by the pool's own order: that would cost a chain the
+        engine lost as much as it brings back, and scanning it costs the scheduler's time)."""
         for index, tier in enumerate(self._tiers):
             verdict = self._lookup(tier, key, chain)
             if verdict is None:
@@ -494,13 +524,11 @@ class Prefetcher:
                 continue
             if self._tier_in_flight[index] >= self._io_budget[index]:
                 return _Start.NO_IO
-            if not self._pool.free_slots:
-                self._demote_one(victims)
-            reservation = self._pool.reserve(key, protect)
+            if not self._pool.free_slots and not self._demote_one():
+                return _Start.NO_SLOT
+            reservation = self._pool.reserve(key)
             if reservation is None:
                 return _Start.NO_SLOT
-            if reservation.evicted is not None:
-                self._writeback.on_evicted(reservation.evicted, reservation.slot)
             if self._unused.pop(key, None) is not None:  # evicted unused, not counted yet
                 self.counters.wasted_blocks += 1
             self._promotions.start_prefetch(key, index, reservation.slot)
@@ -509,15 +537,6 @@ class Prefetcher:
             self.counters.started_blocks += 1
             return _Start.STARTED
         return _Start.ABSENT
-
-    def _demote_one(self, victims: Iterator[BlockKey]) -> None:
-        """Free the slot of the lowest-value block, if there is one (else the pool's own
-        eviction order decides, among blocks no newer chain needs)."""
-        for key in victims:
-            if self._pool.discard(key):
-                self.counters.demoted_blocks += 1
-                self._events.emit(BlockRemoved((key,), PRIMARY))
-                return
 
     # ---- stats, lifecycle -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -543,6 +562,21 @@ class Prefetcher:
         self._owner.clear()
         self._in_flight.clear()
         self._unused.clear()
+        self._ended.clear()
+        self._pool.victim_chooser = None
+
+
+def _best_threshold(observed: Sequence[tuple[int, bool]] | deque[tuple[int, bool]]) -> int:
+    """The depth ``h`` with the fewest (held deeper than ``h``) + (lost at most ``h`` deep)
+    among ``observed`` (depth, held); the deepest such ``h``, 0 when none was held."""
+    ordered = sorted(observed)
+    errors = sum(1 for _, held in ordered if held)  # h = 0: every held one is deeper
+    best_errors, best = errors, 0
+    for depth, held in ordered:
+        errors += -1 if held else 1
+        if errors <= best_errors:
+            best_errors, best = errors, depth
+    return best
 
 
 def _mark_missing(chain: _Chain, position: int) -> None:

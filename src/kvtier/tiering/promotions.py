@@ -44,7 +44,9 @@ _log = logging.getLogger("kvtier.tiering.manager")
 
 TRANSFER_CHUNK_KEYS = 64   # keys per load/store job: one backend batch call each
 MAX_PROMOTION_ROUNDS = 3   # lookup_prefix calls per request that may start promotions
-PREFETCH_CHUNK_KEYS = 256  # keys per prefetch load job: one part, on one I/O thread
+# Keys per prefetch load job (one part, on one I/O thread): no bigger than a demand load's
+# job, so a demand load that arrives waits behind at most that much prefetch I/O per thread.
+PREFETCH_CHUNK_KEYS = TRANSFER_CHUNK_KEYS
 
 
 def _of_job(job: TierJob, part: object) -> bool:

@@ -169,6 +169,7 @@ class SecondaryTier(TierIo):
         self._released: queue.SimpleQueue[TierJob] = queue.SimpleQueue()  # abandoned, I/O over
         self._abandoned = 0  # abandoned loads not yet released (scheduler thread)
         self._loads_outstanding = 0  # load jobs submitted and not yet collected
+        self._prefetch_outstanding = 0  # of them, prefetch loads (nobody waits for those)
         self._outstanding: dict[int, TierJob] = {}
         self.ready: ReadyParts[Part] = ReadyParts()  # public: a prefetch load is expedited
         self._job_ids = itertools.count()
@@ -265,6 +266,8 @@ class SecondaryTier(TierIo):
                           priority=priority)
         self._load_deadlines.append(job)
         self._loads_outstanding += 1
+        if priority is LoadPriority.PREFETCH:
+            self._prefetch_outstanding += 1
         self._counters.loads_submitted += 1
         self._counters.load_keys += len(keys)
         self._start(job)
@@ -312,13 +315,14 @@ class SecondaryTier(TierIo):
         self._counters.stores_shed += 1
         self._counters.store_keys_shed += keys
 
-    def get_finished_jobs(self, *, wait: bool = False,
-                          timeout: float | None = None) -> list[TierJob]:
+    def get_finished_jobs(self, *, wait: bool = False, timeout: float | None = None,
+                          prefetch: bool = True) -> list[TierJob]:
         """Collect finished jobs and apply their effects on the lookup manager.
 
         A failed load key is ``mark_miss``-ed (quarantined); a stored key is ``note_stored``.
         ``wait=True`` blocks until no job is outstanding (or ``timeout`` s passed) — for
-        shutdown and tests, never on the engine's hot path.
+        shutdown and tests, never on the engine's hot path; with ``prefetch=False`` it stops
+        waiting once only prefetch loads are outstanding.
         """
         finished: list[TierJob] = []
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -327,7 +331,8 @@ class SecondaryTier(TierIo):
             try:
                 job = self._finished.get_nowait()
             except queue.Empty:
-                if not wait or not self._outstanding:
+                if not wait or len(self._outstanding) <= (0 if prefetch
+                                                          else self._prefetch_outstanding):
                     break
                 now = time.monotonic()
                 if deadline is not None and deadline <= now:
@@ -380,9 +385,13 @@ class SecondaryTier(TierIo):
     def yield_to_io(self, timeout: float, *, stores: bool = True) -> list[TierJob]:
         """With transfers (loads only, ``stores=False``) or else probes in flight, wait at most
         ``timeout`` for them, which hands the GIL to their threads (see :data:`IO_YIELD_S`);
-        returns the jobs collected meanwhile (scheduler thread)."""
-        if self._loads_outstanding or (stores and self._outstanding):
-            return self.get_finished_jobs(wait=True, timeout=timeout)
+        returns the jobs collected meanwhile (scheduler thread). Prefetch loads are not waited
+        for: nobody waits for them, and a step that waited for them would be as long as their
+        I/O (they run in the time the scheduler leaves idle anyway)."""
+        background = self._prefetch_outstanding
+        if (self._loads_outstanding > background
+                or (stores and len(self._outstanding) > background)):
+            return self.get_finished_jobs(wait=True, timeout=timeout, prefetch=False)
         if self._lookup.probes_in_flight:
             self._lookup.wait_for_probes(timeout)
         return []
@@ -405,7 +414,9 @@ class SecondaryTier(TierIo):
             self._counters.loaded_keys += len(job.keys) - len(failed)
             self._counters.read_bytes += moved
             self._counters.read_seconds += job.seconds
-            if job.error is None:
+            if job.priority is LoadPriority.PREFETCH:
+                self._prefetch_outstanding -= 1  # its wall time includes its wait: no rate
+            elif job.error is None:
                 self._load_rate.observe(moved, job.wall_s)
             if failed:
                 self._counters.load_keys_failed += len(failed)

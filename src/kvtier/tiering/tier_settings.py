@@ -158,7 +158,7 @@ class PrefetchSettings:
         env="KVTIER_PREFETCH_POOL_FRACTION")
     io_fraction: float = setting_field(
         Kind.FLOAT, 0.5, "share of each tier's I/O threads prefetch loads may occupy (at least "
-        "one load job of up to 256 blocks in flight per tier)", minimum=0.0, maximum=1.0,
+        "one load job of up to 64 blocks in flight per tier)", minimum=0.0, maximum=1.0,
         env="KVTIER_PREFETCH_IO_FRACTION")
     max_chains: int = setting_field(
         Kind.INT, 256, "finished chains remembered; the oldest is forgotten first", minimum=1,

@@ -154,6 +154,10 @@ class WriteBack:
         self._counters.write_backs += 1
         self._counters.cascades_queued += self._tiers
 
+    def is_unwritten(self, key: BlockKey) -> bool:
+        """Whether resident ``key`` is in no tier yet (evicting it would copy it out)."""
+        return key in self._unwritten
+
     def copy_of(self, key: BlockKey) -> bytes | None:
         """The bytes of evicted ``key`` whose write is still pending, if any."""
         if not self._copies:
