@@ -1,11 +1,12 @@
 """Unit tests of the lookup layer's small tables, without threads: the expiry map (verdict
-cache and quarantine) and the per-key table built on it."""
+cache and quarantine), the noted verdicts and the per-key table built on them."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvtier.lookup.expiry import ExpiryMap
+from kvtier.lookup.noted import NotedVerdicts
 from kvtier.lookup.states import KeyState, KeyTable, LookupPhase, VerdictSource
 
 
@@ -71,7 +72,7 @@ def test_release_caches_a_cacheable_verdict_and_forgets_the_rest() -> None:
     fault = _resolved(table, 2, None)
     table.release(cached)
     table.release(fault)
-    assert key(1) in table.cached and key(2) not in table.states
+    assert table.is_cached(key(1)) and key(2) not in table.states
     assert (len(table.states), table.tracked) == (1, 0)
 
 
@@ -90,9 +91,9 @@ def test_reuse_cached_takes_a_live_verdict_and_forgets_a_lapsed_one() -> None:
     table.release(live)
     table.release(lapsed)
     assert table.reuse_cached(live, 9.0) is True
-    assert key(1) in table.states and key(1) not in table.cached and table.tracked == 1
+    assert key(1) in table.states and not table.is_cached(key(1)) and table.tracked == 1
     assert table.reuse_cached(lapsed, 5.0) is False
-    assert key(2) not in table.states and key(2) not in table.cached
+    assert key(2) not in table.states and not table.is_cached(key(2))
 
 
 def test_override_supersedes_a_running_probe_and_releases_an_unheld_state() -> None:
@@ -102,9 +103,9 @@ def test_override_supersedes_a_running_probe_and_releases_an_unheld_state() -> N
     old_generation = state.generation
     table.override(state, True, VerdictSource.NOTED, 30.0)
     assert state.generation > old_generation and state.phase is LookupPhase.RESOLVED
-    assert table.cached.get(key(1)) is state  # nobody holds it: cached at once
+    assert table.is_cached(key(1)) and table.states[key(1)] is state  # cached at once
     table.override(state, False, VerdictSource.MISS_MARKED, None)
-    assert key(1) not in table.states and key(1) not in table.cached
+    assert key(1) not in table.states and table.cached == 0
 
 
 def test_forget_leaves_a_newer_state_of_the_same_key_alone() -> None:
@@ -119,10 +120,48 @@ def test_sweep_and_restart() -> None:
     table = KeyTable(max_cached_verdicts=4)
     table.release(_resolved(table, 1, 5.0))
     table.sweep(5.0)
-    assert not table.states and not table.cached
+    assert not table.states and table.cached == 0 and table.queued == 0
     state = _resolved(table, 2, 5.0, refs=1)
     state.restart(next(table.generations))
     assert (state.phase, state.verdict, state.source, state.cache_expiry) == (
         LookupPhase.PENDING, None, None, None)
     table.clear()
     assert not table.states
+
+
+# --------------------------------------------------------------------------- NotedVerdicts
+
+
+def test_noted_verdicts_sweep_by_note_and_skip_keys_noted_again() -> None:
+    noted = NotedVerdicts()
+    noted.add([key(1), key(2)], True, 5.0)
+    noted.add([key(2)], False, 9.0)  # key 2 noted again: its entry is the newer note's
+    assert (len(noted), noted.oldest_expiry()) == (2, 5.0)
+    noted.sweep(5.0)  # the first note lapsed: key 1 goes, key 2 (noted again) stays
+    assert noted.entries == {key(2): (False, 9.0)}
+    noted.sweep(9.0)
+    assert (len(noted), noted.oldest_expiry()) == (0, None)
+
+
+def test_noted_verdicts_drop_oldest_first_and_stay_compact() -> None:
+    noted = NotedVerdicts()
+    noted.add([key(1), key(2)], True, 5.0)
+    noted.add([key(3)], True, 6.0)
+    assert noted.drop_oldest() and noted.drop_oldest()
+    assert list(noted.entries) == [key(3)]
+    for _ in range(5000):  # the same key noted again and again: dead places are compacted
+        noted.add([key(3)], True, 7.0)
+    assert len(noted) == 1 and noted._batched <= 2 * 1 + 1024
+    assert noted.drop_oldest() and not noted.drop_oldest()
+
+
+def test_key_table_bound_counts_noted_verdicts_and_drops_the_first_to_lapse() -> None:
+    table = KeyTable(max_cached_verdicts=2)
+    table.noted.add([key(1)], True, 20.0)
+    table.release(_resolved(table, 2, 10.0))  # lapses first
+    table.release(_resolved(table, 3, 30.0))  # over the bound: key 2 goes, not the note
+    assert (table.cached_count, table.evictions) == (2, 1)
+    assert key(1) in table.noted.entries and key(2) not in table.states
+    assert table.lapsed_first(20.0) and not table.lapsed_first(9.0)
+    table.sweep(20.0)
+    assert (table.cached_count, list(table.states)) == (1, [key(3)])

@@ -430,7 +430,7 @@ def test_cache_hits_refresh_recency_and_the_release_queue_stays_bounded(
     for round_ in range(500):  # key 0 is served from the cache and released again and again
         assert tier.lookup(key(0), ctx(f"again{round_}")) is True
         tier.cleanup(f"again{round_}")
-    assert len(tier._keys.cached) <= 2
+    assert tier._keys.cached <= 2 and tier._keys.queued <= 2 * 2 + 64  # dead places compacted
     tier.lookup(key(2), ctx("r2"))
     step(tier)
     tier.cleanup("r2")  # evicts the least recently released verdict: key 1, not key 0
@@ -1260,3 +1260,41 @@ def test_bad_keys_in_a_long_note_are_named_and_nothing_changes(
     with pytest.raises(TypeError, match=r"keys\[2\] must be a BlockKey \(bytes\), got str"):
         tier.note_removed(iter([key(1), key(2), "x"]))  # type: ignore[list-item]
     assert tier.stats.cached_verdicts == 0
+
+
+def test_stores_nobody_asked_for_are_noted_without_a_state_and_lapse(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    """A note of keys no request holds keeps no per-key state; reading one is a cache hit,
+    the verdict lapses after verdict_ttl_s, and mark_miss drops it."""
+    tier = make(verdict_ttl_s=1.0)
+    tier.note_stored([key(1), key(2), key(3), key(4)])
+    assert (tier.tracked_keys, tier.stats.cached_verdicts) == (0, 4)
+    assert tier.phase(key(1)) is None
+    assert tier.lookup(key(1), ctx("r1")) is True  # no probe: our own store
+    assert (tier.tracked_keys, tier.stats.verdict_cache_hits) == (1, 1)
+    tier.mark_miss([key(2)])
+    assert tier.lookup(key(2), ctx("r1")) is False  # quarantined, the note is gone
+    clock.advance(1.0)
+    assert tier.lookup(key(3), ctx("r1")) is None  # lapsed: probed again
+    assert tier.stats.cached_verdicts == 1  # key 4: lapsed, not read, not swept yet
+    step(tier)  # the flush sweeps it
+    assert [keys for keys, _ in tier.calls] == [[key(3)]]
+    assert tier.stats.cached_verdicts == 0
+
+
+def test_a_finished_request_s_stores_flip_its_cached_verdicts(
+    make: Callable[..., SetTier],
+) -> None:
+    """The finish of a request (cleanup, then its stores land), and a store of keys an earlier
+    request released: every cached False becomes True, none is probed again."""
+    tier = make(verdict_ttl_s=60)
+    for i in range(3):
+        tier.lookup(key(i), ctx("early" if i == 0 else "last"))
+    step(tier)
+    tier.cleanup("early")
+    tier.cleanup("last")  # released last: key 1 and key 2
+    tier.note_stored([key(2), key(1), key(0), key(7)])
+    assert [tier.lookup(key(i), ctx("next")) for i in (0, 1, 2, 7)] == [True] * 4
+    stats = tier.stats
+    assert (stats.verdict_cache_hits, stats.invariant_violations, len(tier.calls)) == (4, 0, 1)

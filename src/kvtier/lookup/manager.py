@@ -5,8 +5,10 @@ Owner threads:
 * **Scheduler thread** (the *owner*: the first thread that calls ``lookup``, ``flush``,
   ``drain_results``, ``cleanup``, ``mark_miss``, ``note_stored`` or ``note_removed``; a call from
   any other thread raises :class:`OwnerThreadError` before touching anything) owns, unlocked:
-  the per-key table ``_keys`` (states and verdict cache, lookup/states.py), the request index
-  (``_request_keys``, ``_cur_req_id`` / ``_cur_attached``: the request being scanned), the keys
+  the per-key table ``_keys`` (states and verdict cache, lookup/states.py; ``_states`` and
+  ``_noted`` are its dicts), the request index (``_request_keys``, ``_cur_req_id`` /
+  ``_cur_attached``: the request being scanned; ``_last_released``: the map of the request
+  released last, whose stores ``note_stored`` then finds without a probe of ``_states``), the keys
   waiting for the next flush (``_pending``), the submitted batches and their deadlines
   (``_inflight_batches``, ``_next_batch_id``), the quarantine (``_quarantine``, an
   :class:`~kvtier.lookup.expiry.ExpiryMap`), the breaker (``_breaker``), the counters and logs
@@ -16,7 +18,8 @@ Owner threads:
   talks to the scheduler through two ``queue.SimpleQueue`` and a posted-results count under a
   condition, which only ``wait_for_probes`` / ``_wait_for_results`` wait on.
 
-Applying the worker's results and timing out stuck batches: lookup/results.py (a mixin).
+Applying the worker's results and timing out stuck batches: lookup/results.py (a mixin);
+applying our own stores and evictions (``note_stored`` / ``note_removed``): lookup/own_stores.py.
 
 The settings table lives in lookup/settings.py and is re-exported here.
 """
@@ -39,9 +42,10 @@ from kvtier.errors import ClosedError, KvtierError
 from kvtier.keys import MAX_KEY_BYTES, BlockKey, RequestContext, check_key, validate_keys
 from kvtier.lookup.breaker import BreakerState, CircuitBreaker
 from kvtier.lookup.expiry import ExpiryMap
+from kvtier.lookup.own_stores import StoreNotes
 from kvtier.lookup.results import InFlightBatch, ProbeResults
 from kvtier.lookup.settings import LOOKUP_SETTINGS
-from kvtier.lookup.states import KeyState, KeyTable, LookupPhase, VerdictSource
+from kvtier.lookup.states import NOT_CACHED, KeyState, KeyTable, LookupPhase, VerdictSource
 from kvtier.lookup.stats import LookupStats
 from kvtier.lookup.worker import Entry, ProbeBatch, ProbeWorker, rate_limited_logs
 
@@ -99,6 +103,7 @@ _GATE_CLOSED: Final = _Gate.CLOSED
 _SOURCE_NOTED: Final = VerdictSource.NOTED
 _SOURCE_FAULT: Final = VerdictSource.FAULT
 _SOURCE_MISS_MARKED: Final = VerdictSource.MISS_MARKED
+_NOT_CACHED: Final = NOT_CACHED
 
 
 def _check_number(name: str, value: object, *, minimum: float, maximum: float = math.inf,
@@ -129,7 +134,7 @@ def _closed_error(tier_name: str, operation: str) -> ClosedError:
     )
 
 
-class AsyncLookupManager(ProbeResults, abc.ABC):
+class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
     """Non-blocking, deduplicating existence probes for one slow tier.
 
     Subclasses implement :meth:`batch_lookup` (called on the probe worker thread) and may
@@ -164,7 +169,6 @@ class AsyncLookupManager(ProbeResults, abc.ABC):
     scopes need the same key in one step, the key is probed once, in the scope of the request
     that first asked; ``batch_lookup`` receives the context of the first request of each scope.
     """
-
 
     def __init__(
         self,
@@ -202,11 +206,15 @@ class AsyncLookupManager(ProbeResults, abc.ABC):
         # Scheduler-thread state.
         self._owner: int | None = None  # thread id, bound by the first scheduler-side call
         self._keys = KeyTable(self._max_cached_verdicts)
-        self._states = self._keys.states  # the same dict, read on the hot path
+        self._states = self._keys.states  # the same dicts, read on the hot path
+        self._noted = self._keys.noted.entries
         self._generations = self._keys.generations
         self._request_keys: dict[str, dict[BlockKey, KeyState]] = {}
         self._cur_req_id: str | None = None
         self._cur_attached: dict[BlockKey, KeyState] = {}
+        # The map of the request released last: the stores that land when a request finishes
+        # are of keys it asked, so _note finds their states here, not in the large _states.
+        self._last_released: dict[BlockKey, KeyState] = {}
         self._pending: list[Entry] = []
         self._inflight_batches: dict[int, InFlightBatch] = {}
         self._quarantine: ExpiryMap[BlockKey, None] = ExpiryMap(self._max_cached_verdicts)
@@ -276,6 +284,8 @@ class AsyncLookupManager(ProbeResults, abc.ABC):
         if state is None:  # the first lookup of this key by this request
             state = self._states.get(key)
             if state is None:
+                if key in self._noted:  # our own store or eviction, not asked since
+                    return self._reuse_noted(key, req_context, attached)
                 if self._check_new_keys:
                     return self._attach(key, None, req_context, attached)
                 # A key nobody holds, nothing refusing new keys: start its probe.
@@ -299,9 +309,11 @@ class AsyncLookupManager(ProbeResults, abc.ABC):
                 expiry = state.cache_expiry
                 if expiry is None or self._clock() >= expiry:
                     return self._attach(key, state, req_context, attached)  # lapsed: forget it
-                cached = self._keys.cached
-                if cached.pop(key, None) is not state:
+                if state.cache_batch == _NOT_CACHED:
                     self._violation("cached verdict of key %s is not in the cache", key.hex())
+                else:  # KeyTable.reuse_cached() inlined
+                    state.cache_batch = _NOT_CACHED
+                    self._keys.cached -= 1
                 self._counters.verdict_cache_hits += 1
             else:
                 self._counters.inflight_reuses += 1  # an orphan probe in flight: adopt it
@@ -330,11 +342,8 @@ class AsyncLookupManager(ProbeResults, abc.ABC):
         inflight = self._inflight_batches
         if inflight and next(iter(inflight.values())).deadline <= now:
             self._expire_timed_out(now)
-        cached = self._keys.cached
-        if cached:
-            expiry = next(iter(cached.values())).cache_expiry
-            if expiry is None or expiry <= now:
-                self._keys.sweep(now)
+        if self._keys.lapsed_first(now):
+            self._keys.sweep(now)
         if self._quarantine:
             self._quarantine.sweep(now)
         self._check_new_keys = bool(self._quarantine) or self._breaker.state is not _BREAKER_CLOSED
@@ -393,10 +402,12 @@ class AsyncLookupManager(ProbeResults, abc.ABC):
         attached = self._request_keys.pop(req_id, None)
         if not attached:
             return
+        self._last_released = attached  # its stores are noted next (see _note)
         # KeyTable.release() inlined: this loop runs once per key of every finished request.
-        # A state held until now is not in the cache, so caching it is one insertion.
-        table = self._keys
-        cached, states = table.cached, self._states
+        # A state held until now is not in the cache; the ones cached here are one batch.
+        table, states = self._keys, self._states
+        batch_id = table.next_batch
+        released: list[KeyState] = []
         for state in attached.values():
             refs = state.refs - 1
             state.refs = refs
@@ -410,9 +421,12 @@ class AsyncLookupManager(ProbeResults, abc.ABC):
                 if states.get(state.key) is state:
                     del states[state.key]
             else:
-                cached[state.key] = state
-        if len(cached) > table.capacity:
-            table.evict_over_capacity()
+                state.cache_batch = batch_id
+                released.append(state)
+        if released:  # each lapses at answered_at + ttl, so by now + ttl at the latest
+            table.next_batch = batch_id + 1
+            table.add_batch(batch_id, released, len(released),
+                            self._clock() + self._verdict_ttl_s)
 
     def mark_miss(self, keys: Iterable[BlockKey]) -> None:
         """A load failed: force False now and quarantine the keys for ``quarantine_s``."""
@@ -430,8 +444,9 @@ class AsyncLookupManager(ProbeResults, abc.ABC):
                 self._quarantine.put(key, None, until)
             state = self._states.get(key)
             if state is None:
+                self._noted.pop(key, None)
                 continue
-            if key in table.cached:
+            if state.cache_batch != _NOT_CACHED:
                 table.forget(state)
             else:
                 table.override(state, False, _SOURCE_MISS_MARKED, None)
@@ -464,6 +479,7 @@ class AsyncLookupManager(ProbeResults, abc.ABC):
         self._request_keys.clear()
         self._cur_req_id = None
         self._cur_attached = {}
+        self._last_released = {}
         self._pending.clear()
         self._inflight_batches.clear()
         self._quarantine.clear()
@@ -475,7 +491,7 @@ class AsyncLookupManager(ProbeResults, abc.ABC):
         """The phase of ``key``'s live probe; None when it has none (a cached verdict is not a
         live probe)."""
         state = self._states.get(key)
-        return None if state is None or key in self._keys.cached else state.phase
+        return None if state is None or state.cache_batch != _NOT_CACHED else state.phase
 
     @property
     def tracked_keys(self) -> int:
@@ -490,7 +506,7 @@ class AsyncLookupManager(ProbeResults, abc.ABC):
             lookups=self._lookup_count,
             verdict_cache_evictions=self._keys.evictions,
             quarantine_evictions=self._quarantine.evictions,
-            cached_verdicts=len(self._keys.cached),
+            cached_verdicts=self._keys.cached_count,
             quarantined_keys=len(self._quarantine),
             inflight_batches=len(self._inflight_batches),
             breaker_state=self._breaker.state,
@@ -544,7 +560,7 @@ class AsyncLookupManager(ProbeResults, abc.ABC):
                 attached: dict[BlockKey, KeyState]) -> bool | None:
         """First lookup of ``key`` by this request, when the key has a state (a probe, a verdict,
         a cached verdict) or new keys may be refused (quarantine entries, breaker not closed)."""
-        if state is not None and key in self._keys.cached:
+        if state is not None and state.cache_batch != _NOT_CACHED:
             if self._keys.reuse_cached(state, self._clock()):
                 self._counters.verdict_cache_hits += 1
             else:
@@ -615,35 +631,8 @@ class AsyncLookupManager(ProbeResults, abc.ABC):
         self._pending.append((state.key, state.generation, req_context))
         return None
 
-    def _note(self, keys: Iterable[BlockKey], verdict: bool) -> None:
-        checked = _checked_keys(keys)
-        if self._lifecycle is _LIFECYCLE_CLOSED or not checked:
-            return
-        ttl = self._verdict_ttl_s
-        expiry = self._clock() + ttl if ttl > 0 else None
-        table = self._keys
-        states, cached = self._states, table.cached
-        quarantine = self._quarantine if verdict and self._quarantine else None
-        for key in checked:
-            if quarantine is not None:
-                quarantine.pop(key)
-            state = states.get(key)
-            if state is not None:
-                if (expiry is not None and not state.refs and state.phase is _PHASE_RESOLVED
-                        and cached.get(key) is state):
-                    # A cached verdict (the request that computed the block released it): set
-                    # it in place and make it the newest (KeyTable.override() inlined).
-                    state.verdict, state.source, state.cache_expiry = verdict, _SOURCE_NOTED, expiry
-                    cached.move_to_end(key)
-                else:
-                    table.override(state, verdict, _SOURCE_NOTED, expiry)
-            elif expiry is not None:
-                # A key nobody holds (the common store): a new cached verdict, the newest.
-                state = KeyState(key, next(self._generations), _PHASE_RESOLVED, 0, verdict,
-                                 _SOURCE_NOTED, math.inf, expiry)
-                states[key] = cached[key] = state
-        if len(cached) > table.capacity:
-            table.evict_over_capacity()
+    def _closed(self) -> bool:
+        return self._lifecycle is _LIFECYCLE_CLOSED
 
     def _breaker_opened(self, cooldown_s: float) -> None:
         self._check_new_keys = True

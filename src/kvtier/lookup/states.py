@@ -1,12 +1,24 @@
 """The lookup manager's per-key table: one :class:`KeyState` per key, and the verdict cache.
 
 Owner thread: the manager's scheduler thread owns the whole :class:`KeyTable` (``states``, the
-verdict cache ``cached``, its eviction count, the generation counter); nothing is locked. A
-released state (``refs == 0``) whose verdict is cacheable stays in ``states`` and is also the
-value of its entry in ``cached`` (oldest release first; the state's ``cache_expiry`` is the
-entry's expiry), until it lapses, is evicted for the bound, is read again by a new request, or
-is overridden. So a state in ``states`` with ``refs == 0`` is either cached (RESOLVED) or an
-orphan probe still in flight; nothing else is kept.
+verdict cache: its release batches, counts and eviction count, ``noted``; the generation
+counter); nothing is locked. A released state (``refs == 0``) whose verdict is cacheable stays
+in ``states`` as a cached verdict (its ``cache_batch`` names the release batch it is in; its
+``cache_expiry`` is when it lapses), until it lapses, is evicted for the bound, is read again by
+a new request, or is overridden. So a state in ``states`` with ``refs == 0`` is either cached
+(RESOLVED) or an orphan probe still in flight; nothing else is kept.
+
+Releasing is what every finished request does for every key it asked, so the cache costs no
+dict per release: the states released together (one ``cleanup``, one ``note_stored``) are one
+batch, a list appended to a queue in release order. A state released again later is in the
+newer batch only (``cache_batch`` says which); its place in the older one is dead and skipped.
+
+A verdict from our own store or eviction (``note_stored`` / ``note_removed``) for a key that no
+request holds is not a state: it is one entry in ``noted`` (lookup/noted.py), so a store costs
+no object per key. A key is in ``states`` or in ``noted``, never in both: the manager turns a
+noted entry into a state when a request asks for the key, and a note of a key that has a state
+updates that state. The cached states and ``noted`` together are the verdict cache, bounded by
+``capacity`` entries.
 """
 
 from __future__ import annotations
@@ -14,13 +26,14 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from collections import OrderedDict
+from collections import deque
 from dataclasses import dataclass
 from typing import Final
 
 from kvtier.keys import BlockKey
+from kvtier.lookup.noted import NotedVerdicts
 
-__all__ = ["KeyState", "KeyTable", "LookupPhase", "VerdictSource"]
+__all__ = ["NOT_CACHED", "KeyState", "KeyTable", "LookupPhase", "VerdictSource"]
 
 
 class LookupPhase(enum.Enum):
@@ -40,6 +53,9 @@ class VerdictSource(enum.Enum):
     MISS_MARKED = "miss_marked"  # mark_miss / quarantine
 
 
+NOT_CACHED: Final = -1  # KeyState.cache_batch of a state that is not a cached verdict
+_COMPACT_SLACK: Final = 64  # dead places the release batches may hold beyond twice the live
+
 _PHASE_PENDING: Final = LookupPhase.PENDING
 _PHASE_RESOLVED: Final = LookupPhase.RESOLVED
 
@@ -57,6 +73,7 @@ class KeyState:
     source: VerdictSource | None = None
     deadline: float = math.inf  # when an IN_FLIGHT probe times out
     cache_expiry: float | None = None  # fixed when the verdict was answered; None = not cacheable
+    cache_batch: int = NOT_CACHED  # the release batch holding it while it is a cached verdict
 
     def resolve(self, verdict: bool, source: VerdictSource, cache_expiry: float | None) -> None:
         self.phase = _PHASE_RESOLVED
@@ -75,13 +92,17 @@ class KeyState:
 class KeyTable:
     """``states`` (key -> its one live or cached :class:`KeyState`) and the verdict cache.
 
-    The cache is an ``OrderedDict`` of states in release order, read by the manager's hot path
-    directly (C calls, no wrapper): a bound of ``capacity`` entries drops the least recently
-    released first (counted in ``evictions``); ``sweep`` drops lapsed entries from the oldest
-    end and stops at the first live one (a lapsed entry further in is caught when it is read).
+    The cache is the released states (``cached`` of them, in release batches, oldest first;
+    the manager's hot path and ``cleanup`` read and write ``cache_batch`` and ``cached``
+    directly) and ``noted`` (verdicts of our own stores and evictions for keys without a state,
+    in note order). A bound of ``capacity`` entries in all drops, of the two oldest entries, the
+    one that lapses first (a probed verdict before a noted one on a tie), counted in
+    ``evictions``; ``sweep`` drops the batches that lapsed from the oldest end of each and stops
+    at the first live one (a lapsed entry further in is caught when it is read).
     """
 
-    __slots__ = ("cached", "capacity", "evictions", "generations", "states")
+    __slots__ = ("_batches", "_queued", "cached", "capacity", "evictions", "generations",
+                 "next_batch", "noted", "states")
 
     def __init__(self, max_cached_verdicts: int) -> None:
         if (isinstance(max_cached_verdicts, bool) or not isinstance(max_cached_verdicts, int)
@@ -89,57 +110,112 @@ class KeyTable:
             raise ValueError(
                 f"max_cached_verdicts must be an int >= 1, got {max_cached_verdicts!r}")
         self.states: dict[BlockKey, KeyState] = {}
-        self.cached: OrderedDict[BlockKey, KeyState] = OrderedDict()
+        self.cached = 0  # states that are cached verdicts now
+        # per release batch: when all of it has lapsed, its id, its states (newest last)
+        self._batches: deque[tuple[float, int, list[KeyState]]] = deque()
+        self._queued = 0  # places in _batches, live or dead
+        self.next_batch = 0  # the id of the next release batch
+        self.noted = NotedVerdicts()
         self.capacity = max_cached_verdicts
         self.evictions = 0  # entries dropped for the bound, ever (clear() keeps the count)
         self.generations = itertools.count()  # next(generations): a fresh generation
 
     @property
+    def cached_count(self) -> int:
+        """Entries in the verdict cache (released states and noted verdicts)."""
+        return self.cached + len(self.noted)
+
+    @property
+    def queued(self) -> int:
+        """Places in the release batches, live or dead (bounded: dead ones are compacted)."""
+        return self._queued
+
+    @property
     def tracked(self) -> int:
         """Live states (cached verdicts not counted)."""
-        return len(self.states) - len(self.cached)
+        return len(self.states) - self.cached
+
+    def is_cached(self, key: BlockKey) -> bool:
+        """Whether ``key``'s state is a cached verdict (a noted entry is not a state)."""
+        state = self.states.get(key)
+        return state is not None and state.cache_batch != NOT_CACHED
 
     def supersede(self, state: KeyState) -> None:
         """A new generation: whatever the worker still answers for the old one is stale."""
         state.generation = next(self.generations)
 
-    def release(self, state: KeyState) -> None:
-        """Nobody holds ``state`` and no probe of it is in flight: cache its verdict or drop it."""
-        if state.cache_expiry is None:
-            self.forget(state)
-            return
-        cached = self.cached
-        key = state.key
-        cached.pop(key, None)  # a re-release (override of a cached state) becomes the newest
-        cached[key] = state
-        if len(cached) > self.capacity:
+    def add_batch(self, batch_id: int, states: list[KeyState], newly_cached: int,
+                  lapses_at: float) -> None:
+        """``states`` (each with ``cache_batch == batch_id``, ``next_batch`` taken) are the
+        newest cached verdicts, ``newly_cached`` of them not cached before; every one lapses at
+        ``lapses_at`` at the latest. Then the bound is kept."""
+        self._batches.append((lapses_at, batch_id, states))
+        self._queued += len(states)
+        self.cached += newly_cached
+        if self._queued > 2 * self.cached + _COMPACT_SLACK:
+            self._compact()
+        if self.cached + len(self.noted) > self.capacity:
             self.evict_over_capacity()
 
+    def release(self, state: KeyState) -> None:
+        """Nobody holds ``state`` and no probe of it is in flight: cache its verdict or drop it."""
+        expiry = state.cache_expiry
+        if expiry is None:
+            self.forget(state)
+            return
+        newly = state.cache_batch == NOT_CACHED  # a re-release (override) becomes the newest
+        state.cache_batch = batch_id = self.next_batch
+        self.next_batch += 1
+        self.add_batch(batch_id, [state], int(newly), expiry)
+
     def evict_over_capacity(self) -> None:
-        """Drop the least recently released entries until the bound holds."""
-        cached, states, capacity = self.cached, self.states, self.capacity
-        while len(cached) > capacity:
-            key, state = cached.popitem(last=False)
+        """Drop the oldest entries until the bound holds: of the oldest released state and the
+        oldest noted verdict, the one that lapses first."""
+        noted, batches = self.noted, self._batches
+        while self.cached + len(noted) > self.capacity:
+            oldest_noted = noted.oldest_expiry()
+            if (oldest_noted is not None and (not self.cached or batches[0][0] > oldest_noted)
+                    and noted.drop_oldest()):
+                self.evictions += 1
+                continue
+            if not self._drop_oldest_cached():
+                return  # nothing left to drop (cannot happen while the counts are right)
             self.evictions += 1
-            if states.get(key) is state:
-                del states[key]
+
+    def _drop_oldest_cached(self) -> bool:
+        batches, states = self._batches, self.states
+        while batches:
+            _, batch_id, members = batches[0]
+            while members:
+                state = members.pop()
+                self._queued -= 1
+                if state.cache_batch == batch_id:
+                    self._uncache(state)
+                    if states.get(state.key) is state:
+                        del states[state.key]
+                    return True
+            batches.popleft()
+        return False
+
+    def _uncache(self, state: KeyState) -> None:
+        state.cache_batch = NOT_CACHED
+        self.cached -= 1
 
     def forget(self, state: KeyState) -> None:
         """Drop a state that nobody holds, and its cache entry."""
-        key = state.key
-        if self.cached.get(key) is state:
-            del self.cached[key]
-        if self.states.get(key) is state:
-            del self.states[key]
+        if state.cache_batch != NOT_CACHED:
+            self._uncache(state)
+        if self.states.get(state.key) is state:
+            del self.states[state.key]
 
     def reuse_cached(self, state: KeyState, now: float) -> bool:
         """A new request reads a cached verdict: True (taken out of the cache) while it is
         live; False when it lapsed (the state is forgotten)."""
         expiry = state.cache_expiry
-        if expiry is None or now >= expiry or self.cached.get(state.key) is not state:
+        if expiry is None or now >= expiry or state.cache_batch == NOT_CACHED:
             self.forget(state)
             return False
-        del self.cached[state.key]
+        self._uncache(state)
         return True
 
     def override(self, state: KeyState, verdict: bool, source: VerdictSource,
@@ -154,18 +230,40 @@ class KeyTable:
         if not state.refs:  # unclaimed (in flight or cached): nothing waits for it
             self.release(state)
 
+    def lapsed_first(self, now: float) -> bool:
+        """Whether the oldest release batch or note lapsed (one test each, so that a flush with
+        nothing to sweep costs no pass)."""
+        oldest_noted = self.noted.oldest_expiry()
+        return bool((self._batches and self._batches[0][0] <= now)
+                    or (oldest_noted is not None and oldest_noted <= now))
+
     def sweep(self, now: float) -> None:
-        """Drop lapsed entries from the oldest end, up to the first live one."""
-        cached, states = self.cached, self.states
-        while cached:
-            state = next(iter(cached.values()))
-            expiry = state.cache_expiry
-            if expiry is not None and expiry > now:
-                return
-            del cached[state.key]
-            if states.get(state.key) is state:
-                del states[state.key]
+        """Drop the batches and notes that lapsed, oldest first, up to the first live one."""
+        self.noted.sweep(now)
+        batches, states = self._batches, self.states
+        while batches and batches[0][0] <= now:
+            _, batch_id, members = batches.popleft()
+            self._queued -= len(members)
+            for state in members:
+                if state.cache_batch == batch_id:
+                    state.cache_batch = NOT_CACHED
+                    self.cached -= 1
+                    if states.get(state.key) is state:
+                        del states[state.key]
 
     def clear(self) -> None:
         self.states.clear()
-        self.cached.clear()
+        self._batches.clear()
+        self._queued = self.cached = 0
+        self.noted.clear()
+
+    def _compact(self) -> None:
+        """Drop the dead places from the release batches (amortised: at most once per as many
+        releases as there are cached states, plus a slack)."""
+        kept: deque[tuple[float, int, list[KeyState]]] = deque()
+        for lapses_at, batch_id, members in self._batches:
+            live = [state for state in members if state.cache_batch == batch_id]
+            if live:
+                kept.append((lapses_at, batch_id, live))
+        self._batches = kept
+        self._queued = sum(len(members) for _, _, members in kept)
