@@ -107,6 +107,9 @@ def main() -> None:
               f"{med('probe_timeouts'):>8.0f} {med('breaker_opens'):>7.0f}")
     print("pieces / whole (hit over ideal): "
           f"{statistics.median(r['hit_over_ideal'] for r in runs['pieces']) / statistics.median(r['hit_over_ideal'] for r in runs['whole']):.2f}x")  # noqa: E501
+    for mode, results in runs.items():  # issue 18: the tier's write time below the run's wall
+        busy = statistics.median(r["tier_write_s"] / r["wall_s"] for r in results)
+        print(f"{mode}: tier write time / wall time {busy:.2f} (target < 1)")
     last = runs["pieces"][-1]
     print(f"hit sources (pieces, last round): {last['hit_sources']}; lost: {last['lost_hits']}")
     if args.json:

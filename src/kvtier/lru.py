@@ -10,7 +10,7 @@ count it or release what the entries held.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -80,6 +80,24 @@ class BoundedLRU(Generic[K, V]):
             self._total -= old[1]
         self._entries[key] = (value, weight)
         self._total += weight
+        return self._evict(keep=1)
+
+    def put_many(self, entries: Iterable[tuple[K, int]], value: V) -> list[Evicted[K, V]]:
+        """:meth:`put` of each ``(key, weight)`` with ``value``, in order (the last newest), in
+        one loop, then one eviction pass that keeps the newest entry."""
+        table = self._entries
+        total = self._total
+        try:
+            for key, weight in entries:
+                if weight < 0:
+                    raise ValueError(f"BoundedLRU weight must be >= 0, got {weight!r}")
+                old = table.pop(key, None)
+                if old is not None:
+                    total -= old[1]
+                table[key] = (value, weight)
+                total += weight
+        finally:
+            self._total = total
         return self._evict(keep=1)
 
     def pop(self, key: K) -> V | None:

@@ -107,12 +107,13 @@ def test_crash_mid_put_leaves_no_block_and_the_temp_file_is_removed_on_open(
     script = textwrap.dedent(
         f"""
         import os, signal
-        from kvtier.backends.file import FileBackend, publish
+        from kvtier.backends.file import FileBackend, publish, store
         from kvtier.keys import Namespace
         backend = FileBackend({str(tmp_path)!r}, Namespace(model={namespace.model!r}))
         die = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
         os.link = die  # whichever way the backend publishes, it dies first
         publish._rename_noreplace = die
+        store._renameat2 = die  # the store loop's inline renameat2
         backend.put_many([{key!r}], [bytes(100000)])
         """
     )

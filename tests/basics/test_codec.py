@@ -353,3 +353,19 @@ def test_a_key_ring_refuses_bad_keys_without_showing_them() -> None:
         codec.KeyRing([OLD, NEW, OLD])
     assert OLD.decode() not in str(caught.value)
     assert codec.KeyRing.of(OLD).key_ids == codec.KeyRing([OLD]).key_ids
+
+
+@pytest.mark.parametrize("layout", list(codec.FrameLayout))
+@pytest.mark.parametrize("auth_key", [None, b"k" * 32])
+def test_a_batch_encodes_each_record_as_one_at_a_time(layout: codec.FrameLayout,
+                                                      auth_key: bytes | None) -> None:
+    """encode_records (the store path's batch) gives encode_record's bytes for every item,
+    keys and payload sizes mixed."""
+    coder = codec.FrameCodec(NS, auth_key, layout)
+    keys = [b"a" * 16, b"b" * 16, b"c" * 3, b"d" * 255, b"e" * 16]
+    payloads = [memoryview(bytes([i]) * size) for i, size in
+                enumerate((4096, 4096, 4096, 17, 0))]
+    assert coder.encode_records(keys, payloads) == [
+        coder.encode_record(key, payload) for key, payload in zip(keys, payloads, strict=True)]
+    with pytest.raises(ValueError):
+        coder.encode_records(keys, payloads[:-1])

@@ -45,3 +45,15 @@ def test_pop_unbounded_and_bad_values() -> None:
         BoundedLRU(-1)
     with pytest.raises(ValueError, match="weight"):
         lru.put(1, 1, weight=-1)
+
+
+def test_put_many_is_put_of_each_in_order_then_one_eviction() -> None:
+    lru: BoundedLRU[str, None] = BoundedLRU(10)
+    lru.put("a", None, weight=4)
+    lru.put("b", None, weight=4)
+    evicted = lru.put_many([("a", 3), ("c", 5)], None)  # a replaced and newer, then c
+    assert [(e.key, e.weight) for e in evicted] == [("b", 4)]
+    assert list(lru) == ["a", "c"] and lru.total_weight == 8
+    with pytest.raises(ValueError, match="weight must be >= 0"):
+        lru.put_many([("d", 1), ("e", -1)], None)
+    assert lru.total_weight == 9 and "d" in lru  # what went in before the bad entry counts

@@ -161,6 +161,31 @@ class FrameCodec:
             return self.encode_trailer(key, payload)
         return self.encode_header(key, payload)
 
+    def encode_records(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bytes]:
+        """:meth:`encode_record` of each (key, payload) pair of a batch: the unkeyed trailer
+        (the file tier's store) in one loop without a call per block, its fixed part looked up
+        once per run of blocks of one key and payload length."""
+        if self._ring is not None or self._layout is not FrameLayout.TRAILER:
+            encode = self.encode_record
+            return [encode(key, payload) for key, payload in zip(keys, payloads, strict=True)]
+        records: list[bytes] = []
+        append = records.append
+        pack = _CHECKSUM_PADDED.pack
+        hasher_of = xxhash.xxh3_64
+        shape = (-1, -1)
+        fixed = tail = b""
+        for key, payload in zip(keys, payloads, strict=True):
+            if (len(key), payload.nbytes) != shape:
+                shape = (len(key), payload.nbytes)
+                fixed = self._parts.get((TRAILER_VERSION, *shape)) or \
+                    self._fixed_part(TRAILER_VERSION, *shape)
+                tail = self._pad_tail[shape[0]]
+            prefix = b"".join((fixed, key, tail))  # :meth:`_prefix` of format 4
+            hasher = hasher_of(payload)
+            hasher.update(prefix)
+            append(prefix + pack(hasher.intdigest(), 0))
+        return records
+
     # -- verification -------------------------------------------------------------------------
 
     def split(self, frame: memoryview) -> tuple[memoryview, memoryview]:

@@ -81,8 +81,9 @@ from kvtier.backends.file.layout import (
     is_trailer,
     locate,
 )
-from kvtier.backends.file.publish import Publisher, rename_noreplace
+from kvtier.backends.file.publish import Publisher
 from kvtier.backends.file.scan import scan_blocks
+from kvtier.backends.file.store import put_plain
 from kvtier.backends.manifest import read_manifest_file
 from kvtier.keys import BlockKey, Namespace, check_key
 from kvtier.settings import ConfigError, Kind, Setting, SettingsTable
@@ -265,58 +266,28 @@ class FileBackend(Backend):
             try:
                 if (self._direct_io is not DirectIO.ACTIVE and not self._fsync
                         and not self._capacity.bounded and self._publisher.refuses_existing):
-                    return self._put_plain(view, frames, stored)
+                    return put_plain(
+                        view, frames, stored,
+                        temp_prefix=b"%s%d-" % (_TEMP_PREFIX_BYTES, self._pid),
+                        counter=self._temp_counter,
+                        slow=lambda frame: self._put_one(view, frame, stored),
+                        rare=lambda fan, temp, frame, taken: self._put_rare(
+                            view, fan, temp, frame, stored, name_taken=taken))
                 return [self._put_one(view, frame, stored) for frame in frames]
             finally:
                 self._capacity.commit(stored)  # one lock per batch, not per block
 
         return self._batch("put", [frame.key for frame in frames], run, Outcome.FAILED)
 
-    def _put_plain(self, view: View, frames: list[StoredFrame],
-                   stored: list[tuple[BlockKey, int]]) -> list[Outcome]:
-        """The common store (buffered, no fsync, unbounded, RENAME_NOREPLACE) in one loop:
-        create the temp file under the cached fan-out directory, ``writev`` payload and
-        trailer, close, publish with no replace. The same system calls as :meth:`_put_in`,
-        without its per-block Python (``benchmarks/backend_throughput.py``: a put is about a
-        fifth Python at 16 KiB); anything unusual (an uncached or vanished directory, an
-        error, a name taken) goes to :meth:`_put_one`, which handles and reports it."""
-        outcomes: list[Outcome] = []
-        fans = view.fans
-        prefix = b"%s%d-" % (_TEMP_PREFIX_BYTES, self._pid)
-        counter = self._temp_counter
-        for frame in frames:
-            key, trailer, payload = frame
-            parts, name = locate(key)
-            fan = fans.get(parts[0]) if len(parts) == 1 else None
-            if fan is None:
-                outcomes.append(self._put_one(view, frame, stored))
-                continue
-            temp = b"%s%d" % (prefix, next(counter))
-            try:
-                fd = os.open(temp, _CREATE_FLAGS, _FILE_MODE, dir_fd=fan)
-            except OSError:
-                outcomes.append(self._put_one(view, frame, stored))
-                continue
-            size = payload.nbytes + len(trailer)
-            try:
-                written = os.writev(fd, (payload, trailer))
-                if written != size:  # a short write: rare
-                    _write_all(fd, [payload, trailer], skip=written)
-            except OSError:
-                os.close(fd)
-                self._unlink_quietly(fan, temp, key)
-                outcomes.append(self._put_one(view, frame, stored))
-                continue
-            os.close(fd)
-            published = rename_noreplace(fan, temp, fan, name)
-            if published is True:
-                stored.append((key, size))
-                outcomes.append(Outcome.OK)
-                continue
-            self._unlink_quietly(fan, temp, key)
-            found = self._existing(view, fan, name, key) if published is False else None
-            outcomes.append(found if found is not None else self._put_one(view, frame, stored))
-        return outcomes
+    def _put_rare(self, view: View, fan: int, temp: bytes, frame: StoredFrame,
+                  stored: list[tuple[BlockKey, int]], *, name_taken: bool) -> Outcome:
+        """:func:`.store.put_plain`'s temp file ``temp`` under ``fan`` was not published (its write
+        or rename failed; ``name_taken``: a file holds the block's name): the temp file
+        removed, the name's holder judged, else :meth:`_put_one` tries and reports."""
+        self._unlink_quietly(fan, temp, frame.key)
+        found = self._existing(view, fan, locate(frame.key)[1], frame.key) if name_taken \
+            else None
+        return found if found is not None else self._put_one(view, frame, stored)
 
     def _put_one(self, view: View, frame: StoredFrame,
                  stored: list[tuple[BlockKey, int]]) -> Outcome:

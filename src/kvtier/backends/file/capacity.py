@@ -62,14 +62,16 @@ class CapacityIndex:
             if key is not None:
                 self._record(key, stored)
 
-    def commit(self, stored: Iterable[tuple[BlockKey, int]]) -> None:
+    def commit(self, stored: list[tuple[BlockKey, int]]) -> None:
         """Record a batch of published blocks (each had reserved its size) under one lock."""
+        if not stored:
+            return
         with self._lock:
-            bounded = bool(self._max_bytes)
-            for key, size in stored:
-                if bounded:
-                    self._reserved -= size
-                self._record(key, size)
+            if self._max_bytes:
+                self._reserved -= sum(size for _key, size in stored)
+            # Each published block the newest, at the size it was written with (a name a
+            # no-replace publish took held no file: an entry for it was stale).
+            self._lru.put_many(stored, None)
 
     def adopt(self, key: BlockKey, size: int) -> list[BlockKey]:
         """Index a block found on disk (another writer's, or ours); the victims over capacity."""

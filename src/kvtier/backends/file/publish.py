@@ -20,10 +20,11 @@ from typing import Any
 
 from kvtier.backends.file.layout import _NO_LINK_ERRNOS
 
-__all__ = ["LinkMode", "Publisher", "rename_noreplace"]
+__all__ = ["RENAME_NOREPLACE", "LinkMode", "Publisher", "name_taken", "rename_noreplace",
+           "renameat2"]
 
 _log = logging.getLogger(__name__)
-_RENAME_NOREPLACE = 1
+RENAME_NOREPLACE = 1
 
 
 class LinkMode(enum.Enum):
@@ -49,6 +50,10 @@ def _load_renameat2() -> Any:
 
 
 _renameat2 = _load_renameat2()
+renameat2 = _renameat2
+"""glibc's ``renameat2(src_dir, temp, dst_dir, final, flags)`` (bytes names; 0 or -1 with the
+C ``errno`` set; see :func:`name_taken`), for the store loop that calls it inline; only where
+:attr:`Publisher.refuses_existing` (else None)."""
 
 
 def _rename_noreplace(src_dir: int, temp: str | bytes, dst_dir: int, final: str | bytes) -> None:
@@ -56,7 +61,7 @@ def _rename_noreplace(src_dir: int, temp: str | bytes, dst_dir: int, final: str 
     FileExistsError if ``final`` exists."""
     if _renameat2(src_dir, temp if type(temp) is bytes else os.fsencode(temp), dst_dir,
                   final if type(final) is bytes else os.fsencode(final),
-                  _RENAME_NOREPLACE) != 0:
+                  RENAME_NOREPLACE) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), final)
 
@@ -65,9 +70,14 @@ def rename_noreplace(src_dir: int, temp: bytes, dst_dir: int, final: str) -> boo
     """One ``renameat2(RENAME_NOREPLACE)``: True if published, False if ``final`` exists, None
     for any other failure (``temp`` is left; :class:`Publisher` handles and reports it).
     Only where :attr:`Publisher.refuses_existing`."""
-    if _renameat2(src_dir, temp, dst_dir, final.encode(), _RENAME_NOREPLACE) == 0:
+    if _renameat2(src_dir, temp, dst_dir, final.encode(), RENAME_NOREPLACE) == 0:
         return True
     return False if ctypes.get_errno() == errno.EEXIST else None
+
+
+def name_taken() -> bool:
+    """Whether the last failed :data:`renameat2` of this thread found the name taken."""
+    return ctypes.get_errno() == errno.EEXIST
 
 
 class Publisher:

@@ -1,0 +1,94 @@
+"""The file tier's common store as one loop: a batch of frames written and published with the
+raw write + rename's four system calls per block and no call of ours in between.
+
+Used where the store needs nothing else (buffered, no fsync, unbounded, RENAME_NOREPLACE); the
+backend (:mod:`.backend`) passes what the loop cannot decide itself to its own slow paths.
+
+State and owners: none of its own. ``view`` (its fan-out cache, :mod:`.dirs`) and ``stored``
+are the calling thread's for the call; the temp-name counter is process-wide (``next`` is
+atomic).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+
+from kvtier.backends.base import Outcome, StoredFrame
+from kvtier.backends.file.dirs import View
+from kvtier.backends.file.layout import (
+    _CREATE_FLAGS,
+    _FILE_MODE,
+    _MAX_NAME_HEX,
+    _SUFFIX,
+    _write_all,
+)
+from kvtier.backends.file.publish import RENAME_NOREPLACE, name_taken
+from kvtier.backends.file.publish import renameat2 as _renameat2
+from kvtier.keys import BlockKey
+
+__all__ = ["put_plain"]
+
+Slow = Callable[[StoredFrame], Outcome]
+"""Stores one frame the careful way and reports what went wrong (the backend's ``_put_one``)."""
+Rare = Callable[[int, bytes, StoredFrame, bool], Outcome]
+"""Cleans up after a temp file under a fan-out descriptor that was not published (``True``: a
+file holds the block's name) and answers for the frame (the backend's ``_put_rare``)."""
+
+
+def put_plain(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKey, int]], *,
+              temp_prefix: bytes, counter: itertools.count[int], slow: Slow,
+              rare: Rare) -> list[Outcome]:
+    """Store ``frames`` under ``view``: create ``<temp_prefix><n>`` under the cached fan-out
+    directory, ``writev`` payload and trailer (no join: the payload is never copied), close,
+    ``renameat2(RENAME_NOREPLACE)``. Each published block is appended to ``stored`` as (key,
+    file size). A long key or a fan-out directory that cannot be cached goes to ``slow``; a
+    failed write or rename to ``rare``."""
+    outcomes = [Outcome.OK] * len(frames)
+    fans = view.fans
+    add = stored.append
+    for index, frame in enumerate(frames):
+        key, trailer, payload = frame
+        key_hex = key.hex()
+        fan = fans.get(key_hex[:2], -1) if len(key_hex) <= _MAX_NAME_HEX else -1
+        if fan < 0 and (fan := _fan_dir(view, key_hex)) < 0:
+            outcomes[index] = slow(frame)
+            continue
+        temp = b"%s%d" % (temp_prefix, next(counter))
+        try:
+            fd = os.open(temp, _CREATE_FLAGS, _FILE_MODE, dir_fd=fan)
+        except OSError:
+            outcomes[index] = slow(frame)
+            continue
+        size = payload.nbytes + len(trailer)
+        try:
+            written = os.writev(fd, (payload, trailer))
+            if written != size:  # a short write: rare
+                _write_all(fd, [payload, trailer], skip=written)
+        except OSError:
+            written = -1
+        os.close(fd)
+        if written >= 0 and _renameat2(fan, temp, fan, (key_hex + _SUFFIX).encode(),
+                                       RENAME_NOREPLACE) == 0:
+            add((key, size))
+            continue
+        outcomes[index] = rare(fan, temp, frame, written >= 0 and name_taken())
+    return outcomes
+
+
+def _fan_dir(view: View, key_hex: str) -> int:
+    """The fan-out directory of a short key, opened (created if missing) and cached in
+    ``view`` -- a fresh view's first store into each, once per view, on the loop's way; -1 for
+    anything else (a long key, a directory not cached: past the descriptor budget, an error),
+    which the slow path handles and reports."""
+    if len(key_hex) > _MAX_NAME_HEX:
+        return -1
+    try:
+        fan, owned = view.key_dir((key_hex[:2],), create=True)
+    except OSError:
+        return -1
+    if owned:
+        os.close(fan)
+        return -1
+    return fan
