@@ -440,3 +440,57 @@ def test_the_end_of_step_wait_never_waits_for_a_prefetch_load(namespace: Namespa
     finally:
         held.release.set()
         tier.shutdown(10)
+
+
+def test_no_prefetch_starts_in_a_step_in_which_a_request_waits(make: Factory) -> None:
+    """Prefetch never costs a demand load: while a request's lookup must ask again (its
+    probes or promotions are in flight), prefetch starts nothing, so its loads and probes
+    never queue beside the demand's; once no request waits, the paused chain comes back."""
+    m = make(slots=8, prefetch={"pool_fraction": 0.9})
+    paused = [k(10), k(11)]
+    turn(m, paused, "s2-turn0", "s2")
+    wanted = [k(1), k(2)]
+    turn(m, wanted, "s1-turn0", "s1")
+    evict_with_one_off_request(m, 100, 8)  # both chains left the pool
+    nxt = RequestContext("s1-turn1", session_id="s1")
+    assert m.lookup_prefix(wanted, nxt) is None  # demand: it waits for its promotions
+    m.on_schedule_end()
+    stats = prefetch_stats(m)
+    assert (stats["started_blocks"], stats["demand_steps"]) == (0, 1)
+    assert m.wait_idle(10)
+    assert m.lookup_prefix(wanted, nxt) == 2  # landed: it waits no more
+    read(m, wanted, nxt)
+    m.on_request_finished(nxt)
+    step(m)  # no request waited in this step: the other session's chain comes back
+    assert all(m.pool.is_resident(key) for key in paused)
+    stats = prefetch_stats(m)
+    assert (stats["started_blocks"], stats["demand_steps"]) == (2, 1)
+    assert_counters_add_up(stats)
+
+
+def test_a_chain_that_finishes_later_is_given_up_before_an_older_held_one(
+        make: Factory) -> None:
+    """The victim order's held chains are rebuilt when a chain finishes: after an eviction
+    took the tail of the newest held chain, a newer chain's tail goes next, not the older
+    one's next block."""
+    m = make(slots=8, prefetch={"pool_fraction": 0.9})
+    newer = [k(i) for i in range(10, 14)]
+    turn(m, newer, "s2-turn0", "s2")
+    turn(m, [k(1), k(2)], "s1-turn0", "s1")
+    nxt = RequestContext("s2-turn1", session_id="s2")
+    m.lookup_prefix([k(14)], nxt)  # held: the engine's cache reaches 6 blocks deep
+    store(m, [k(14)], nxt)
+    m.on_request_finished(nxt, chain=[*newer, k(14)])
+    step(m)
+    assert prefetch_stats(m)["engine_horizon_blocks"] == 6
+    running = RequestContext("r", session_id="s9")  # a request still running stores
+    store(m, [k(100)], running)  # the free slot
+    store(m, [k(101)], running)  # the held chain's tail goes
+    assert not m.pool.is_resident(k(14)) and m.pool.is_resident(k(13))
+    ctx = RequestContext("s3-turn0", session_id="s3")
+    store(m, [k(20)], ctx)  # the held chain's next block goes
+    m.on_request_finished(ctx)  # the newest held chain now (and s2's is deeper than 5)
+    assert m.wait_idle(10)  # k(20) is written to the tier (no step: no prefetch)
+    store(m, [k(102)], running)
+    assert not m.pool.is_resident(k(20))
+    assert m.pool.is_resident(k(12))

@@ -36,10 +36,11 @@ class Prefetch(enum.Enum):
 
 
 DEFAULT_PREFETCH = Prefetch.OFF
-"""The replay's default, the library's too: measured on ``builtin:agentic`` (8 sessions, speed 20,
-``benchmarks/session_prefetch.py``), prefetch keeps every hit, wastes 0.245 of what it reads
-and waits no more steps than off, but brings back only 0.261 of the tier-served blocks in time
-(target 0.80) and costs scheduler time per step; ``--prefetch on`` measures it."""
+"""The replay's default, the library's too: measured on ``builtin:agentic`` (speed 20,
+``benchmarks/session_prefetch.py``), prefetch keeps every hit and at 16 sessions waits fewer
+steps than off, but brings back only 0.031 of the tier-served blocks in time (target 0.80), costs
+scheduler time per step, and at 50 sessions requests wait 1.9x the steps of off; ``--prefetch
+on`` measures it."""
 
 
 class PrefixLoading(enum.Enum):

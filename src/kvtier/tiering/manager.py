@@ -205,6 +205,8 @@ class TieringManager:
         """Where ``key`` stands now (see :class:`KeyStatus`). Never blocks."""
         self._require_running("lookup")
         status = self._finder.find(check_key(key), ctx, ())
+        if status is KeyStatus.HIT_PENDING or status is KeyStatus.RETRY:
+            self._prefetch.note_demand_wait()  # demand waits: no prefetch starts this step
         return KeyStatus.MISS if status is None else status
 
     def lookup_prefix(self, keys: Sequence[BlockKey], ctx: RequestContext) -> int | None:
@@ -244,6 +246,7 @@ class TieringManager:
         scan = self._finder.scan(keys, ctx, mode)
         more = scan.pending or scan.waiting
         if more:
+            self._prefetch.note_demand_wait()  # demand waits: no prefetch starts this step
             self._pins.hold_many(ctx.req_id, scan.found, previous)
         elif previous is not None:
             self._pins.unpin_held(previous.keys)
