@@ -372,6 +372,17 @@ def test_a_chain_the_engine_lost_comes_back_whole(make: Factory) -> None:
     assert [m.pool.is_resident(k(i)) for i in range(1, 5)] == [True] * 4
 
 
+def finish_second_turn_of_s2(m: TieringManager, first_chain: list[bytes]) -> RequestContext:
+    """Session s2's second turn asks only its new block k(14) (the engine holds the rest),
+    stores it and finishes with the whole chain; returns the turn's context."""
+    nxt = RequestContext("s2-turn1", session_id="s2")
+    m.lookup_prefix([k(14)], nxt)
+    store(m, [k(14)], nxt)
+    m.on_request_finished(nxt, chain=[*first_chain, k(14)])
+    step(m)
+    return nxt
+
+
 def test_the_pool_keeps_what_the_engine_lost_and_evicts_what_it_holds(make: Factory) -> None:
     """Pool full: a store takes the slot of the lowest-value block, one of the newest chain
     (which the engine holds), from its tail; not the LRU victim, a block of the older chain
@@ -381,11 +392,7 @@ def test_the_pool_keeps_what_the_engine_lost_and_evicts_what_it_holds(make: Fact
     turn(m, newer, "s2-turn0", "s2")
     older = [k(1), k(2), k(3)]
     turn(m, older, "s1-turn0", "s1")
-    nxt = RequestContext("s2-turn1", session_id="s2")
-    m.lookup_prefix([k(14)], nxt)  # held: the engine's cache reaches 7 blocks deep
-    store(m, [k(14)], nxt)
-    m.on_request_finished(nxt, chain=[*newer, k(14)])
-    step(m)
+    nxt = finish_second_turn_of_s2(m, newer)  # held: the engine reaches 7 blocks deep
     assert prefetch_stats(m)["engine_horizon_blocks"] == 7
     m.touch([*newer, k(14)], nxt)  # the older chain's k(1), k(2) are now the LRU victims
     evict_with_one_off_request(m, 100, 2)  # the pool is full: two blocks must go
@@ -477,11 +484,7 @@ def test_a_chain_that_finishes_later_is_given_up_before_an_older_held_one(
     newer = [k(i) for i in range(10, 14)]
     turn(m, newer, "s2-turn0", "s2")
     turn(m, [k(1), k(2)], "s1-turn0", "s1")
-    nxt = RequestContext("s2-turn1", session_id="s2")
-    m.lookup_prefix([k(14)], nxt)  # held: the engine's cache reaches 6 blocks deep
-    store(m, [k(14)], nxt)
-    m.on_request_finished(nxt, chain=[*newer, k(14)])
-    step(m)
+    finish_second_turn_of_s2(m, newer)  # held: the engine reaches 6 blocks deep
     assert prefetch_stats(m)["engine_horizon_blocks"] == 6
     running = RequestContext("r", session_id="s9")  # a request still running stores
     store(m, [k(100)], running)  # the free slot
