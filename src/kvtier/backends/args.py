@@ -64,8 +64,7 @@ def check_put_args(
     if set(map(type, payloads)) == {memoryview} and \
             set(map(_FLAT_SHAPE, payloads)) == _FLAT:
         return key_list, list(payloads)  # type: ignore[arg-type]  # every item is a memoryview
-    views = [payload if type(payload) is memoryview and payload.format == "B"
-             and payload.ndim == 1 and payload.c_contiguous
+    views = [payload if type(payload) is memoryview and _FLAT_SHAPE(payload) in _FLAT
              else as_byte_view(payload, f"payloads[{index}]")
              for index, payload in enumerate(payloads)]
     return key_list, views

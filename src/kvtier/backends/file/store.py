@@ -51,8 +51,11 @@ def put_plain(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKey
     for index, frame in enumerate(frames):
         key, trailer, payload = frame
         key_hex = key.hex()
-        fan = fans.get(key_hex[:2], -1) if len(key_hex) <= _MAX_NAME_HEX else -1
-        if fan < 0 and (fan := _fan_dir(view, key_hex)) < 0:
+        if len(key_hex) > _MAX_NAME_HEX:  # a long key's name is split into directories
+            outcomes[index] = slow(frame)
+            continue
+        fan = fans.get(key_hex[:2], -1)
+        if fan < 0 and (fan := _fan_dir(view, key_hex[:2])) < 0:
             outcomes[index] = slow(frame)
             continue
         temp = b"%s%d" % (temp_prefix, next(counter))
@@ -77,15 +80,12 @@ def put_plain(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKey
     return outcomes
 
 
-def _fan_dir(view: View, key_hex: str) -> int:
-    """The fan-out directory of a short key, opened (created if missing) and cached in
-    ``view`` -- a fresh view's first store into each, once per view, on the loop's way; -1 for
-    anything else (a long key, a directory not cached: past the descriptor budget, an error),
-    which the slow path handles and reports."""
-    if len(key_hex) > _MAX_NAME_HEX:
-        return -1
+def _fan_dir(view: View, fan_hex: str) -> int:
+    """The fan-out directory ``fan_hex``, opened (created if missing) and cached in ``view`` --
+    a fresh view's first store into each, once per view, on the loop's way; -1 for a directory
+    not cached (past the descriptor budget, an error), which the slow path handles and reports."""
     try:
-        fan, owned = view.key_dir((key_hex[:2],), create=True)
+        fan, owned = view.key_dir((fan_hex,), create=True)
     except OSError:
         return -1
     if owned:
