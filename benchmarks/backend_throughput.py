@@ -26,6 +26,8 @@ time), where the medium is moved by the CPU (memory, page cache, tmpfs); it is n
 - file:   raw ``open/write/close/rename`` (put: a temp file renamed into place, as any store
           that never shows a partial block must) and ``open/readv/close`` (get) of the same
           bytes, one file per block; ``exists``: ``os.stat``.
+- file+capped: the file backend under ``max_bytes`` (1 TiB: the capacity index's bookkeeping,
+          no eviction) against the same raw baseline as ``file``.
 - file+direct: the file backend with ``o_direct=true`` on ``--direct-dir`` (a real disk, not
           tmpfs; default /var/tmp) against raw O_DIRECT write+rename / read of the same
           page-aligned buffers (every side's buffers are page-aligned, as pool slots are) in the
@@ -633,8 +635,9 @@ def _subjects(
                     Subject(kind, open_backend("memory://", namespace, **auth), MemoryBaseline(),
                             open_backend("memory://", namespace) if auth else None)
                 )
-            elif kind in ("file", "file+auth"):
-                backend = open_backend(f"file://{workdir / kind}", namespace, **auth)
+            elif kind in ("file", "file+auth", "file+capped"):
+                cap = {"max_bytes": "1TiB"} if kind == "file+capped" else {}
+                backend = open_backend(f"file://{workdir / kind}", namespace, **auth, **cap)
                 unkeyed = (open_backend(f"file://{workdir / 'unkeyed'}", namespace)
                            if auth else None)
                 subjects.append(Subject(kind, backend, FileBaseline(workdir / f"raw-{kind}"),
@@ -690,7 +693,7 @@ def _subjects(
                 subjects.append(Subject(kind, backend, s3_baseline))
             else:
                 raise SystemExit(f"unknown backend {kind!r}; expected memory, file, redis, s3, "
-                                 "memory+auth, file+auth or file+direct")
+                                 "memory+auth, file+auth, file+capped or file+direct")
         yield subjects
     finally:
         for subject in subjects:

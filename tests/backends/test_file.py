@@ -98,6 +98,35 @@ def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
     assert backend.exists([k1, k3, k4]) == [True, True, True]
 
 
+def test_a_capped_batch_reserves_once_and_gives_back_what_a_slow_path_stores(
+    tmp_path: Path,
+) -> None:
+    """A size-capped tier stores a batch through the one-loop store: a block another writer
+    published meanwhile (the loop's rename finds its name taken) gives its share of the batch
+    reservation back, so the next batch fits without evicting; a batch over the rest of the cap
+    evicts the oldest blocks first, as block-by-block stores would."""
+    namespace = fresh_namespace()
+    frame = codec.frame_size(1000)
+    k1, k2, k3, k4 = keys_for(4, "capped-batch")
+    other = FileBackend(tmp_path, namespace)  # a second writer on the same directory
+    capped = FileBackend(tmp_path, namespace, max_bytes=5 * frame)
+    assert other.put_many([k1], [payload_for(k1, 1000)]) == [True]
+    assert capped.put_many([k1, k2, k3], [payload_for(k, 1000) for k in (k1, k2, k3)]) == [True] * 3
+    used = capped.stats()["used_bytes"]
+    assert used in (2 * frame, 3 * frame)  # k1 is the other writer's: indexed or not
+    assert capped.put_many([k4], [payload_for(k4, 1000)]) == [True]
+    assert capped.stats()["evictions"] == 0
+    assert capped.stats()["used_bytes"] == used + frame
+    # Two more blocks than the cap has room for: the oldest go first, whole batch at once.
+    more = keys_for(3, "capped-more")
+    assert capped.put_many(more, [payload_for(k, 1000) for k in more]) == [True] * 3
+    stats = capped.stats()
+    assert stats["used_bytes"] <= 5 * frame
+    assert stats["evictions"] == (used + 4 * frame - 5 * frame) // frame
+    assert capped.exists([*more, k4]) == [True] * 4
+    assert capped.exists([k2]) == [False]  # the oldest block this writer stored
+
+
 def test_crash_mid_put_leaves_no_block_and_the_temp_file_is_removed_on_open(
     tmp_path: Path,
 ) -> None:

@@ -265,19 +265,52 @@ class FileBackend(Backend):
             stored: list[tuple[BlockKey, int]] = []
             try:
                 if (self._direct_io is not DirectIO.ACTIVE and not self._fsync
-                        and not self._capacity.bounded and self._publisher.refuses_existing):
-                    return put_plain(
-                        view, frames, stored,
-                        temp_prefix=b"%s%d-" % (_TEMP_PREFIX_BYTES, self._pid),
-                        counter=self._temp_counter,
-                        slow=lambda frame: self._put_one(view, frame, stored),
-                        rare=lambda fan, temp, frame, taken: self._put_rare(
-                            view, fan, temp, frame, stored, name_taken=taken))
+                        and self._publisher.refuses_existing):
+                    return self._put_batch(view, frames, stored)
                 return [self._put_one(view, frame, stored) for frame in frames]
             finally:
                 self._capacity.commit(stored)  # one lock per batch, not per block
 
         return self._batch("put", [frame.key for frame in frames], run, Outcome.FAILED)
+
+    def _put_batch(self, view: View, frames: list[StoredFrame],
+                   stored: list[tuple[BlockKey, int]]) -> list[Outcome]:
+        """:func:`.store.put_plain` over the batch. Under ``max_bytes`` the whole batch is
+        reserved first (one lock, its victims evicted), and a frame the loop hands to a slow
+        path gives its share back first (the slow path reserves its own); a batch that does not
+        fit goes block by block, each reserved, evicting or refused on its own."""
+        capacity = self._capacity
+        held = 0  # bytes of the batch reservation not given back (published ones included)
+        if capacity.bounded:
+            held = sum(frame.nbytes for frame in frames)
+            fits, victims = capacity.reserve(held)
+            self._evict_files(view, victims)
+            if not fits:
+                return [self._put_one(view, frame, stored) for frame in frames]
+
+        def give_back(frame: StoredFrame) -> None:
+            nonlocal held
+            if held:
+                held -= frame.nbytes
+                capacity.release(frame.nbytes, key=None)
+
+        def slow(frame: StoredFrame) -> Outcome:
+            give_back(frame)
+            return self._put_one(view, frame, stored)
+
+        def rare(fan: int, temp: bytes, frame: StoredFrame, taken: bool) -> Outcome:
+            give_back(frame)
+            return self._put_rare(view, fan, temp, frame, stored, name_taken=taken)
+
+        published: list[tuple[BlockKey, int]] = []
+        try:
+            return put_plain(view, frames, published,
+                             temp_prefix=b"%s%d-" % (_TEMP_PREFIX_BYTES, self._pid),
+                             counter=self._temp_counter, slow=slow, rare=rare)
+        finally:
+            stored.extend(published)  # their reservation ends in commit()
+            if held and (unreached := held - sum(size for _key, size in published)):
+                capacity.release(unreached, key=None)  # after an error only
 
     def _put_rare(self, view: View, fan: int, temp: bytes, frame: StoredFrame,
                   stored: list[tuple[BlockKey, int]], *, name_taken: bool) -> Outcome:

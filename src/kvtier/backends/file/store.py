@@ -1,8 +1,9 @@
 """The file tier's common store as one loop: a batch of frames written and published with the
 raw write + rename's four system calls per block and no call of ours in between.
 
-Used where the store needs nothing else (buffered, no fsync, unbounded, RENAME_NOREPLACE); the
-backend (:mod:`.backend`) passes what the loop cannot decide itself to its own slow paths.
+Used where the store needs nothing else (buffered, no fsync, RENAME_NOREPLACE; under
+``max_bytes`` the backend reserves the whole batch first); the backend (:mod:`.backend`) passes
+what the loop cannot decide itself to its own slow paths.
 
 State and owners: none of its own. ``view`` (its fan-out cache, :mod:`.dirs`) and ``stored``
 are the calling thread's for the call; the temp-name counter is process-wide (``next`` is
