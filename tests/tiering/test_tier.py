@@ -610,3 +610,103 @@ def test_a_timed_out_load_delivers_its_finished_parts(namespace: Namespace) -> N
     finally:
         gate.release.set()
         tier.shutdown(10)
+
+
+class HeldStores(OrderedGate):
+    """Fault injection of timing: every put call waits on ``release`` (a get does not), and
+    the most put calls inside at once is kept."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self.inside = 0
+        self.most_inside = 0
+        self._count_lock = threading.Lock()
+
+    def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
+        with self._count_lock:
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+        try:
+            return super().put_many(keys, payloads)
+        finally:
+            with self._count_lock:
+                self.inside -= 1
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
+        self.calls.append(("get", tuple(keys)))
+        return self.inner.get_many(keys, outs)
+
+
+def test_store_threads_runs_one_store_at_a_time_and_loads_beside_it(
+        namespace: Namespace) -> None:
+    """``store_threads=1`` of three I/O threads: while a store is held, the other stores wait
+    and a load runs on a free thread; once released every store lands, none left behind."""
+    gate = HeldStores(open_backend("memory://", namespace))
+    gate.inner.put_many([k(9)], [payload(9)])
+    tier = SecondaryTier("one-store", gate,  # type: ignore[arg-type]
+                         TierSettings(io_threads=3, store_threads=1))
+    try:
+        assert tier.ready.store_limit == 1
+        gate.release.clear()
+        stores = [tier.submit_store([k(i)], [payload(i)]) for i in (1, 2, 3)]
+        assert gate.entered.acquire(timeout=10)  # store 1 is inside put_many
+        out = bytearray(BLOCK)
+        load = tier.submit_load([k(9)], [memoryview(out)])
+        done = tier.get_finished_jobs(wait=True, timeout=10)
+        assert [job.job_id for job in done] == [load.job_id] and bytes(out) == payload(9)
+        assert gate.calls == [("put", (k(1),)), ("get", (k(9),))]  # stores 2 and 3 waited
+        gate.release.set()
+        finished = {job.job_id for job in done}
+        while len(finished) < 4:
+            batch = tier.get_finished_jobs(wait=True, timeout=10)
+            assert batch, "a store was left without a thread"
+            finished |= {job.job_id for job in batch}
+        assert all(job is not None and job.results == (True,) for job in stores)
+        assert gate.most_inside == 1
+        assert [call for call in gate.calls if call[0] == "put"] == [
+            ("put", (k(1),)), ("put", (k(2),)), ("put", (k(3),))]
+    finally:
+        gate.release.set()
+        tier.shutdown(10)
+
+
+def test_many_stores_through_one_store_thread_all_land(namespace: Namespace) -> None:
+    """200 store jobs on 4 I/O threads, one store at a time: every job finishes (a task owed
+    and never paid would leave a store waiting forever, and this would time out)."""
+    backend = open_backend("memory://", namespace)
+    tier = SecondaryTier("stream", backend, TierSettings(io_threads=4, store_threads=1))
+    try:
+        jobs = [tier.submit_store([k(i)], [payload(i)]) for i in range(200)]
+        assert all(job is not None for job in jobs)
+        finished = 0
+        while finished < len(jobs):
+            batch = tier.get_finished_jobs(wait=True, timeout=10)
+            assert batch, f"{len(jobs) - finished} stores never ran"
+            finished += len(batch)
+        assert backend.exists([k(i) for i in range(200)]) == [True] * 200
+    finally:
+        tier.shutdown(10)
+
+
+def test_the_store_limit_is_the_backends_choice_unless_configured(
+        tmp_path: Any, namespace: Namespace) -> None:
+    """A buffered file tier without fsync runs one store at a time; with fsync (the device's
+    queue pays off), in memory, or at or above io_threads, there is no limit."""
+    def limit(url: str, **settings: Any) -> int | None:
+        tier = SecondaryTier("t", open_backend(url, namespace), TierSettings(**settings))
+        try:
+            return tier.ready.store_limit
+        finally:
+            tier.shutdown(10)
+
+    assert limit(f"file://{tmp_path / 'a'}") == 1
+    assert limit(f"file://{tmp_path / 'b'}?fsync=1") is None
+    assert limit("memory://") is None
+    assert limit("memory://", store_threads=2) == 2
+    assert limit(f"file://{tmp_path / 'c'}", store_threads=3) == 3
+    assert limit(f"file://{tmp_path / 'd'}", io_threads=2, store_threads=2) is None
+
+
+def test_a_bad_store_threads_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="store_threads"):
+        TierSettings(store_threads=0)

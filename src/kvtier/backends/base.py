@@ -223,6 +223,11 @@ class Backend:
     EXTRA_COUNTERS: tuple[str, ...] = ()
     """Medium-specific counters reported besides :data:`STANDARD_COUNTERS`."""
 
+    parallel_stores: int | None = None
+    """How many stores at once pay off on this medium (None: as many as the caller runs); a
+    tier runs at most this many store jobs side by side unless configured otherwise. Set once
+    by the subclass's ``__init__``, read-only after."""
+
     FRAME_LAYOUT: codec.FrameLayout = codec.FrameLayout.HEADER
     """Where this medium's frames carry their record: :attr:`StoredFrame.header` is a header
     (written before the payload) or, for ``TRAILER``, a trailer (written after it)."""

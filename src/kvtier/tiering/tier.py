@@ -171,7 +171,9 @@ class SecondaryTier(TierIo):
         self._loads_outstanding = 0  # load jobs submitted and not yet collected
         self._prefetch_outstanding = 0  # of them, prefetch loads (nobody waits for those)
         self._outstanding: dict[int, TierJob] = {}
-        self.ready: ReadyParts[Part] = ReadyParts()  # public: a prefetch load is expedited
+        stores = settings.store_threads or backend.parallel_stores
+        self.ready: ReadyParts[Part] = ReadyParts(  # public: a prefetch load is expedited
+            stores if stores is not None and stores < settings.io_threads else None)
         self._job_ids = itertools.count()
         self._store_bytes = 0
         self._store_jobs = 0

@@ -110,10 +110,16 @@ class TierIo:
 
     # ---- I/O thread ---------------------------------------------------------------------------
     def _run_next(self) -> None:
-        """Run the oldest waiting load, else store, else prefetch part (one per task)."""
+        """Run the oldest waiting load, else store, else prefetch part (one per task), then the
+        part of any task that was owed meanwhile (stores over ``store_threads``)."""
         part = self.ready.pop()
-        if part is not None:
-            self._run_part(part)
+        while part is not None:
+            store = part.job.kind is JobKind.STORE
+            try:
+                self._run_part(part)
+            finally:
+                again = self.ready.done(store)
+            part = self.ready.pop() if again else None
 
     def _run_part(self, part: Part) -> None:
         job = part.job

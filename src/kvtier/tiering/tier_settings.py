@@ -55,6 +55,13 @@ class TierSettings:
 
     io_threads: int = setting_field(Kind.INT, 4, "threads moving this tier's bytes", minimum=1,
                                     maximum=MAX_IO_THREADS, env="KVTIER_IO_THREADS")
+    store_threads: int | None = setting_field(
+        Kind.INT, None,
+        "of the io_threads, how many may run stores at once (the others stay free for "
+        "loads); unset: the backend's choice, 1 for a buffered file tier without fsync (its "
+        "stores are CPU-bound copies into the page cache that side by side only wait for the "
+        "interpreter lock), all of them for the others",
+        minimum=1, maximum=MAX_IO_THREADS, nullable=True, env="KVTIER_STORE_THREADS")
     max_pending_store_bytes: int = setting_field(
         Kind.SIZE, 256 * 1024**2,
         "backpressure: store payload in flight at most this; more waits its turn (see "

@@ -147,6 +147,10 @@ class FileBackend(Backend):
         if wants_direct and not _O_DIRECT:
             _log.warning("file backend: O_DIRECT is not available on this OS; using buffered I/O")
         self._direct_io = DirectIO.ACTIVE if wants_direct and _O_DIRECT else DirectIO.OFF
+        # Buffered, no fsync: a store is a CPU-bound copy into the page cache, and a second one
+        # beside it only waits for the interpreter lock (benchmarks/beyond_pool.py).
+        if self._direct_io is DirectIO.OFF and not self._fsync:
+            self.parallel_stores = 1
         self._lock = threading.Lock()  # guards _direct_io's one transition
         self._capacity = CapacityIndex(self._max_bytes)
         # Process-wide: two instances on one directory must never pick the same temp name.
@@ -275,10 +279,9 @@ class FileBackend(Backend):
 
     def _put_batch(self, view: View, frames: list[StoredFrame],
                    stored: list[tuple[BlockKey, int]]) -> list[Outcome]:
-        """:func:`.store.put_plain` over the batch. Under ``max_bytes`` the whole batch is
-        reserved first (one lock, its victims evicted), and a frame the loop hands to a slow
-        path gives its share back first (the slow path reserves its own); a batch that does not
-        fit goes block by block, each reserved, evicting or refused on its own."""
+        """:func:`.store.put_plain` over the batch. Under ``max_bytes`` the batch is reserved
+        first (one lock, victims evicted); a frame handed to a slow path gives its share back
+        (that path reserves its own); a batch that does not fit goes block by block."""
         capacity = self._capacity
         held = 0  # bytes of the batch reservation not given back (published ones included)
         if capacity.bounded:
