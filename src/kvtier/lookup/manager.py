@@ -236,6 +236,7 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
         self._worker = ProbeWorker(tier_name, self.batch_lookup,
                                    self.lookup_scope if scoped else None,
                                    self._max_batch_keys, clock)
+        self._results = self._worker.results  # read every step: one attribute, not two
 
     # ------------------------------------------------------------------ subclass API
 
@@ -337,16 +338,20 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
         # Each piece of per-step upkeep is skipped by one test when it has nothing to do, so
         # a flush costs what the step brought (new keys, answers, lapsed entries), not a
         # pass over the manager's state.
-        if not self._worker.results.empty():
+        if not self._results.empty():
             self._drain(now)
         inflight = self._inflight_batches
         if inflight and next(iter(inflight.values())).deadline <= now:
             self._expire_timed_out(now)
-        if self._keys.lapsed_first(now):
-            self._keys.sweep(now)
-        if self._quarantine:
-            self._quarantine.sweep(now)
-        self._check_new_keys = bool(self._quarantine) or self._breaker.state is not _BREAKER_CLOSED
+        table = self._keys
+        batches, notes = table.batches, table.noted.batches  # KeyTable.lapsed_first() inlined
+        if (batches and batches[0][0] <= now) or (notes and notes[0][0][1] <= now):
+            table.sweep(now)
+        if self._check_new_keys:  # False: the quarantine is empty and the breaker closed
+            if self._quarantine:
+                self._quarantine.sweep(now)
+            self._check_new_keys = (bool(self._quarantine)
+                                    or self._breaker.state is not _BREAKER_CLOSED)
         self._gate = _GATE_DRAIN_FIRST
         if not self._pending:
             return
@@ -386,7 +391,8 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
             self._claim("drain_results")
         if self._lifecycle is _LIFECYCLE_CLOSED:
             return
-        self._drain(None)
+        if not self._results.empty():
+            self._drain(None)
         self._gate = _GATE_READY
 
     def cleanup(self, req_id: str) -> None:

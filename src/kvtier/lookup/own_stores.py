@@ -42,6 +42,7 @@ class StoreNotes:
     _request_keys: dict[str, dict[BlockKey, KeyState]]
     _last_released: dict[BlockKey, KeyState]
     _quarantine: ExpiryMap[BlockKey, None]
+    _check_new_keys: bool
     _counters: LookupStats
 
     def _closed(self) -> bool:
@@ -73,7 +74,7 @@ class StoreNotes:
             return
         ttl = self._verdict_ttl_s
         expiry = self._clock() + ttl if ttl > 0 else None
-        if verdict and self._quarantine:
+        if verdict and self._check_new_keys and self._quarantine:  # False: none quarantined
             for key in checked:
                 self._quarantine.pop(key)
         table, states = self._keys, self._states
@@ -95,13 +96,23 @@ class StoreNotes:
             for state in refresh:
                 table.forget(state)
             return
-        # Cached verdicts: set in place, one batch, the newest (KeyTable.override() inlined).
-        batch_id = table.next_batch
-        table.next_batch += 1
+        # Cached verdicts: set in place (KeyTable.override() inlined). Those in the newest
+        # release batch (the request released last, as a cleanup then its stores go) stay in
+        # it, which then lapses later; the others move to a new batch, the newest.
+        newest = table.next_batch - 1
+        moved: list[KeyState] = []
         for state in refresh:
             state.verdict, state.source, state.cache_expiry = verdict, _SOURCE_NOTED, expiry
-            state.cache_batch = batch_id
-        table.add_batch(batch_id, refresh, 0, expiry)
+            if state.cache_batch != newest:
+                moved.append(state)
+        if len(moved) < len(refresh):
+            table.extend_newest(expiry)
+        if moved:
+            batch_id = table.next_batch
+            table.next_batch += 1
+            for state in moved:
+                state.cache_batch = batch_id
+            table.add_batch(batch_id, moved, 0, expiry)
 
     def _reuse_noted(self, key: BlockKey, req_context: RequestContext,
                      attached: dict[BlockKey, KeyState]) -> bool | None:
