@@ -1343,3 +1343,26 @@ def test_stores_of_the_request_released_last_and_of_an_earlier_one_in_one_note(
     assert [tier.lookup(key(i), ctx("next")) for i in (0, 1)] == [True, True]
     stats = tier.stats
     assert (stats.verdict_cache_hits, len(tier.calls), stats.invariant_violations) == (2, 1, 0)
+
+
+def test_a_lapsed_quarantine_is_swept_by_a_flush_and_a_later_mark_miss_still_refuses(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    """Flushes sweep the quarantine while it has entries; once it is empty they skip it, and a
+    later mark_miss makes new keys take the refusing path again."""
+    tier = make(key(1), key(2), key(3), quarantine_s=5.0)
+    tier.mark_miss([key(1), key(2)])
+    tier.flush()
+    assert tier.stats.quarantined_keys == 2
+    assert tier.lookup(key(1), ctx("r1")) is False  # refused, not probed
+    clock.advance(5.0)
+    tier.flush()  # both lapsed: swept without being asked
+    assert tier.stats.quarantined_keys == 0
+    assert tier.lookup(key(2), ctx("r2")) is None  # probed now
+    step(tier)
+    assert tier.lookup(key(2), ctx("r2")) is True
+    tier.mark_miss([key(3)])
+    assert tier.lookup(key(3), ctx("r3")) is False
+    tier.flush()
+    assert tier.stats.quarantined_keys == 1
+    assert [keys for keys, _ in tier.calls] == [[key(2)]]

@@ -15,8 +15,9 @@ Owner threads:
   (``_counters``, ``_lookup_count``, ``_logs``) and the lifecycle (``_lifecycle``, ``_gate``).
   ``shutdown`` may come from any thread once the owner stopped calling.
 * **Probe worker thread** (``_worker``, lookup/worker.py) owns only its locals and its logs; it
-  talks to the scheduler through two ``queue.SimpleQueue`` and a posted-results count under a
-  condition, which only ``wait_for_probes`` / ``_wait_for_results`` wait on.
+  talks to the scheduler through two ``queue.SimpleQueue`` (the results one is also
+  ``_results``, the scheduler's handle) and a posted-results count under a condition, which
+  only ``wait_for_probes`` / ``_wait_for_results`` wait on.
 
 Applying the worker's results and timing out stuck batches: lookup/results.py (a mixin);
 applying our own stores and evictions (``note_stored`` / ``note_removed``): lookup/own_stores.py.
@@ -160,8 +161,10 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
     its keys. The common first lookups (a new key, a key other requests hold, a cached verdict)
     and the released-verdict paths of ``cleanup`` and ``note_stored`` make no method call per
     key. Releasing a request (``cleanup``) is one pass over its keys; a released verdict stays
-    in place as the cache entry. ``flush`` costs what the step brought (new keys, answers,
-    lapsed entries): each piece of upkeep with nothing to do is skipped by one test.
+    in place as the cache entry, and the stores of that request, noted next, set those entries
+    where they are (in its release batch). ``flush`` costs what the step brought (new keys,
+    answers, lapsed entries): each piece of upkeep with nothing to do is skipped by one test
+    (the quarantine and the breaker by one between them, ``_check_new_keys``).
 
     Verdicts from faults (errors, malformed results, timeouts, an open breaker) are False and are
     shared by the requests attached to that key while they live, but are never cached for
@@ -219,7 +222,8 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
         self._inflight_batches: dict[int, InFlightBatch] = {}
         self._quarantine: ExpiryMap[BlockKey, None] = ExpiryMap(self._max_cached_verdicts)
         # True whenever the quarantine has entries or the breaker is not closed (so new keys
-        # take the slow path that may refuse them); recomputed at every flush.
+        # take the slow path that may refuse them); set by mark_miss and the breaker's opening,
+        # recomputed by the flushes while it is True (so False: nothing to sweep or check).
         self._check_new_keys = False
         self._next_batch_id = 0
         self._logs: dict[str, RateLimitedLog] = rate_limited_logs(
