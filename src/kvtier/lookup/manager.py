@@ -129,6 +129,10 @@ def _checked_keys(keys: Iterable[BlockKey]) -> list[BlockKey]:
     return checked
 
 
+def _not_a_context(req_context: object) -> TypeError:
+    return TypeError(f"req_context must be a RequestContext, got {type(req_context).__name__}")
+
+
 def _closed_error(tier_name: str, operation: str) -> ClosedError:
     return LookupManagerClosedError(
         f"lookup manager for tier {tier_name!r} is shut down; {operation}() is not allowed any more"
@@ -278,13 +282,16 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
         try:
             req_id = req_context.req_id
         except AttributeError:
-            raise TypeError(
-                f"req_context must be a RequestContext, got {type(req_context).__name__}"
-            ) from None
+            raise _not_a_context(req_context) from None
         if req_id is self._cur_req_id:  # the request being scanned (identity: the same str)
             attached = self._cur_attached
-        else:
-            attached = self._switch_request(req_id, req_context)
+        else:  # the scan moved to another request: its map (registered at its first key)
+            if not isinstance(req_context, RequestContext):
+                raise _not_a_context(req_context)
+            known = self._request_keys.get(req_id)
+            attached = {} if known is None else known
+            self._cur_req_id = req_id
+            self._cur_attached = attached
         state = attached.get(key)
         if state is None:  # the first lookup of this key by this request
             state = self._states.get(key)
@@ -551,20 +558,6 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
             "mark_miss, note_stored and note_removed belong to the scheduler thread that first "
             "called one of them (they are not thread-safe); nothing was changed"
         )
-
-    def _switch_request(self, req_id: str,
-                        req_context: RequestContext) -> dict[BlockKey, KeyState]:
-        """The map of the request the scheduler now scans (registered at its first key)."""
-        if not isinstance(req_context, RequestContext):
-            raise TypeError(
-                f"req_context must be a RequestContext, got {type(req_context).__name__}"
-            )
-        attached = self._request_keys.get(req_id)
-        if attached is None:
-            attached = {}
-        self._cur_req_id = req_id
-        self._cur_attached = attached
-        return attached
 
     def _attach(self, key: BlockKey, state: KeyState | None, req_context: RequestContext,
                 attached: dict[BlockKey, KeyState]) -> bool | None:

@@ -258,8 +258,11 @@ class KeyTable:
                 if state.cache_batch == batch_id:
                     state.cache_batch = NOT_CACHED
                     dropped += 1
-                    if states.get(state.key) is state:
-                        del states[state.key]
+                    # One probe of the large dict, not two: a cached state is the key's entry
+                    # (put back what is not, as forget() would leave it).
+                    entry = states.pop(state.key, None)
+                    if entry is not state and entry is not None:
+                        states[state.key] = entry
         self.cached -= dropped
 
     def clear(self) -> None:
