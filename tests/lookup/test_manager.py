@@ -1366,3 +1366,34 @@ def test_a_lapsed_quarantine_is_swept_by_a_flush_and_a_later_mark_miss_still_ref
     tier.flush()
     assert tier.stats.quarantined_keys == 1
     assert [keys for keys, _ in tier.calls] == [[key(2)]]
+
+
+def test_a_note_whose_orphan_evicts_a_cached_key_of_the_same_note_keeps_the_bound(
+    make: Callable[..., SetTier],
+) -> None:
+    """One note of a cached key and of an orphan still in flight, with room for one verdict:
+    caching the orphan's note evicts the older cached state, which stays evicted (not revived
+    outside the table), and the counts stay right."""
+    hold = threading.Event()
+    tier = make(hold=hold, max_cached_verdicts=1, verdict_ttl_s=60)
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    hold.set()
+    settle(tier)
+    tier.cleanup("r1")  # key 1: a cached False
+    hold.clear()
+    tier.lookup(key(2), ctx("r2"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    tier.cleanup("r2")  # key 2: an orphan in flight
+    tier.note_stored([key(1), key(2)])
+    stats = tier.stats
+    assert (stats.cached_verdicts, stats.verdict_cache_evictions, tier.tracked_keys) == (1, 1, 0)
+    hold.set()
+    settle(tier)  # the orphan's late answer is stale: its note superseded it
+    assert tier.lookup(key(2), ctx("r3")) is True  # the note, from the cache
+    assert tier.lookup(key(1), ctx("r3")) is None  # evicted: probed again
+    step(tier)
+    stats = tier.stats
+    assert (stats.stale_results_dropped, stats.invariant_violations) == (1, 0)
+    assert [keys for keys, _ in tier.calls] == [[key(1)], [key(2)], [key(1)]]

@@ -84,12 +84,15 @@ class StoreNotes:
         if expiry is not None and len(held) < len(rest):
             table.noted.add([key for key in rest if key not in held] if held else rest,
                             verdict, expiry)
-        for key in held:
+        overridden: list[KeyState] = []
+        for key in held:  # sorted before any override: an override may evict a cached state
             state = states[key]
             if state.refs or state.cache_batch == _NOT_CACHED:  # held, or an orphan in flight
-                table.override(state, verdict, _SOURCE_NOTED, expiry)
+                overridden.append(state)
             else:
                 refresh.append(state)
+        for state in overridden:
+            table.override(state, verdict, _SOURCE_NOTED, expiry)
         if not refresh:
             return
         if expiry is None:  # the cache is off: the released states are dropped
@@ -101,11 +104,17 @@ class StoreNotes:
         # it, which then lapses later; the others move to a new batch, the newest.
         newest = table.next_batch - 1
         moved: list[KeyState] = []
+        in_place = 0
         for state in refresh:
+            batch = state.cache_batch
+            if batch == _NOT_CACHED:  # dropped for the bound by an override above: stays so
+                continue
             state.verdict, state.source, state.cache_expiry = verdict, _SOURCE_NOTED, expiry
-            if state.cache_batch != newest:
+            if batch == newest:
+                in_place += 1
+            else:
                 moved.append(state)
-        if len(moved) < len(refresh):
+        if in_place:
             table.extend_newest(expiry)
         if moved:
             batch_id = table.next_batch
