@@ -893,7 +893,7 @@ def test_duplicate_result_is_counted_and_safe_verdict_kept(
     tier._worker.results.put(result)
     tier.drain_results()
     assert tier.lookup(key(1), ctx("r1")) is False
-    forged = type(result)(result.batch_id, [(key(1), result.answers[0][1], True, True)],
+    forged = type(result)(result.batch_id, [key(1)], result.generations[:1], [True],
                           [True], 0, result.answered_at)
     tier._inflight_batches[result.batch_id] = object()  # type: ignore[assignment]
     tier._worker.results.put(forged)
@@ -1298,3 +1298,102 @@ def test_a_finished_request_s_stores_flip_its_cached_verdicts(
     assert [tier.lookup(key(i), ctx("next")) for i in (0, 1, 2, 7)] == [True] * 4
     stats = tier.stats
     assert (stats.verdict_cache_hits, stats.invariant_violations, len(tier.calls)) == (4, 0, 1)
+
+
+def test_a_finished_request_s_stores_are_set_in_its_release_batch_and_lapse_with_the_note(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    """Cleanup caches a request's verdicts in one release batch; its stores, noted next, set
+    them where they are (no dead places left behind) and move the batch's lapse to the note's
+    expiry: the sweep keeps them past the release's lapse and drops them at the note's."""
+    tier = make(verdict_ttl_s=1.0)
+    for i in range(3):
+        tier.lookup(key(i), ctx("r1"))
+    step(tier)  # all False, answered at 1000.0
+    tier.cleanup("r1")  # cached until 1001.0 at the latest
+    clock.advance(0.5)
+    tier.note_stored([key(0), key(1), key(2)])  # True until 1001.5
+    assert tier._keys.queued == 3  # the three places of the release batch, all live
+    clock.advance(0.7)  # 1001.2: past the release's lapse, not the note's
+    tier.flush()
+    assert tier.stats.cached_verdicts == 3
+    clock.advance(0.3)  # 1001.5: the note lapses
+    tier.flush()
+    assert tier.stats.cached_verdicts == 0
+    assert tier.lookup(key(0), ctx("r2")) is None  # probed again
+    assert (len(tier.calls), tier.stats.invariant_violations) == (1, 0)
+
+
+def test_stores_of_the_request_released_last_and_of_an_earlier_one_in_one_note(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    """One note of keys released by the last request (set in its batch) and by an earlier one
+    (moved to a new batch): all are served True from the cache until the note lapses."""
+    tier = make(verdict_ttl_s=1.0)
+    tier.lookup(key(0), ctx("early"))
+    tier.lookup(key(1), ctx("last"))
+    step(tier)
+    tier.cleanup("early")
+    tier.cleanup("last")
+    clock.advance(0.5)
+    tier.note_stored([key(1), key(0)])
+    clock.advance(0.7)  # past both releases' lapse
+    tier.flush()
+    assert tier.stats.cached_verdicts == 2
+    assert [tier.lookup(key(i), ctx("next")) for i in (0, 1)] == [True, True]
+    stats = tier.stats
+    assert (stats.verdict_cache_hits, len(tier.calls), stats.invariant_violations) == (2, 1, 0)
+
+
+def test_a_lapsed_quarantine_is_swept_by_a_flush_and_a_later_mark_miss_still_refuses(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    """Flushes sweep the quarantine while it has entries; once it is empty they skip it, and a
+    later mark_miss makes new keys take the refusing path again."""
+    tier = make(key(1), key(2), key(3), quarantine_s=5.0)
+    tier.mark_miss([key(1), key(2)])
+    tier.flush()
+    assert tier.stats.quarantined_keys == 2
+    assert tier.lookup(key(1), ctx("r1")) is False  # refused, not probed
+    clock.advance(5.0)
+    tier.flush()  # both lapsed: swept without being asked
+    assert tier.stats.quarantined_keys == 0
+    assert tier.lookup(key(2), ctx("r2")) is None  # probed now
+    step(tier)
+    assert tier.lookup(key(2), ctx("r2")) is True
+    tier.mark_miss([key(3)])
+    assert tier.lookup(key(3), ctx("r3")) is False
+    tier.flush()
+    assert tier.stats.quarantined_keys == 1
+    assert [keys for keys, _ in tier.calls] == [[key(2)]]
+
+
+def test_a_note_whose_orphan_evicts_a_cached_key_of_the_same_note_keeps_the_bound(
+    make: Callable[..., SetTier],
+) -> None:
+    """One note of a cached key and of an orphan still in flight, with room for one verdict:
+    caching the orphan's note evicts the older cached state, which stays evicted (not revived
+    outside the table), and the counts stay right."""
+    hold = threading.Event()
+    tier = make(hold=hold, max_cached_verdicts=1, verdict_ttl_s=60)
+    tier.lookup(key(1), ctx("r1"))
+    tier.flush()
+    hold.set()
+    settle(tier)
+    tier.cleanup("r1")  # key 1: a cached False
+    hold.clear()
+    tier.lookup(key(2), ctx("r2"))
+    tier.flush()
+    assert tier.entered.wait(WAIT_S)
+    tier.cleanup("r2")  # key 2: an orphan in flight
+    tier.note_stored([key(1), key(2)])
+    stats = tier.stats
+    assert (stats.cached_verdicts, stats.verdict_cache_evictions, tier.tracked_keys) == (1, 1, 0)
+    hold.set()
+    settle(tier)  # the orphan's late answer is stale: its note superseded it
+    assert tier.lookup(key(2), ctx("r3")) is True  # the note, from the cache
+    assert tier.lookup(key(1), ctx("r3")) is None  # evicted: probed again
+    step(tier)
+    stats = tier.stats
+    assert (stats.stale_results_dropped, stats.invariant_violations) == (1, 0)
+    assert [keys for keys, _ in tier.calls] == [[key(1)], [key(2)], [key(1)]]

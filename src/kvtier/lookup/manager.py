@@ -15,8 +15,9 @@ Owner threads:
   (``_counters``, ``_lookup_count``, ``_logs``) and the lifecycle (``_lifecycle``, ``_gate``).
   ``shutdown`` may come from any thread once the owner stopped calling.
 * **Probe worker thread** (``_worker``, lookup/worker.py) owns only its locals and its logs; it
-  talks to the scheduler through two ``queue.SimpleQueue`` and a posted-results count under a
-  condition, which only ``wait_for_probes`` / ``_wait_for_results`` wait on.
+  talks to the scheduler through two ``queue.SimpleQueue`` (the results one is also
+  ``_results``, the scheduler's handle) and a posted-results count under a condition, which
+  only ``wait_for_probes`` / ``_wait_for_results`` wait on.
 
 Applying the worker's results and timing out stuck batches: lookup/results.py (a mixin);
 applying our own stores and evictions (``note_stored`` / ``note_removed``): lookup/own_stores.py.
@@ -128,6 +129,10 @@ def _checked_keys(keys: Iterable[BlockKey]) -> list[BlockKey]:
     return checked
 
 
+def _not_a_context(req_context: object) -> TypeError:
+    return TypeError(f"req_context must be a RequestContext, got {type(req_context).__name__}")
+
+
 def _closed_error(tier_name: str, operation: str) -> ClosedError:
     return LookupManagerClosedError(
         f"lookup manager for tier {tier_name!r} is shut down; {operation}() is not allowed any more"
@@ -160,8 +165,10 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
     its keys. The common first lookups (a new key, a key other requests hold, a cached verdict)
     and the released-verdict paths of ``cleanup`` and ``note_stored`` make no method call per
     key. Releasing a request (``cleanup``) is one pass over its keys; a released verdict stays
-    in place as the cache entry. ``flush`` costs what the step brought (new keys, answers,
-    lapsed entries): each piece of upkeep with nothing to do is skipped by one test.
+    in place as the cache entry, and the stores of that request, noted next, set those entries
+    where they are (in its release batch). ``flush`` costs what the step brought (new keys,
+    answers, lapsed entries): each piece of upkeep with nothing to do is skipped by one test
+    (the quarantine and the breaker by one between them, ``_check_new_keys``).
 
     Verdicts from faults (errors, malformed results, timeouts, an open breaker) are False and are
     shared by the requests attached to that key while they live, but are never cached for
@@ -219,7 +226,8 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
         self._inflight_batches: dict[int, InFlightBatch] = {}
         self._quarantine: ExpiryMap[BlockKey, None] = ExpiryMap(self._max_cached_verdicts)
         # True whenever the quarantine has entries or the breaker is not closed (so new keys
-        # take the slow path that may refuse them); recomputed at every flush.
+        # take the slow path that may refuse them); set by mark_miss and the breaker's opening,
+        # recomputed by the flushes while it is True (so False: nothing to sweep or check).
         self._check_new_keys = False
         self._next_batch_id = 0
         self._logs: dict[str, RateLimitedLog] = rate_limited_logs(
@@ -236,6 +244,7 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
         self._worker = ProbeWorker(tier_name, self.batch_lookup,
                                    self.lookup_scope if scoped else None,
                                    self._max_batch_keys, clock)
+        self._results = self._worker.results  # read every step: one attribute, not two
 
     # ------------------------------------------------------------------ subclass API
 
@@ -273,13 +282,16 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
         try:
             req_id = req_context.req_id
         except AttributeError:
-            raise TypeError(
-                f"req_context must be a RequestContext, got {type(req_context).__name__}"
-            ) from None
+            raise _not_a_context(req_context) from None
         if req_id is self._cur_req_id:  # the request being scanned (identity: the same str)
             attached = self._cur_attached
-        else:
-            attached = self._switch_request(req_id, req_context)
+        else:  # the scan moved to another request: its map (registered at its first key)
+            if not isinstance(req_context, RequestContext):
+                raise _not_a_context(req_context)
+            known = self._request_keys.get(req_id)
+            attached = {} if known is None else known
+            self._cur_req_id = req_id
+            self._cur_attached = attached
         state = attached.get(key)
         if state is None:  # the first lookup of this key by this request
             state = self._states.get(key)
@@ -337,16 +349,20 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
         # Each piece of per-step upkeep is skipped by one test when it has nothing to do, so
         # a flush costs what the step brought (new keys, answers, lapsed entries), not a
         # pass over the manager's state.
-        if not self._worker.results.empty():
+        if not self._results.empty():
             self._drain(now)
         inflight = self._inflight_batches
         if inflight and next(iter(inflight.values())).deadline <= now:
             self._expire_timed_out(now)
-        if self._keys.lapsed_first(now):
-            self._keys.sweep(now)
-        if self._quarantine:
-            self._quarantine.sweep(now)
-        self._check_new_keys = bool(self._quarantine) or self._breaker.state is not _BREAKER_CLOSED
+        table = self._keys
+        batches, notes = table.batches, table.noted.batches  # KeyTable.lapsed_first() inlined
+        if (batches and batches[0][0] <= now) or (notes and notes[0][0][1] <= now):
+            table.sweep(now)
+        if self._check_new_keys:  # False: the quarantine is empty and the breaker closed
+            if self._quarantine:
+                self._quarantine.sweep(now)
+            self._check_new_keys = (bool(self._quarantine)
+                                    or self._breaker.state is not _BREAKER_CLOSED)
         self._gate = _GATE_DRAIN_FIRST
         if not self._pending:
             return
@@ -386,7 +402,8 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
             self._claim("drain_results")
         if self._lifecycle is _LIFECYCLE_CLOSED:
             return
-        self._drain(None)
+        if not self._results.empty():
+            self._drain(None)
         self._gate = _GATE_READY
 
     def cleanup(self, req_id: str) -> None:
@@ -541,20 +558,6 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
             "mark_miss, note_stored and note_removed belong to the scheduler thread that first "
             "called one of them (they are not thread-safe); nothing was changed"
         )
-
-    def _switch_request(self, req_id: str,
-                        req_context: RequestContext) -> dict[BlockKey, KeyState]:
-        """The map of the request the scheduler now scans (registered at its first key)."""
-        if not isinstance(req_context, RequestContext):
-            raise TypeError(
-                f"req_context must be a RequestContext, got {type(req_context).__name__}"
-            )
-        attached = self._request_keys.get(req_id)
-        if attached is None:
-            attached = {}
-        self._cur_req_id = req_id
-        self._cur_attached = attached
-        return attached
 
     def _attach(self, key: BlockKey, state: KeyState | None, req_context: RequestContext,
                 attached: dict[BlockKey, KeyState]) -> bool | None:

@@ -29,13 +29,13 @@ class NotedVerdicts:
     """``entries`` (key -> ``(verdict, expiry)``, read by the manager's hot path directly) and
     the notes in order. A plain ``dict`` (not an ``OrderedDict``): an insertion costs a third."""
 
-    __slots__ = ("_batched", "_batches", "entries")
+    __slots__ = ("_batched", "batches", "entries")
 
     def __init__(self) -> None:
         self.entries: dict[BlockKey, Noted] = {}
         # per note: its tuple and its keys, last key first (drop_oldest pops from the end)
-        self._batches: deque[tuple[Noted, list[BlockKey]]] = deque()
-        self._batched = 0  # keys in _batches, live or dead
+        self.batches: deque[tuple[Noted, list[BlockKey]]] = deque()
+        self._batched = 0  # keys in batches, live or dead
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -44,18 +44,18 @@ class NotedVerdicts:
         """``keys`` answer ``verdict`` until ``expiry``: the newest entries."""
         entry = (verdict, expiry)
         self.entries.update(dict.fromkeys(keys, entry))
-        self._batches.append((entry, list(reversed(keys))))  # pop() gives the first key
+        self.batches.append((entry, list(reversed(keys))))  # pop() gives the first key
         self._batched += len(keys)
         if self._batched > 2 * len(self.entries) + _COMPACT_SLACK:
             self._compact()
 
     def oldest_expiry(self) -> float | None:
         """When the oldest note lapses (None: no note); its keys may all be dead already."""
-        return self._batches[0][0][1] if self._batches else None
+        return self.batches[0][0][1] if self.batches else None
 
     def drop_oldest(self) -> bool:
         """Drop the oldest live entry (for the bound); False when there is none."""
-        batches, entries = self._batches, self.entries
+        batches, entries = self.batches, self.entries
         while batches:
             entry, keys = batches[0]
             while keys:
@@ -71,7 +71,7 @@ class NotedVerdicts:
 
     def sweep(self, now: float) -> None:
         """Drop the notes that lapsed, oldest first, up to the first live one."""
-        batches, entries = self._batches, self.entries
+        batches, entries = self.batches, self.entries
         while batches and batches[0][0][1] <= now:
             entry, keys = batches.popleft()
             self._batched -= len(keys)
@@ -81,7 +81,7 @@ class NotedVerdicts:
 
     def clear(self) -> None:
         self.entries.clear()
-        self._batches.clear()
+        self.batches.clear()
         self._batched = 0
 
     def _compact(self) -> None:
@@ -89,9 +89,9 @@ class NotedVerdicts:
         dead keys as there are live entries)."""
         entries = self.entries
         kept: deque[tuple[Noted, list[BlockKey]]] = deque()
-        for entry, keys in self._batches:
+        for entry, keys in self.batches:
             live = [key for key in dict.fromkeys(keys) if entries.get(key) is entry]
             if live:
                 kept.append((entry, live))
-        self._batches = kept
+        self.batches = kept
         self._batched = sum(len(keys) for _, keys in kept)

@@ -42,6 +42,7 @@ class StoreNotes:
     _request_keys: dict[str, dict[BlockKey, KeyState]]
     _last_released: dict[BlockKey, KeyState]
     _quarantine: ExpiryMap[BlockKey, None]
+    _check_new_keys: bool
     _counters: LookupStats
 
     def _closed(self) -> bool:
@@ -73,7 +74,7 @@ class StoreNotes:
             return
         ttl = self._verdict_ttl_s
         expiry = self._clock() + ttl if ttl > 0 else None
-        if verdict and self._quarantine:
+        if verdict and self._check_new_keys and self._quarantine:  # False: none quarantined
             for key in checked:
                 self._quarantine.pop(key)
         table, states = self._keys, self._states
@@ -83,25 +84,44 @@ class StoreNotes:
         if expiry is not None and len(held) < len(rest):
             table.noted.add([key for key in rest if key not in held] if held else rest,
                             verdict, expiry)
-        for key in held:
+        overridden: list[KeyState] = []
+        for key in held:  # sorted before any override: an override may evict a cached state
             state = states[key]
             if state.refs or state.cache_batch == _NOT_CACHED:  # held, or an orphan in flight
-                table.override(state, verdict, _SOURCE_NOTED, expiry)
+                overridden.append(state)
             else:
                 refresh.append(state)
+        for state in overridden:
+            table.override(state, verdict, _SOURCE_NOTED, expiry)
         if not refresh:
             return
         if expiry is None:  # the cache is off: the released states are dropped
             for state in refresh:
                 table.forget(state)
             return
-        # Cached verdicts: set in place, one batch, the newest (KeyTable.override() inlined).
-        batch_id = table.next_batch
-        table.next_batch += 1
+        # Cached verdicts: set in place (KeyTable.override() inlined). Those in the newest
+        # release batch (the request released last, as a cleanup then its stores go) stay in
+        # it, which then lapses later; the others move to a new batch, the newest.
+        newest = table.next_batch - 1
+        moved: list[KeyState] = []
+        in_place = 0
         for state in refresh:
+            batch = state.cache_batch
+            if batch == _NOT_CACHED:  # dropped for the bound by an override above: stays so
+                continue
             state.verdict, state.source, state.cache_expiry = verdict, _SOURCE_NOTED, expiry
-            state.cache_batch = batch_id
-        table.add_batch(batch_id, refresh, 0, expiry)
+            if batch == newest:
+                in_place += 1
+            else:
+                moved.append(state)
+        if in_place:
+            table.extend_newest(expiry)
+        if moved:
+            batch_id = table.next_batch
+            table.next_batch += 1
+            for state in moved:
+                state.cache_batch = batch_id
+            table.add_batch(batch_id, moved, 0, expiry)
 
     def _reuse_noted(self, key: BlockKey, req_context: RequestContext,
                      attached: dict[BlockKey, KeyState]) -> bool | None:

@@ -76,7 +76,7 @@ class ProbeResults:
                 self._violation("result for batch %d that was never sent", result.batch_id)
             # Timed out earlier: every answer is late; the timeout already fed the breaker and
             # was counted (failed_calls, probe_timeouts), so its errors are not counted again.
-            counters.stale_results_dropped += len(result.answers)
+            counters.stale_results_dropped += len(result.keys)
             return
         counters.failed_calls += result.call_outcomes.count(False)
         counters.probe_errors += result.error_keys
@@ -85,7 +85,8 @@ class ProbeResults:
         ttl = self._verdict_ttl_s
         states = self._states
         trusted_expiry = result.answered_at + ttl if ttl > 0 else None
-        for key, generation, verdict, trusted in result.answers:
+        for key, generation, verdict in zip(result.keys, result.generations, result.verdicts,
+                                            strict=True):
             state = states.get(key)
             if state is None or state.generation != generation:
                 counters.stale_results_dropped += 1
@@ -96,7 +97,7 @@ class ProbeResults:
                 continue
             # KeyState.resolve() inlined: this loop runs once per probed key
             state.phase = _PHASE_RESOLVED
-            if trusted:
+            if verdict is not None:
                 state.verdict = verdict
                 state.source = _SOURCE_BACKEND
                 state.cache_expiry = trusted_expiry

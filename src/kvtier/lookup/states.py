@@ -12,6 +12,8 @@ Releasing is what every finished request does for every key it asked, so the cac
 dict per release: the states released together (one ``cleanup``, one ``note_stored``) are one
 batch, a list appended to a queue in release order. A state released again later is in the
 newer batch only (``cache_batch`` says which); its place in the older one is dead and skipped.
+A note of states that are in the newest batch (the stores of the request released last) sets
+them where they are and moves that batch's lapse time, so it leaves no dead places.
 
 A verdict from our own store or eviction (``note_stored`` / ``note_removed``) for a key that no
 request holds is not a state: it is one entry in ``noted`` (lookup/noted.py), so a store costs
@@ -101,7 +103,7 @@ class KeyTable:
     at the first live one (a lapsed entry further in is caught when it is read).
     """
 
-    __slots__ = ("_batches", "_queued", "cached", "capacity", "evictions", "generations",
+    __slots__ = ("_queued", "batches", "cached", "capacity", "evictions", "generations",
                  "next_batch", "noted", "states")
 
     def __init__(self, max_cached_verdicts: int) -> None:
@@ -112,8 +114,8 @@ class KeyTable:
         self.states: dict[BlockKey, KeyState] = {}
         self.cached = 0  # states that are cached verdicts now
         # per release batch: when all of it has lapsed, its id, its states (newest last)
-        self._batches: deque[tuple[float, int, list[KeyState]]] = deque()
-        self._queued = 0  # places in _batches, live or dead
+        self.batches: deque[tuple[float, int, list[KeyState]]] = deque()
+        self._queued = 0  # places in batches, live or dead
         self.next_batch = 0  # the id of the next release batch
         self.noted = NotedVerdicts()
         self.capacity = max_cached_verdicts
@@ -149,13 +151,21 @@ class KeyTable:
         """``states`` (each with ``cache_batch == batch_id``, ``next_batch`` taken) are the
         newest cached verdicts, ``newly_cached`` of them not cached before; every one lapses at
         ``lapses_at`` at the latest. Then the bound is kept."""
-        self._batches.append((lapses_at, batch_id, states))
+        self.batches.append((lapses_at, batch_id, states))
         self._queued += len(states)
         self.cached += newly_cached
         if self._queued > 2 * self.cached + _COMPACT_SLACK:
             self._compact()
-        if self.cached + len(self.noted) > self.capacity:
+        if self.cached + len(self.noted.entries) > self.capacity:
             self.evict_over_capacity()
+
+    def extend_newest(self, lapses_at: float) -> None:
+        """States of the newest release batch were set again in place (with a later expiry):
+        the batch lapses at ``lapses_at`` at the latest now. A state whose ``cache_batch`` is
+        the newest id is in it, so the batch is there."""
+        old_lapse, batch_id, members = self.batches[-1]
+        if lapses_at > old_lapse:
+            self.batches[-1] = (lapses_at, batch_id, members)
 
     def release(self, state: KeyState) -> None:
         """Nobody holds ``state`` and no probe of it is in flight: cache its verdict or drop it."""
@@ -171,7 +181,7 @@ class KeyTable:
     def evict_over_capacity(self) -> None:
         """Drop the oldest entries until the bound holds: of the oldest released state and the
         oldest noted verdict, the one that lapses first."""
-        noted, batches = self.noted, self._batches
+        noted, batches = self.noted, self.batches
         while self.cached + len(noted) > self.capacity:
             oldest_noted = noted.oldest_expiry()
             if (oldest_noted is not None and (not self.cached or batches[0][0] > oldest_noted)
@@ -183,7 +193,7 @@ class KeyTable:
             self.evictions += 1
 
     def _drop_oldest_cached(self) -> bool:
-        batches, states = self._batches, self.states
+        batches, states = self.batches, self.states
         while batches:
             _, batch_id, members = batches[0]
             while members:
@@ -233,27 +243,31 @@ class KeyTable:
     def lapsed_first(self, now: float) -> bool:
         """Whether the oldest release batch or note lapsed (one test each, so that a flush with
         nothing to sweep costs no pass)."""
-        oldest_noted = self.noted.oldest_expiry()
-        return bool((self._batches and self._batches[0][0] <= now)
-                    or (oldest_noted is not None and oldest_noted <= now))
+        batches, notes = self.batches, self.noted.batches  # inlined in the manager's flush
+        return bool((batches and batches[0][0] <= now) or (notes and notes[0][0][1] <= now))
 
     def sweep(self, now: float) -> None:
         """Drop the batches and notes that lapsed, oldest first, up to the first live one."""
         self.noted.sweep(now)
-        batches, states = self._batches, self.states
+        batches, states = self.batches, self.states
+        dropped = 0
         while batches and batches[0][0] <= now:
             _, batch_id, members = batches.popleft()
             self._queued -= len(members)
             for state in members:
                 if state.cache_batch == batch_id:
                     state.cache_batch = NOT_CACHED
-                    self.cached -= 1
-                    if states.get(state.key) is state:
-                        del states[state.key]
+                    dropped += 1
+                    # One probe of the large dict, not two: a cached state is the key's entry
+                    # (put back what is not, as forget() would leave it).
+                    entry = states.pop(state.key, None)
+                    if entry is not state and entry is not None:
+                        states[state.key] = entry
+        self.cached -= dropped
 
     def clear(self) -> None:
         self.states.clear()
-        self._batches.clear()
+        self.batches.clear()
         self._queued = self.cached = 0
         self.noted.clear()
 
@@ -261,9 +275,9 @@ class KeyTable:
         """Drop the dead places from the release batches (amortised: at most once per as many
         releases as there are cached states, plus a slack)."""
         kept: deque[tuple[float, int, list[KeyState]]] = deque()
-        for lapses_at, batch_id, members in self._batches:
+        for lapses_at, batch_id, members in self.batches:
             live = [state for state in members if state.cache_batch == batch_id]
             if live:
                 kept.append((lapses_at, batch_id, live))
-        self._batches = kept
+        self.batches = kept
         self._queued = sum(len(members) for _, _, members in kept)

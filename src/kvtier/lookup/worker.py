@@ -47,8 +47,13 @@ class ProbeBatch:
 
 @dataclass(slots=True)
 class ProbeResult:
+    """One batch's answers as parallel lists (no tuple per key for the scheduler to free):
+    ``verdicts[i]`` answers ``keys[i]`` of generation ``generations[i]``; None = a fault."""
+
     batch_id: int
-    answers: list[tuple[BlockKey, int, bool, bool]]  # key, generation, verdict, trusted
+    keys: list[BlockKey]
+    generations: list[int]
+    verdicts: list[bool | None]
     call_outcomes: list[bool]  # one per backend call, True = succeeded
     error_keys: int
     answered_at: float
@@ -133,10 +138,11 @@ class ProbeWorker:
             except BaseException as exc:  # the worker survives everything, even odd scopes
                 logs["worker"].warning("tier %s: probe worker error %r; answering False",
                                        self._tier, exc)
+                entries = batch.entries
                 result = ProbeResult(
-                    batch.batch_id,
-                    [(key, generation, False, False) for key, generation, _ in batch.entries],
-                    [False], len(batch.entries), self._safe_now())
+                    batch.batch_id, [entry[0] for entry in entries],
+                    [entry[1] for entry in entries], [None] * len(entries),
+                    [False], len(entries), self._safe_now())
             self.results.put(result)
             self.busy_since = None
             with self._posted_cond:
@@ -150,25 +156,27 @@ class ProbeWorker:
             return -math.inf
 
     def _probe(self, batch: ProbeBatch, logs: dict[str, RateLimitedLog]) -> ProbeResult:
-        answers: list[tuple[BlockKey, int, bool, bool]] = []
+        answered_keys: list[BlockKey] = []
+        answered_generations: list[int] = []
+        answers: list[bool | None] = []
         outcomes: list[bool] = []
         error_keys = 0
         chunk_size = self._max_batch_keys
         for req_context, keys, generations in self._groups(batch.entries):
             for start in range(0, len(keys), chunk_size):
                 chunk = keys[start : start + chunk_size]
-                chunk_generations = generations[start : start + chunk_size]
+                answered_keys += chunk
+                answered_generations += generations[start : start + chunk_size]
                 verdicts = self._call_backend(chunk, req_context, logs)
                 if verdicts is None:
                     outcomes.append(False)
                     error_keys += len(chunk)
-                    answers.extend(zip(chunk, chunk_generations, itertools.repeat(False),
-                                       itertools.repeat(False)))
+                    answers += [None] * len(chunk)
                 else:
                     outcomes.append(True)
-                    answers.extend(zip(chunk, chunk_generations, verdicts,
-                                       itertools.repeat(True)))
-        return ProbeResult(batch.batch_id, answers, outcomes, error_keys, self._clock())
+                    answers += verdicts
+        return ProbeResult(batch.batch_id, answered_keys, answered_generations, answers,
+                           outcomes, error_keys, self._clock())
 
     def _groups(self, entries: list[Entry]
                 ) -> Iterable[tuple[RequestContext, list[BlockKey], list[int]]]:
