@@ -29,8 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvtier.replay.agentic import generate_trace
 from kvtier.replay.engine import Prefetch, ReplayOptions, replay
+from kvtier.replay.reader import read_trace
 from kvtier.replay.results import ReplayResult
 
 
@@ -88,16 +88,25 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--max-requests", type=int, default=None,
+                        help="replay only the trace's first N requests (a cheaper proxy)")
+    parser.add_argument("--cpu-blocks", type=int, default=ReplayOptions.cpu_blocks,
+                        help="the CPU pool's size in blocks")
+    parser.add_argument("--gpu-blocks", type=int, default=None,
+                        help="the modelled GPU's size in blocks (default: sized from the trace)")
     args = parser.parse_args()
-    trace = generate_trace(seed=args.seed, sessions=args.sessions)
+    trace = read_trace("builtin:agentic", seed=args.seed, sessions=args.sessions,
+                       max_requests=args.max_requests)
     print(f"builtin:agentic seed {args.seed}, {args.sessions} sessions: "
           f"{len(trace.requests):,} requests, {trace.total_blocks:,} block references, "
-          f"speed {args.speed:g}")
+          f"speed {args.speed:g}, CPU pool {args.cpu_blocks:,} blocks")
     runs: dict[str, list[ReplayResult]] = {"on": [], "off": []}
     for number in range(args.rounds):
         order = ("on", "off") if number % 2 == 0 else ("off", "on")
         for mode in order:
-            result = replay(trace, ReplayOptions(speed=args.speed, prefetch=Prefetch(mode)))
+            result = replay(trace, ReplayOptions(speed=args.speed, prefetch=Prefetch(mode),
+                                                 cpu_blocks=args.cpu_blocks,
+                                                 gpu_blocks=args.gpu_blocks))
             runs[mode].append(result)
             print(f"round {number + 1} prefetch {mode}: hit {result.block_hit_ratio:.4f}, "
                   f"steps waited {result.steps_waited:,}, coverage {coverage(result):.3f}, "
