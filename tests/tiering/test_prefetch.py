@@ -90,6 +90,8 @@ def assert_counters_add_up(stats: dict[str, Any]) -> None:
                                        + stats["failed_blocks"] + stats["in_flight_blocks"])
     assert stats["prefetched_blocks"] == (stats["used_blocks"] + stats["wasted_blocks"]
                                           + stats["unused_blocks"])
+    assert stats["steps"] == (stats["cooldown_steps"] + stats["waited_steps"]
+                              + stats["budget_steps"] + stats["open_steps"])
 
 
 def test_a_chain_evicted_during_the_pause_is_back_before_the_next_lookup(make: Factory) -> None:
@@ -472,6 +474,7 @@ def test_no_prefetch_starts_in_a_step_in_which_a_request_waits(make: Factory) ->
     assert all(m.pool.is_resident(key) for key in paused)
     stats = prefetch_stats(m)
     assert (stats["started_blocks"], stats["demand_steps"]) == (2, 1)
+    assert stats["waited_steps"] == 1 and stats["open_steps"] >= 1  # the step it started in
     assert_counters_add_up(stats)
 
 
