@@ -90,6 +90,8 @@ def assert_counters_add_up(stats: dict[str, Any]) -> None:
                                        + stats["failed_blocks"] + stats["in_flight_blocks"])
     assert stats["prefetched_blocks"] == (stats["used_blocks"] + stats["wasted_blocks"]
                                           + stats["unused_blocks"])
+    assert stats["steps"] == (stats["cooldown_steps"] + stats["waited_steps"]
+                              + stats["budget_steps"] + stats["open_steps"])
 
 
 def test_a_chain_evicted_during_the_pause_is_back_before_the_next_lookup(make: Factory) -> None:
@@ -472,6 +474,7 @@ def test_no_prefetch_starts_in_a_step_in_which_a_request_waits(make: Factory) ->
     assert all(m.pool.is_resident(key) for key in paused)
     stats = prefetch_stats(m)
     assert (stats["started_blocks"], stats["demand_steps"]) == (2, 1)
+    assert stats["waited_steps"] == 1 and stats["open_steps"] >= 1  # the step it started in
     assert_counters_add_up(stats)
 
 
@@ -497,3 +500,39 @@ def test_a_chain_that_finishes_later_is_given_up_before_an_older_held_one(
     store(m, [k(102)], running)
     assert not m.pool.is_resident(k(20))
     assert m.pool.is_resident(k(12))
+
+
+def test_the_held_chains_order_stops_when_their_next_turns_find_them_lost(
+        make: Factory) -> None:
+    """The value order gives up the tails of chains the engine held when they finished. When
+    their next turns keep finding them lost (the engine's cache was swept meanwhile), what it
+    gave up came back on demand: after enough such turns the order stops, and a store takes
+    the pool's LRU victim instead of the newest held chain's tail."""
+    m = make(slots=8, prefetch={"pool_fraction": 0.9})
+    turn(m, [k(1)], "s0-turn0", "s0")
+    turn(m, [k(2)], "s1-turn0", "s1")
+    turn(m, [k(3)], "s2-turn0", "s2")
+    back = RequestContext("s0-turn1", session_id="s0")
+    m.lookup_prefix([k(4)], back)  # held 3 blocks deep: 1-block chains are held at first
+    store(m, [k(4)], back)
+    m.on_request_finished(back, chain=[k(1), k(4)])
+    step(m)
+    assert prefetch_stats(m)["engine_horizon_blocks"] == 3
+    for i in range(8):
+        turn(m, [k(20 + i)], f"t{i}-turn0", f"t{i}")  # deemed held when it finished
+        turn(m, [k(40 + 3 * i + j) for j in range(3)], f"f{i}-turn0", f"f{i}")
+        nxt = RequestContext(f"t{i}-turn1", session_id=f"t{i}")
+        m.lookup_prefix([k(20 + i)], nxt)  # 4 blocks deep: asks from its start, lost
+        assert m.wait_idle(10)
+        m.on_request_finished(nxt, chain=[k(20 + i)])
+        step(m)
+        assert prefetch_stats(m)["held_order"] is (i < 7)  # 8 checks, all wrong: it stops
+    stats = prefetch_stats(m)
+    assert (stats["engine_horizon_blocks"], stats["held_order_switches"]) == (3, 1)
+    newest = RequestContext("u-turn0", session_id="u")
+    store(m, [k(90), k(91)], newest)
+    m.on_request_finished(newest)  # the newest chain: held, 2 blocks deep
+    assert m.wait_idle(10)
+    m.touch([k(90), k(91)], newest)  # the rest of the pool is older
+    evict_with_one_off_request(m, 200, m.pool.free_slots + 2)
+    assert m.pool.is_resident(k(90)) and m.pool.is_resident(k(91))

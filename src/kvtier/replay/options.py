@@ -37,10 +37,10 @@ class Prefetch(enum.Enum):
 
 DEFAULT_PREFETCH = Prefetch.OFF
 """The replay's default, the library's too: measured on ``builtin:agentic`` (speed 20,
-``benchmarks/session_prefetch.py``), prefetch keeps every hit and at 16 sessions waits fewer
-steps than off, but brings back only 0.031 of the tier-served blocks in time (target 0.80), costs
-scheduler time per step, and at 50 sessions requests wait 1.9x the steps of off; ``--prefetch
-on`` measures it."""
+``benchmarks/session_prefetch.py``, commit 3a4ca51), prefetch keeps every hit and at 16 sessions
+waits fewer steps than off, but brings back only 0.017 of the tier-served blocks in time (target
+0.80), costs scheduler time per step, and at 50 sessions requests waited 1.41x the steps of off
+in one pair (0.96x in another); ``--prefetch on`` measures it."""
 
 
 class PrefixLoading(enum.Enum):
