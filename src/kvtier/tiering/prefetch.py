@@ -34,8 +34,8 @@ newest chains. That order checks itself: a chain counted held when it finished m
 its next turn (running requests or one long prompt swept the engine's cache, which the depth in
 finished chains cannot see), and then what was given up of it comes back from a tier on
 demand. So the next turns of chains deemed held are counted (``demoted_right_blocks``,
-``demoted_wrong_blocks``), and while more than ``HELD_WRONG_SHARE`` of the last
-``HELD_CHECK_SAMPLES`` of them found their chain lost, held chains are not evicted first
+``demoted_wrong_blocks``), and while too many of the recent ones found their chain lost
+(:mod:`.held_check`), held chains are not evicted first
 (``held_order`` false; measured at 50 sessions: 128,172 blocks given up wrongly against 61,912
 rightly); the check goes on, so the order comes back when the engine holds them again.
 Every step, the chains the engine has lost by then whose blocks left the pool anyway are
@@ -92,6 +92,7 @@ from kvtier.keys import BlockKey, RequestContext
 from kvtier.policies import SkipPredicate
 from kvtier.primary import PrimaryPool
 from kvtier.tiering.events import PRIMARY, BlockRemoved, Counters, EventLog
+from kvtier.tiering.held_check import HeldOrderCheck
 from kvtier.tiering.plans import NextTurn
 from kvtier.tiering.promotions import PREFETCH_CHUNK_KEYS, PromotionTable
 from kvtier.tiering.tier import SecondaryTier
@@ -107,9 +108,6 @@ EVICTION_CHECK_STEPS = 16     # prefetched blocks are checked for eviction this 
 PROBES_PER_STEP = 512         # prefetch lookups a tier may have to probe, per step at most
 HORIZON_SAMPLES = 64          # recent next turns the engine's horizon is learned from
 HORIZON_MARGIN = 0.9          # start on a chain a little before the engine's cache drops it
-HELD_CHECK_SAMPLES = 32       # recent next turns of chains deemed held, the value order's check
-HELD_CHECK_MIN = 8            # fewer than this: the value order is trusted
-HELD_WRONG_SHARE = 0.25       # more of them lost than this: held chains are not evicted first
 _CTX_PREFIX = "kvtier-prefetch:"
 
 
@@ -140,12 +138,6 @@ class PrefetchCounters:
     #                          ended session, instead of the pool's LRU victim
     engine_held: int = 0     # next turns that found their chain's start in the engine's cache
     kept_blocks: int = 0     # blocks of lost chains still resident (not prefetched) at the turn
-    # Of the blocks the value order evicted from a chain it thought the engine held: those whose
-    # next turn found the engine held it after all (right), and those whose next turn found it
-    # lost, so they came back from a tier on demand (the order cost a demand load).
-    demoted_right_blocks: int = 0
-    demoted_wrong_blocks: int = 0
-    held_order_switches: int = 0  # times the check turned the held chains' order off or on
     ended_sessions: int = 0  # requests finished with NextTurn.NONE
     demand_steps: int = 0    # steps in which a request waited, so prefetch started nothing
     # Every step, why prefetch could or could not start (``steps`` = the sum of the next four,
@@ -213,10 +205,7 @@ class Prefetcher:
         self._next_seq = 0
         self._horizon = 0          # blocks of recent chains the engine itself still holds
         self._observed: deque[tuple[int, bool]] = deque(maxlen=HORIZON_SAMPLES)  # (depth, held)
-        # Next turns of the chains deemed held when they finished: held at the turn (True) or
-        # lost (False: what the value order gave up of it came back on demand)
-        self._held_checks: deque[bool] = deque(maxlen=HELD_CHECK_SAMPLES)
-        self._demote_held = True
+        self._held_check = HeldOrderCheck()  # are the chains deemed held really held?
         self._evictions_seen = pool.evictions
         # keys of ended sessions, the first victims (more than the pool holds: never reached)
         self._ended: deque[BlockKey] = deque(maxlen=pool.num_slots)
@@ -282,8 +271,8 @@ class Prefetcher:
                 held = keys[0] != chain.keys[0]
                 if not held:  # the engine lost it: what did the pool keep?
                     self._count_kept(chain)
-                if chain.deemed_held:
-                    self._check_held(chain, held)
+                if chain.deemed_held:  # was it? (:mod:`.held_check`)
+                    self._held_check.record(held, chain.given_up)
         return seen
 
     def _count_kept(self, chain: _Chain) -> None:
@@ -291,23 +280,6 @@ class Prefetcher:
         unused = self._unused
         self.counters.kept_blocks += sum(1 for key in chain.keys
                                          if is_resident(key) and key not in unused)
-
-    def _check_held(self, chain: _Chain, held: bool) -> None:
-        """The next turn of a chain deemed held: was it? The value order gives up the tails of
-        held chains only while few of them turn out lost at their next turn (an engine whose
-        cache the running requests or one long prompt sweep, which the finish-order depth
-        cannot see): a block given up that the engine lost is a demand load."""
-        if held:
-            self.counters.demoted_right_blocks += chain.given_up
-        else:
-            self.counters.demoted_wrong_blocks += chain.given_up
-        checks = self._held_checks
-        checks.append(held)
-        trusted = (len(checks) < HELD_CHECK_MIN
-                   or checks.count(False) <= HELD_WRONG_SHARE * len(checks))
-        if trusted != self._demote_held:
-            self._demote_held = trusted
-            self.counters.held_order_switches += 1
 
     def _learn_horizon(self, chain: _Chain, first: BlockKey) -> None:
         """The engine asks from ``first`` on: it held the blocks of ``chain`` before it (its own
@@ -539,7 +511,7 @@ class Prefetcher:
                     and key not in self._owner):  # not a block a paused chain shares
                 self.counters.demoted_blocks += 1
                 return key
-        if not self._demote_held:
+        if not self._held_check.trusted:
             return None
         holders = self._holders
         if holders is None:
@@ -657,7 +629,10 @@ class Prefetcher:
                      engine_horizon_blocks=self._horizon,
                      in_flight_blocks=len(self._in_flight), unused_blocks=len(self._unused),
                      paused_chains=sum(1 for c in self._chains.values() if not c.active),
-                     held_order=self._demote_held,
+                     held_order=self._held_check.trusted,
+                     demoted_right_blocks=self._held_check.right_blocks,
+                     demoted_wrong_blocks=self._held_check.wrong_blocks,
+                     held_order_switches=self._held_check.switches,
                      budget_blocks=self._budget)
         return stats
 
