@@ -355,8 +355,10 @@ def test_a_request_bigger_than_the_gpu_model_is_rejected_and_counted(
 def test_a_request_bigger_than_the_cpu_pool_streams_its_stores_and_is_answered(
         write_trace: TraceWriter, tmp_path: Path) -> None:
     """100 blocks through an 8-slot pool with no GPU cache: the stores stream to the file tier
-    (none shed), and the second pass loads all 100 back, piece by piece (2 blocks a piece, a
-    quarter of the pool), every one counted as a file-tier load, in bounded steps."""
+    (none shed), and the second pass gets all 100 back in bounded steps: from the tier, piece by
+    piece (2 blocks a piece, a quarter of the pool), or from the write-back copy of a store
+    still in flight when it asks (how many of each depends on the tier's speed: the file tier
+    runs one store at a time), each counted under its own cause."""
     trace = read_trace(write_trace([full(_blocks(0, 100), output_length=0),
                                     full(_blocks(0, 100), timestamp=1, output_length=0)]))
     root = tmp_path / "t"
@@ -366,9 +368,12 @@ def test_a_request_bigger_than_the_cpu_pool_streams_its_stores_and_is_answered(
     assert result.store_blocks_shed == 0 and result.store_blocks_deferred > 0
     assert len(list(root.rglob("*.kvb"))) == 100  # every computed block reached the tier
     assert result.block_hits == result.ideal_block_hits == 100
-    assert result.hit_sources == {"promoted.file": 100} and result.lost_hits == {}
+    sources = result.hit_sources
+    assert set(sources) <= {"promoted.file", "copy_readmitted", "cpu_resident"}
+    assert sum(sources.values()) == 100 and result.lost_hits == {}
     file_row = next(tier for tier in result.tiers if tier.name == "file")
-    assert file_row.block_hits == 100 and file_row.bytes_read >= 100 * result.block_bytes
+    assert file_row.block_hits == sources.get("promoted.file", 0)
+    assert file_row.bytes_read >= file_row.block_hits * result.block_bytes
     # A piece a step at most (a probe round, then promote, load, release, next piece); the
     # exact step counts are asserted in tests/tiering/test_manager.py, where steps wait for I/O.
     assert result.steps_waited <= 120
