@@ -354,10 +354,8 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
         inflight = self._inflight_batches
         if inflight and next(iter(inflight.values())).deadline <= now:
             self._expire_timed_out(now)
-        table = self._keys
-        batches, notes = table.batches, table.noted.batches  # KeyTable.lapsed_first() inlined
-        if (batches and batches[0][0] <= now) or (notes and notes[0][0][1] <= now):
-            table.sweep(now)
+        if self._keys.lapsed_first(now):
+            self._keys.sweep(now)
         if self._check_new_keys:  # False: the quarantine is empty and the breaker closed
             if self._quarantine:
                 self._quarantine.sweep(now)

@@ -243,7 +243,7 @@ class KeyTable:
     def lapsed_first(self, now: float) -> bool:
         """Whether the oldest release batch or note lapsed (one test each, so that a flush with
         nothing to sweep costs no pass)."""
-        batches, notes = self.batches, self.noted.batches  # inlined in the manager's flush
+        batches, notes = self.batches, self.noted.batches
         return bool((batches and batches[0][0] <= now) or (notes and notes[0][0][1] <= now))
 
     def sweep(self, now: float) -> None:
