@@ -27,8 +27,11 @@ import pytest
 from kvtier.backends import Backend, open_backend
 from kvtier.keys import BlockKey, Namespace
 
-BACKEND_KINDS = ["memory", "file", "redis", "redis_cluster", "s3"]
-PERSISTENT_KINDS = ["file", "redis", "redis_cluster", "s3"]
+# "file-python": the file backend with native_io=false, the path of an install without the
+# compiled batch reader (the whole contract holds on both read paths).
+BACKEND_KINDS = ["memory", "file", "file-python", "redis", "redis_cluster", "s3"]
+PERSISTENT_KINDS = ["file", "file-python", "redis", "redis_cluster", "s3"]
+FILE_KINDS = ("file", "file-python")
 _SERVER_FIXTURES = {"redis": "redis_server", "redis_cluster": "redis_cluster", "s3": "s3_server"}
 
 
@@ -110,7 +113,7 @@ class BackendHarness:
         return backend
 
     def raw(self, backend: Backend) -> RawAccess:
-        if self.kind == "file":
+        if self.kind in FILE_KINDS:
             return _FileRawAccess(backend)
         if self.kind == "s3":
             return _S3RawAccess(backend, self._server)
@@ -144,11 +147,12 @@ def harness(
             # memory:// is private to the instance: every open is a new, empty store.
             return open_backend("memory://", namespace, **options)
 
-    elif backend_kind == "file":
+    elif backend_kind in FILE_KINDS:
         root = tmp_path / "tier"
+        native = {"native_io": backend_kind == "file"}
 
         def open_url(namespace: Namespace, options: dict[str, Any]) -> Backend:
-            return open_backend(f"file://{root}", namespace, **options)
+            return open_backend(f"file://{root}", namespace, **{**native, **options})
 
     elif backend_kind in ("redis", "redis_cluster"):
 

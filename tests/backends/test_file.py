@@ -130,7 +130,9 @@ def test_a_capped_batch_reserves_once_and_gives_back_what_a_slow_path_stores(
 def test_crash_mid_put_leaves_no_block_and_the_temp_file_is_removed_on_open(
     tmp_path: Path,
 ) -> None:
-    """A real crash: a child process is SIGKILLed after writing the temp file, before publish."""
+    """A real crash: a child process is SIGKILLed after writing the temp file, before publish.
+    The child stores through Python (``native_io=False``): only there can a test stop it between
+    the two calls; the native store leaves the same temp file at the same point."""
     namespace = fresh_namespace()
     [key] = keys_for(1, "crash")
     script = textwrap.dedent(
@@ -138,7 +140,8 @@ def test_crash_mid_put_leaves_no_block_and_the_temp_file_is_removed_on_open(
         import os, signal
         from kvtier.backends.file import FileBackend, publish, store
         from kvtier.keys import Namespace
-        backend = FileBackend({str(tmp_path)!r}, Namespace(model={namespace.model!r}))
+        backend = FileBackend({str(tmp_path)!r}, Namespace(model={namespace.model!r}),
+                              native_io=False)
         die = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
         os.link = die  # whichever way the backend publishes, it dies first
         publish._rename_noreplace = die

@@ -39,9 +39,19 @@ def _within_deadline(call: Callable[[], object]) -> object:
     return box[0]
 
 
-def _fresh(tmp_path: Path) -> tuple[FileBackend, Namespace]:
+def _fresh(tmp_path: Path, *, native: bool = True) -> tuple[FileBackend, Namespace]:
     namespace = Namespace(model=f"hygiene-{os.urandom(4).hex()}")
-    return FileBackend(tmp_path / "tier", namespace), namespace
+    backend = FileBackend(tmp_path / "tier", namespace, native_io=native)
+    assert backend.stats()["native_io_active"] == int(native)  # the path under test is taken
+    return backend, namespace
+
+
+# The reads and stores below run on both paths: the native batch calls and Python's.
+READ_PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+
+
+def _assert_read_path(backend: FileBackend, native: bool) -> None:
+    assert (backend.stats()["native_reads"] > 0) is native
 
 
 # --------------------------------------------------------------------------- directories
@@ -156,31 +166,35 @@ def _plant(backend: FileBackend, key: bytes, kind: str) -> Path:
     return path
 
 
+@READ_PATHS
 @pytest.mark.parametrize("kind", sorted(PLANTS))
 def test_a_non_regular_file_at_a_block_path_is_never_read_and_is_removed(
-    tmp_path: Path, kind: str
+    tmp_path: Path, kind: str, native: bool
 ) -> None:
-    backend, _namespace = _fresh(tmp_path)
+    backend, _namespace = _fresh(tmp_path, native=native)
     [key] = keys_for(1, f"plant-{kind}")
     path = _plant(backend, key, kind)
-    assert backend.exists([key]) == [False]
-    assert backend.probe([key]) == [False]
     out = sentinel_buffer(500)
     assert _within_deadline(lambda: backend.get_many([key], [memoryview(out)])) == [False]
+    _assert_read_path(backend, native)
     assert backend.stats()["corrupt_objects"] == 1
     assert backend.stats()["hits"] == 0
     assert not os.path.lexists(path), f"the planted {kind} still blocks the key"
+    _plant(backend, key, kind)  # again, for the probes: they never answer present for it
+    assert backend.exists([key]) == [False]
+    assert backend.probe([key]) == [False]
     payload = payload_for(key, 500)
     assert backend.put_many([key], [payload]) == [True]
     assert backend.get_many([key], [memoryview(out)]) == [True] and bytes(out) == payload
     assert stat.S_ISREG(os.lstat(path).st_mode)
 
 
+@READ_PATHS
 @pytest.mark.parametrize("kind", sorted(PLANTS))
 def test_a_store_replaces_a_non_regular_file_instead_of_answering_already_present(
-    tmp_path: Path, kind: str
+    tmp_path: Path, kind: str, native: bool
 ) -> None:
-    backend, _namespace = _fresh(tmp_path)
+    backend, _namespace = _fresh(tmp_path, native=native)
     [key] = keys_for(1, f"plant-put-{kind}")
     path = _plant(backend, key, kind)
     payload = payload_for(key, 300)
@@ -191,27 +205,33 @@ def test_a_store_replaces_a_non_regular_file_instead_of_answering_already_presen
     assert backend.get_many([key], [memoryview(out)]) == [True] and bytes(out) == payload
 
 
-def test_a_fifo_with_a_writer_attached_still_cannot_hang_a_load(tmp_path: Path) -> None:
+@READ_PATHS
+def test_a_fifo_with_a_writer_attached_still_cannot_hang_a_load(tmp_path: Path,
+                                                                native: bool) -> None:
     """Even with a writer holding the FIFO open (so a blocking read would wait for data
-    forever), the load returns at once: the block file is opened O_NONBLOCK and fstat'ed."""
-    backend, _namespace = _fresh(tmp_path)
+    forever), the load returns at once: the block file is opened O_NONBLOCK and its read
+    refused (ESPIPE: no positioned read on a pipe)."""
+    backend, _namespace = _fresh(tmp_path, native=native)
     [key] = keys_for(1, "fifo-writer")
     path = _plant(backend, key, "fifo")
     reader_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     writer_fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
     try:
+        os.write(writer_fd, b"data a blocking read would take")
         result = _within_deadline(lambda: backend.get_many([key], [memoryview(bytearray(64))]))
         assert result == [False]
+        _assert_read_path(backend, native)
     finally:
         os.close(writer_fd)
         os.close(reader_fd)
     assert not os.path.lexists(path)
 
 
-def test_a_symlink_to_a_valid_frame_is_not_served(tmp_path: Path) -> None:
+@READ_PATHS
+def test_a_symlink_to_a_valid_frame_is_not_served(tmp_path: Path, native: bool) -> None:
     """A link to a perfectly valid frame of this very key (say, in a directory the attacker
     controls) is still refused: blocks are only ever read from regular files in our tree."""
-    backend, namespace = _fresh(tmp_path)
+    backend, namespace = _fresh(tmp_path, native=native)
     [key] = keys_for(1, "valid-link")
     payload = payload_for(key, 256)
     target = tmp_path / "attacker-frame"
@@ -219,7 +239,8 @@ def test_a_symlink_to_a_valid_frame_is_not_served(tmp_path: Path) -> None:
     path = backend.path_for(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.symlink_to(target)
-    assert backend.exists([key]) == [False]
     assert backend.get_many([key], [memoryview(bytearray(256))]) == [False]
+    _assert_read_path(backend, native)
+    assert backend.exists([key]) == [False]
     assert target.exists(), "only the link is removed, never what it points to"
     assert not os.path.lexists(path)

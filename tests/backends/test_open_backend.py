@@ -63,6 +63,7 @@ def test_file_url_options_from_query_string(tmp_path: Path) -> None:
         ("file:///tmp/x?max_bytes=-5", {}, ConfigError, "file.max_bytes: .*got '-5'"),
         ("file:///tmp/x?fsync=maybe", {}, ConfigError, "file.fsync: .*got 'maybe'"),
         ("file:///tmp/x", {"o_direct": 2}, ConfigError, "file.o_direct: .*got 2"),
+        ("file:///tmp/x?native_io=fast", {}, ConfigError, "file.native_io: .*got 'fast'"),
         ("file:///tmp/x?capacity=1", {}, ConfigError, r"setting\(s\) \['file.capacity'\]"),
         ("file:///tmp/x", {"ttl_s": 5}, ConfigError, r"setting\(s\) \['file.ttl_s'\]"),
         ("file:///tmp/x", {"auth_key": "short"}, ConfigError, "at least 16"),

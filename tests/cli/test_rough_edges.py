@@ -133,8 +133,8 @@ def test_a_bad_tier_url_is_one_line_before_anything_runs(
     err = _parse_error(["replay", str(trace), "--tier", "file:///tmp/x?bogus=1", *FAST], capsys)
     assert err.splitlines() == [
         "kvtier replay: error: argument --tier: unknown file backend setting(s) ['file.bogus']; "
-        "expected some of ['auth_key', 'auth_key_file', 'fsync', 'max_bytes', 'o_direct', "
-        "'shared_dir'] (see `kvtier replay --help`)"]
+        "expected some of ['auth_key', 'auth_key_file', 'fsync', 'max_bytes', 'native_io', "
+        "'o_direct', 'shared_dir'] (see `kvtier replay --help`)"]
     assert "could not remove" not in err and "usage:" not in err
 
 

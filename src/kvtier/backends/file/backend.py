@@ -21,25 +21,26 @@ Hygiene. The root, its path and the namespace directory must pass :class:`.dirs.
 (owned by us or root, writable by nobody else unless sticky), unless ``shared_dir`` (which
 requires ``auth_key``). Block files are opened ``O_NONBLOCK | O_NOFOLLOW`` and only regular
 files are read: anything else at a block path is moved aside, removed and counted corrupt. A
-buffered read lands in the caller's buffer (``preadv`` of header and payload, one verification
-pass); ``o_direct`` reads go through a page-aligned per-thread buffer (:mod:`.frameio`).
+buffered read lands in the caller's buffer (``preadv`` of payload and trailer, one verification
+pass); an ``o_direct`` read into memory that is not whole aligned pages goes through a
+page-aligned per-thread buffer (:mod:`.frameio`). Batches are read in one native call each where
+the extension is built (:mod:`.reads`).
 
 State and owners (any caller thread): ``_capacity`` (its own lock); ``_dirs`` (its own lock,
 see :mod:`.dirs`); ``_direct_io``, written once under ``_lock`` when O_DIRECT turns out
-unsupported, read without it (a stale read costs one more EINVAL fallback); ``_publisher``
-(see :mod:`.publish`); ``_scratch``, per thread.
+unsupported, read without it (a stale read costs one more EINVAL fallback); ``_native_io``,
+set once at open; ``_publisher`` (see :mod:`.publish`); ``_scratch``, per thread.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import stat
 import threading
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -65,13 +66,11 @@ from kvtier.backends.file.frameio import inode_of, read_frame, read_whole, write
 from kvtier.backends.file.layout import (
     _CREATE_FLAGS,
     _FILE_MODE,
-    _MAX_NAME_HEX,
     _MISSING_ERRNOS,
     _NOT_READABLE_ERRNOS,
     _NOT_REGULAR_ERRNOS,
     _O_DIRECT,
     _READ_FLAGS,
-    _SUFFIX,
     _TEMP_COUNTER,
     _TEMP_PREFIX,
     MANIFEST_NAME,
@@ -81,9 +80,11 @@ from kvtier.backends.file.layout import (
     is_trailer,
     locate,
 )
+from kvtier.backends.file.native import BATCHIO, NativeIO, native_io_for
 from kvtier.backends.file.publish import Publisher
+from kvtier.backends.file.reads import FileReads
 from kvtier.backends.file.scan import scan_blocks
-from kvtier.backends.file.store import put_plain
+from kvtier.backends.file.store import put_native, put_plain
 from kvtier.backends.manifest import read_manifest_file
 from kvtier.keys import BlockKey, Namespace, check_key
 from kvtier.settings import ConfigError, Kind, Setting, SettingsTable
@@ -97,6 +98,10 @@ SETTINGS = SettingsTable("file backend", (
     Setting("fsync", Kind.BOOL, False, help="fsync every block and its directory on store"),
     Setting("o_direct", Kind.BOOL, False,
             help="O_DIRECT reads and writes (bypass the page cache; falls back if refused)"),
+    Setting("native_io", Kind.BOOL, True,
+            help="read, look at and store each batch of blocks in one native call that releases "
+                 "the interpreter lock once (where the extension is built; else Python, one "
+                 "call per system call)"),
     Setting("shared_dir", Kind.BOOL, False,
             help="accept a root or namespace directory owned by another user or writable by "
                  "group or others (requires auth_key)"),
@@ -106,10 +111,10 @@ SETTINGS = SettingsTable("file backend", (
 _TEMP_PREFIX_BYTES = os.fsencode(_TEMP_PREFIX)
 
 
-class FileBackend(Backend):
+class FileBackend(FileReads, Backend):
     """A thread-safe block store on a local directory (see module docstring)."""
 
-    EXTRA_COUNTERS = ("evictions", "stray_temp_files_removed", "o_direct_fallbacks",
+    EXTRA_COUNTERS = ("evictions", "native_reads", "stray_temp_files_removed", "o_direct_fallbacks",
                       "put_rejected", "namespace_dir_swaps", "old_layout_blocks_moved")
     FRAME_LAYOUT = codec.FrameLayout.TRAILER
 
@@ -121,6 +126,7 @@ class FileBackend(Backend):
         max_bytes: int | str = 0,
         fsync: bool | str = False,
         o_direct: bool | str = False,
+        native_io: bool | str = True,
         shared_dir: bool | str = False,
         auth_key: AuthKey | None = None,
         mode: OpenMode = OpenMode.READ_WRITE,
@@ -147,6 +153,7 @@ class FileBackend(Backend):
         if wants_direct and not _O_DIRECT:
             _log.warning("file backend: O_DIRECT is not available on this OS; using buffered I/O")
         self._direct_io = DirectIO.ACTIVE if wants_direct and _O_DIRECT else DirectIO.OFF
+        self._native_io = native_io_for(SETTINGS["native_io"].parse(native_io))
         # Buffered, no fsync: a store is a CPU-bound copy into the page cache, and a second one
         # beside it only waits for the interpreter lock (benchmarks/beyond_pool.py).
         if self._direct_io is DirectIO.OFF and not self._fsync:
@@ -195,6 +202,7 @@ class FileBackend(Backend):
     def _m_extra_stats(self) -> dict[str, int]:
         gauges = self._capacity.gauges()
         gauges["o_direct_active"] = int(self._direct_io is DirectIO.ACTIVE)
+        gauges["native_io_active"] = int(self._native_io is NativeIO.ACTIVE)
         return gauges
 
     def _m_update_manifest(self, decide: Callable[[bytes | None], bytes]) -> None:
@@ -240,9 +248,14 @@ class FileBackend(Backend):
     # ------------------------------------------------------------------ existence
 
     def _m_exists(self, keys: list[BlockKey]) -> list[Outcome]:
-        return self._batch("exists", keys,
-                           lambda view: [self._exists_one(view, key) for key in keys],
-                           Outcome.MISSING)
+        def run(view: View) -> list[Outcome]:
+            if self._native_io is NativeIO.ACTIVE:
+                outcomes = self._exists_native(view, keys)
+                if outcomes is not None:
+                    return outcomes
+            return [self._exists_one(view, key) for key in keys]
+
+        return self._batch("exists", keys, run, Outcome.MISSING)
 
     def _exists_one(self, view: View, key: BlockKey) -> Outcome:
         parts, name = locate(key)
@@ -306,9 +319,13 @@ class FileBackend(Backend):
             return self._put_rare(view, fan, temp, frame, stored, name_taken=taken)
 
         published: list[tuple[BlockKey, int]] = []
+        prefix = b"%s%d-" % (_TEMP_PREFIX_BYTES, self._pid)
         try:
-            return put_plain(view, frames, published,
-                             temp_prefix=b"%s%d-" % (_TEMP_PREFIX_BYTES, self._pid),
+            if self._native_io is NativeIO.ACTIVE and BATCHIO is not None:
+                return put_native(view, frames, published, temp_prefix=prefix,
+                                  counter=self._temp_counter, slow=slow, rare=rare,
+                                  native=BATCHIO)
+            return put_plain(view, frames, published, temp_prefix=prefix,
                              counter=self._temp_counter, slow=slow, rare=rare)
         finally:
             stored.extend(published)  # their reservation ends in commit()
@@ -403,74 +420,6 @@ class FileBackend(Backend):
         return None
 
     # ------------------------------------------------------------------ reads
-
-    def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> Iterator[Fetched]:
-        try:
-            view = self._dirs.acquire()
-        except NamespaceGoneError:
-            yield from (MISSING_FETCH for _key in keys)
-            return
-        except OSError as exc:
-            for key in keys:
-                self._fail("get", key, exc)
-                yield FAILED_FETCH
-            return
-        fd = -1
-        try:
-            if self._direct_io is DirectIO.ACTIVE or self._capacity.bounded:
-                for key, out in zip(keys, outs, strict=True):
-                    fetched, fd = self._fetch_one(view, key, out)
-                    # The descriptor stays open while the template judges the item: a bad
-                    # frame's token (its inode) is taken from it then, and only then.
-                    yield fetched
-                    if fd >= 0:
-                        os.close(fd)
-                        fd = -1
-                return
-            # Buffered and unbounded (the common case): _fetch_one's good path inline, one
-            # open and one preadv per block without a call per step; anything else (a cached
-            # fan-out directory missing, an error, a short read) goes through _fetch_one.
-            fans = view.fans
-            page = self._scratch.trailer_page()
-            for key, out in zip(keys, outs, strict=True):
-                key_hex = key.hex()
-                dir_fd = fans.get(key_hex[:2], -1) if len(key_hex) <= _MAX_NAME_HEX else -1
-                item: Fetched | None = None
-                if dir_fd >= 0:
-                    try:
-                        fd = os.open(key_hex + _SUFFIX, _READ_FLAGS, dir_fd=dir_fd)
-                    except OSError as exc:
-                        item = self._open_failed(key, exc, direct=False)
-                    else:
-                        item = self._read_buffered(fd, out, page)
-                        if item is None:  # the read raised: _fetch_one gives the answer
-                            os.close(fd)
-                            fd = -1
-                if item is None:
-                    item, fd = self._fetch_one(view, key, out)
-                yield item
-                if fd >= 0:
-                    os.close(fd)
-                    fd = -1
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            self._dirs.release(view)
-
-    def _read_buffered(self, fd: int, out: memoryview, page: mmap.mmap) -> Fetched | None:
-        """The buffered read of an open block file: the payload into ``out``, the trailer into
-        ``page``; None where the read raised (the caller asks :meth:`_fetch_one`)."""
-        try:
-            count = os.preadv(fd, (out, page), 0)
-        except OSError:
-            return None
-        if count == out.nbytes + codec.HEADER_BYTES and is_trailer(page):
-            return Fetched(Outcome.OK, header=page[: codec.HEADER_BYTES],
-                           payload_bytes=out.nbytes, token=partial(inode_of, fd))
-        try:
-            return read_whole(fd, self._scratch)
-        except OSError:
-            return None
 
     def _open_failed(self, key: BlockKey, exc: OSError, *, direct: bool) -> Fetched | None:
         """What a failed open of ``key``'s file means; None: ask :meth:`_fetch_one` again (a
@@ -613,6 +562,7 @@ class FileBackend(Backend):
             victims = self._capacity.load(scanned.blocks)
             if writing:
                 self._evict_files(view, victims)
+            view.hold_fans()
         finally:
             self._dirs.release(view)
         removed, moved = scanned.removed, scanned.moved
@@ -664,7 +614,7 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any],
     """Build a :class:`FileBackend` from ``file:///abs/path``.
 
     Options (keyword or query string): see :data:`SETTINGS` (``max_bytes``, ``fsync``,
-    ``o_direct``, ``shared_dir``, ``auth_key``, ``auth_key_file``).
+    ``o_direct``, ``native_io``, ``shared_dir``, ``auth_key``, ``auth_key_file``).
     """
     parts, merged = split_url_options(url, options)
     shown = redact_url(url)
@@ -691,6 +641,7 @@ def from_url(url: str, namespace: Namespace, options: dict[str, Any],
         max_bytes=parsed["max_bytes"],
         fsync=parsed["fsync"],
         o_direct=parsed["o_direct"],
+        native_io=parsed["native_io"],
         shared_dir=parsed["shared_dir"],
         auth_key=load_auth_key(parsed, "file"),
         mode=mode,

@@ -12,9 +12,12 @@ atomic).
 
 from __future__ import annotations
 
+import array
+import errno
 import itertools
 import os
 from collections.abc import Callable
+from types import ModuleType
 
 from kvtier.backends.base import Outcome, StoredFrame
 from kvtier.backends.file.dirs import View
@@ -29,7 +32,7 @@ from kvtier.backends.file.publish import RENAME_NOREPLACE, name_taken
 from kvtier.backends.file.publish import renameat2 as _renameat2
 from kvtier.keys import BlockKey
 
-__all__ = ["put_plain"]
+__all__ = ["put_native", "put_plain"]
 
 Slow = Callable[[StoredFrame], Outcome]
 """Stores one frame the careful way and reports what went wrong (the backend's ``_put_one``)."""
@@ -78,6 +81,53 @@ def put_plain(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKey
             add((key, size))
             continue
         outcomes[index] = rare(fan, temp, frame, written >= 0 and name_taken())
+    return outcomes
+
+
+# write_frames' stages (``_batchio.c``)
+_STORED, _OPEN_FAILED, _WRITE_FAILED = 0, 1, 2
+
+
+def put_native(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKey, int]], *,
+               temp_prefix: bytes, counter: itertools.count[int], slow: Slow, rare: Rare,
+               native: ModuleType) -> list[Outcome]:
+    """:func:`put_plain`'s loop in one native call (``write_frames``: the same four system calls
+    per block with the interpreter lock released once); its answers are read as
+    :func:`put_plain` reads its own calls'."""
+    outcomes = [Outcome.OK] * len(frames)
+    fans = view.fans
+    batch: list[int] = []  # indexes of the frames the native call takes
+    fan_fds: list[int] = []
+    temps: list[bytes] = []
+    finals: list[bytes] = []
+    for index, frame in enumerate(frames):
+        key_hex = frame.key.hex()
+        if len(key_hex) > _MAX_NAME_HEX:
+            outcomes[index] = slow(frame)
+            continue
+        fan = fans.get(key_hex[:2], -1)
+        if fan < 0 and (fan := _fan_dir(view, key_hex[:2])) < 0:
+            outcomes[index] = slow(frame)
+            continue
+        batch.append(index)
+        fan_fds.append(fan)
+        temps.append(b"%s%d" % (temp_prefix, next(counter)))
+        finals.append((key_hex + _SUFFIX).encode())
+    if not batch:
+        return outcomes
+    results = array.array("q", bytes(16 * len(batch)))
+    native.write_frames(fan_fds, temps, finals, [frames[i].payload for i in batch],
+                        [frames[i].header for i in batch], results, _CREATE_FLAGS, _FILE_MODE)
+    for slot, index in enumerate(batch):
+        stage, code = results[2 * slot], results[2 * slot + 1]
+        frame = frames[index]
+        if stage == _STORED:
+            stored.append((frame.key, frame.payload.nbytes + len(frame.header)))
+        elif stage == _OPEN_FAILED:
+            outcomes[index] = slow(frame)
+        else:  # the temp file stands: its write or rename failed
+            outcomes[index] = rare(fan_fds[slot], temps[slot], frame,
+                                   stage != _WRITE_FAILED and code == errno.EEXIST)
     return outcomes
 
 

@@ -1,0 +1,459 @@
+/* The file tier's batch I/O: many block files opened and read, looked at, or written and
+ * published, in one call that releases the interpreter lock once, instead of system calls per
+ * block that each give it up and take it back (under a scheduler thread that steps in Python,
+ * every take-back waits for that thread).
+ *
+ * Policy stays in Python (kvtier/backends/file/reads.py and store.py): which directory and
+ * name, which flags (O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, O_DIRECT, O_EXCL), what a result
+ * means, how a frame is verified, what a failed store leaves to clean up. This module only makes
+ * the system calls and reports each one's result; it keeps no state. Every descriptor a read
+ * opens is handed back to the caller, who closes it with close_fds (so a bad frame's inode can
+ * still be taken from it while it is judged).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#ifndef O_CLOEXEC
+#define O_CLOEXEC 0
+#endif
+
+static void
+release_all(Py_buffer *views, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyBuffer_Release(&views[i]);
+    }
+}
+
+/* The arguments' shape, checked before anything is opened; -1 with an exception set. */
+static int
+check_shape(Py_ssize_t count, PyObject *names, PyObject *outs, Py_buffer *trailers,
+            Py_ssize_t page, Py_buffer *results)
+{
+    if (PySequence_Fast_GET_SIZE(names) != count || PySequence_Fast_GET_SIZE(outs) != count) {
+        PyErr_Format(PyExc_ValueError, "read_frames: %zd directory descriptors, %zd names and "
+                     "%zd destinations; expected as many of each",
+                     count, PySequence_Fast_GET_SIZE(names), PySequence_Fast_GET_SIZE(outs));
+        return -1;
+    }
+    if (page <= 0 || trailers->len < count * page) {
+        PyErr_Format(PyExc_ValueError, "read_frames: trailer buffer of %zd bytes for %zd pages "
+                     "of %zd bytes; expected at least %zd", trailers->len, count, page,
+                     count * page);
+        return -1;
+    }
+    if (results->len < count * 2 * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "read_frames: result buffer of %zd bytes for %zd blocks; "
+                     "expected at least %zd", results->len, count,
+                     count * 2 * (Py_ssize_t)sizeof(int64_t));
+        return -1;
+    }
+    return 0;
+}
+
+/* Descriptors, names and writable views of one batch, taken with the lock held. */
+static int
+gather(Py_ssize_t count, PyObject *dir_fds, PyObject *names, PyObject *outs, int *dirs,
+       const char **paths, Py_buffer *views, Py_ssize_t *taken)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(dir_fds, i));
+        if (fd == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        dirs[i] = (int)fd;
+        PyObject *name = PySequence_Fast_GET_ITEM(names, i);
+        if (!PyBytes_Check(name)) {
+            PyErr_Format(PyExc_TypeError, "read_frames: name %zd is %.80s; expected bytes", i,
+                         Py_TYPE(name)->tp_name);
+            return -1;
+        }
+        paths[i] = PyBytes_AS_STRING(name);
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(outs, i), &views[i],
+                               PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS) < 0) {
+            return -1;
+        }
+        *taken = i + 1;
+    }
+    return 0;
+}
+
+/* read_frames(dir_fds, names, outs, trailers, page, results, flags)
+ *
+ * For each i: openat(dir_fds[i], names[i], flags | O_CLOEXEC), then one preadv at offset 0 into
+ * [outs[i], trailers[i * page : (i + 1) * page]]. results (int64, 2 per block) gets the
+ * descriptor or -errno of the open, then the byte count or -errno of the read (0 where the open
+ * failed). System calls interrupted by a signal are retried. */
+static PyObject *
+read_frames(PyObject *module, PyObject *args)
+{
+    PyObject *dir_fds_arg, *names_arg, *outs_arg;
+    Py_buffer trailers, results;
+    Py_ssize_t page;
+    int flags;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OOOw*nw*i:read_frames", &dir_fds_arg, &names_arg, &outs_arg,
+                          &trailers, &page, &results, &flags)) {
+        return NULL;
+    }
+    PyObject *dir_fds = NULL, *names = NULL, *outs = NULL, *answer = NULL;
+    int *dirs = NULL;
+    const char **paths = NULL;
+    Py_buffer *views = NULL;
+    Py_ssize_t taken = 0, count = 0;
+    dir_fds = PySequence_Fast(dir_fds_arg, "read_frames: dir_fds must be a sequence");
+    names = dir_fds ? PySequence_Fast(names_arg, "read_frames: names must be a sequence") : NULL;
+    outs = names ? PySequence_Fast(outs_arg, "read_frames: outs must be a sequence") : NULL;
+    if (outs == NULL) {
+        goto done;
+    }
+    count = PySequence_Fast_GET_SIZE(dir_fds);
+    if (check_shape(count, names, outs, &trailers, page, &results) < 0) {
+        goto done;
+    }
+    dirs = PyMem_Calloc((size_t)count + 1, sizeof(int));
+    paths = PyMem_Calloc((size_t)count + 1, sizeof(char *));
+    views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
+    if (dirs == NULL || paths == NULL || views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (gather(count, dir_fds, names, outs, dirs, paths, views, &taken) < 0) {
+        goto done;
+    }
+    int64_t *out = (int64_t *)results.buf;
+    char *pages = (char *)trailers.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int fd;
+        do {
+            fd = openat(dirs[i], paths[i], flags | O_CLOEXEC);
+        } while (fd < 0 && errno == EINTR);
+        if (fd < 0) {
+            out[2 * i] = -(int64_t)errno;
+            out[2 * i + 1] = 0;
+            continue;
+        }
+        struct iovec parts[2] = {
+            {views[i].buf, (size_t)views[i].len},
+            {pages + i * page, (size_t)page},
+        };
+        ssize_t got;
+        do {
+            got = preadv(fd, parts, 2, 0);
+        } while (got < 0 && errno == EINTR);
+        out[2 * i] = fd;
+        out[2 * i + 1] = got < 0 ? -(int64_t)errno : (int64_t)got;
+    }
+    Py_END_ALLOW_THREADS
+    answer = Py_NewRef(Py_None);
+done:
+    release_all(views, taken);
+    PyMem_Free(views);
+    PyMem_Free(paths);
+    PyMem_Free(dirs);
+    Py_XDECREF(outs);
+    Py_XDECREF(names);
+    Py_XDECREF(dir_fds);
+    PyBuffer_Release(&results);
+    PyBuffer_Release(&trailers);
+    return answer;
+}
+
+/* close_fds(results, count): close every descriptor read_frames reported (entries 2 * i that
+ * are >= 0), then mark it -1 so that a second call closes nothing twice. */
+static PyObject *
+close_fds(PyObject *module, PyObject *args)
+{
+    Py_buffer results;
+    Py_ssize_t count;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "w*n:close_fds", &results, &count)) {
+        return NULL;
+    }
+    if (count < 0 || results.len < count * 2 * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "close_fds: %zd blocks in a result buffer of %zd bytes",
+                     count, results.len);
+        PyBuffer_Release(&results);
+        return NULL;
+    }
+    int64_t *out = (int64_t *)results.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (out[2 * i] >= 0) {
+            close((int)out[2 * i]);  /* Linux frees the descriptor even on EINTR: no retry */
+            out[2 * i] = -1;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&results);
+    Py_RETURN_NONE;
+}
+
+/* stat_names(dir_fds, names, results): for each i, fstatat(dir_fds[i], names[i]) without
+ * following a symlink; results (int64, 1 per name) gets st_mode, or -errno. */
+static PyObject *
+stat_names(PyObject *module, PyObject *args)
+{
+    PyObject *dir_fds_arg, *names_arg;
+    Py_buffer results;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OOw*:stat_names", &dir_fds_arg, &names_arg, &results)) {
+        return NULL;
+    }
+    PyObject *dir_fds = NULL, *names = NULL, *answer = NULL;
+    int *dirs = NULL;
+    const char **paths = NULL;
+    Py_ssize_t count = 0;
+    dir_fds = PySequence_Fast(dir_fds_arg, "stat_names: dir_fds must be a sequence");
+    names = dir_fds ? PySequence_Fast(names_arg, "stat_names: names must be a sequence") : NULL;
+    if (names == NULL) {
+        goto done;
+    }
+    count = PySequence_Fast_GET_SIZE(dir_fds);
+    if (PySequence_Fast_GET_SIZE(names) != count
+            || results.len < count * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "stat_names: %zd directory descriptors, %zd names and "
+                     "a result buffer of %zd bytes; expected as many names and 8 bytes each",
+                     count, PySequence_Fast_GET_SIZE(names), results.len);
+        goto done;
+    }
+    dirs = PyMem_Calloc((size_t)count + 1, sizeof(int));
+    paths = PyMem_Calloc((size_t)count + 1, sizeof(char *));
+    if (dirs == NULL || paths == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(dir_fds, i));
+        if (fd == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        dirs[i] = (int)fd;
+        PyObject *name = PySequence_Fast_GET_ITEM(names, i);
+        if (!PyBytes_Check(name)) {
+            PyErr_Format(PyExc_TypeError, "stat_names: name %zd is %.80s; expected bytes", i,
+                         Py_TYPE(name)->tp_name);
+            goto done;
+        }
+        paths[i] = PyBytes_AS_STRING(name);
+    }
+    int64_t *out = (int64_t *)results.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        struct stat info;
+        int rc;
+        do {
+            rc = fstatat(dirs[i], paths[i], &info, AT_SYMLINK_NOFOLLOW);
+        } while (rc < 0 && errno == EINTR);
+        out[i] = rc < 0 ? -(int64_t)errno : (int64_t)info.st_mode;
+    }
+    Py_END_ALLOW_THREADS
+    answer = Py_NewRef(Py_None);
+done:
+    PyMem_Free(paths);
+    PyMem_Free(dirs);
+    Py_XDECREF(names);
+    Py_XDECREF(dir_fds);
+    PyBuffer_Release(&results);
+    return answer;
+}
+
+enum { STORED = 0, OPEN_FAILED = 1, WRITE_FAILED = 2, RENAME_FAILED = 3 };
+#define KVTIER_RENAME_NOREPLACE 1
+
+/* Write all of parts to fd (a regular file rarely writes short, but may); 0 or -errno. */
+static int
+write_all(int fd, struct iovec *parts, int count)
+{
+    while (count > 0) {
+        ssize_t done = writev(fd, parts, count);
+        if (done < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return -errno;
+        }
+        if (done == 0) {
+            return -EIO;
+        }
+        while (count > 0 && (size_t)done >= parts->iov_len) {
+            done -= (ssize_t)parts->iov_len;
+            parts++;
+            count--;
+        }
+        if (count > 0) {
+            parts->iov_base = (char *)parts->iov_base + done;
+            parts->iov_len -= (size_t)done;
+        }
+    }
+    return 0;
+}
+
+/* One frame: create temps under fan, write payload then trailer, close, rename to final
+ * without replacing. Stage and errno into out[0], out[1]. */
+static void
+write_one(int fan, const char *temp, const char *final, Py_buffer *payload, Py_buffer *trailer,
+          int flags, int mode, int64_t *out)
+{
+    int fd;
+    do {
+        fd = openat(fan, temp, flags | O_CLOEXEC, mode);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) {
+        out[0] = OPEN_FAILED;
+        out[1] = errno;
+        return;
+    }
+    struct iovec parts[2] = {
+        {payload->buf, (size_t)payload->len},
+        {trailer->buf, (size_t)trailer->len},
+    };
+    int written = write_all(fd, parts, 2);
+    int closed = close(fd);
+    if (written < 0 || (closed < 0 && errno != EINTR)) {
+        out[0] = WRITE_FAILED;
+        out[1] = written < 0 ? -written : errno;
+        return;
+    }
+    if (syscall(SYS_renameat2, fan, temp, fan, final, KVTIER_RENAME_NOREPLACE) != 0) {
+        out[0] = RENAME_FAILED;
+        out[1] = errno;
+        return;
+    }
+    out[0] = STORED;
+    out[1] = 0;
+}
+
+/* write_frames(fan_fds, temps, finals, payloads, trailers, results, flags, mode)
+ *
+ * For each i, under fan_fds[i]: openat(temps[i], flags | O_CLOEXEC, mode), write payloads[i]
+ * then trailers[i], close, renameat2(temps[i], finals[i], RENAME_NOREPLACE). results (int64,
+ * 2 per frame) gets the stage that failed (0 stored, 1 open, 2 write or close, 3 rename) and
+ * its errno. A temp file whose write or rename failed is left for the caller to remove. */
+static PyObject *
+write_frames(PyObject *module, PyObject *args)
+{
+    PyObject *fans_arg, *temps_arg, *finals_arg, *payloads_arg, *trailers_arg;
+    Py_buffer results;
+    int flags, mode;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OOOOOw*ii:write_frames", &fans_arg, &temps_arg, &finals_arg,
+                          &payloads_arg, &trailers_arg, &results, &flags, &mode)) {
+        return NULL;
+    }
+    PyObject *seqs[5] = {NULL, NULL, NULL, NULL, NULL};
+    PyObject *args_in[5] = {fans_arg, temps_arg, finals_arg, payloads_arg, trailers_arg};
+    PyObject *answer = NULL;
+    int *fans = NULL;
+    const char **temps = NULL, **finals = NULL;
+    Py_buffer *views = NULL;  /* payload i at 2i, trailer i at 2i + 1 */
+    Py_ssize_t taken = 0, count = 0;
+    for (int k = 0; k < 5; k++) {
+        seqs[k] = PySequence_Fast(args_in[k], "write_frames: arguments must be sequences");
+        if (seqs[k] == NULL) {
+            goto done;
+        }
+    }
+    count = PySequence_Fast_GET_SIZE(seqs[0]);
+    for (int k = 1; k < 5; k++) {
+        if (PySequence_Fast_GET_SIZE(seqs[k]) != count) {
+            PyErr_Format(PyExc_ValueError, "write_frames: argument %d has %zd items, the first "
+                         "%zd; expected as many of each", k + 1,
+                         PySequence_Fast_GET_SIZE(seqs[k]), count);
+            goto done;
+        }
+    }
+    if (results.len < count * 2 * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "write_frames: result buffer of %zd bytes for %zd "
+                     "frames", results.len, count);
+        goto done;
+    }
+    fans = PyMem_Calloc((size_t)count + 1, sizeof(int));
+    temps = PyMem_Calloc((size_t)count + 1, sizeof(char *));
+    finals = PyMem_Calloc((size_t)count + 1, sizeof(char *));
+    views = PyMem_Calloc(2 * (size_t)count + 1, sizeof(Py_buffer));
+    if (fans == NULL || temps == NULL || finals == NULL || views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(seqs[0], i));
+        if (fd == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        fans[i] = (int)fd;
+        PyObject *temp = PySequence_Fast_GET_ITEM(seqs[1], i);
+        PyObject *final = PySequence_Fast_GET_ITEM(seqs[2], i);
+        if (!PyBytes_Check(temp) || !PyBytes_Check(final)) {
+            PyErr_Format(PyExc_TypeError, "write_frames: names of frame %zd must be bytes", i);
+            goto done;
+        }
+        temps[i] = PyBytes_AS_STRING(temp);
+        finals[i] = PyBytes_AS_STRING(final);
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seqs[3], i), &views[2 * i],
+                               PyBUF_ANY_CONTIGUOUS) < 0) {
+            goto done;
+        }
+        taken = 2 * i + 1;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seqs[4], i), &views[2 * i + 1],
+                               PyBUF_ANY_CONTIGUOUS) < 0) {
+            goto done;
+        }
+        taken = 2 * i + 2;
+    }
+    int64_t *out = (int64_t *)results.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        write_one(fans[i], temps[i], finals[i], &views[2 * i], &views[2 * i + 1], flags, mode,
+                  out + 2 * i);
+    }
+    Py_END_ALLOW_THREADS
+    answer = Py_NewRef(Py_None);
+done:
+    release_all(views, taken);
+    PyMem_Free(views);
+    PyMem_Free(finals);
+    PyMem_Free(temps);
+    PyMem_Free(fans);
+    for (int k = 0; k < 5; k++) {
+        Py_XDECREF(seqs[k]);
+    }
+    PyBuffer_Release(&results);
+    return answer;
+}
+
+static PyMethodDef methods[] = {
+    {"read_frames", read_frames, METH_VARARGS,
+     "read_frames(dir_fds, names, outs, trailers, page, results, flags): open and read many "
+     "block files with the interpreter lock released once."},
+    {"close_fds", close_fds, METH_VARARGS,
+     "close_fds(results, count): close the descriptors read_frames reported."},
+    {"write_frames", write_frames, METH_VARARGS,
+     "write_frames(fan_fds, temps, finals, payloads, trailers, results, flags, mode): write "
+     "and publish many frames with the interpreter lock released once."},
+    {"stat_names", stat_names, METH_VARARGS,
+     "stat_names(dir_fds, names, results): the st_mode (or -errno) of many names, without "
+     "following symlinks, with the interpreter lock released once."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_batchio",
+    "Batch reads and stats of block files without the interpreter lock (see reads.py).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__batchio(void)
+{
+    return PyModule_Create(&module_def);
+}

@@ -1,0 +1,303 @@
+"""The file tier's reads of a batch of blocks: in one native call per batch where the extension
+``_batchio`` is built (:mod:`.native`), else one ``open`` + ``preadv`` + ``close`` per block
+from Python.
+
+Why native: every system call made from Python gives the interpreter lock up and takes it back.
+Under an engine whose scheduler thread steps in Python back to back, each take-back waits for
+that thread, so a read of three system calls per block ran at half the disk's speed inside vLLM
+(``benchmarks/engine_load.py --modes direct --trace``: 96 ms for 256 blocks of 256 KiB where
+vLLM's own ``fs`` tier, native too, took 53 ms). The native call opens and reads a whole batch
+with the lock released once; what the results mean, and every trust rule (``O_NOFOLLOW |
+O_NONBLOCK``, descriptors relative to the held fan-out directories, a read of exactly the
+frame's size, verification by the template) stays here and in the backend.
+
+State and owners: ``_BatchBuffers`` (per thread: the trailer pages a batch lands in and the
+result array; owned by the reading thread, reused by its next batch once every descriptor of
+the last one is closed). :class:`FileReads` is a mixin of the backend and keeps no state of its
+own.
+"""
+
+from __future__ import annotations
+
+import array
+import mmap
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from functools import partial
+from types import ModuleType
+
+from kvtier import codec
+from kvtier.backends.base import FAILED_FETCH, MISSING_FETCH, Fetched, Outcome
+from kvtier.backends.file.capacity import CapacityIndex
+from kvtier.backends.file.dirs import NamespaceGoneError, TierDirs, View
+from kvtier.backends.file.frameio import inode_of, read_whole
+from kvtier.backends.file.layout import (
+    _ALIGN,
+    _MAX_NAME_HEX,
+    _MISSING_ERRNOS,
+    _O_DIRECT,
+    _READ_FLAGS,
+    _SUFFIX,
+    DirectIO,
+    _Scratch,
+    is_aligned,
+    is_trailer,
+)
+from kvtier.backends.file.native import BATCHIO, NativeIO
+from kvtier.backends.stats import BackendStats
+from kvtier.keys import BlockKey
+
+__all__ = ["BATCH_KEYS", "FileReads"]
+
+BATCH_KEYS = 64
+"""Blocks per native call (and descriptors a reading thread holds open at once)."""
+
+_SUFFIX_BYTES = os.fsencode(_SUFFIX)
+_NOT_TAKEN = -(1 << 62)  # a slot the native call did not read (an open's failure is -errno)
+
+
+class _BatchBuffers(threading.local):
+    """One page per block of a batch for its trailer, and the int64 result pairs."""
+
+    def __init__(self) -> None:
+        self.pages = mmap.mmap(-1, BATCH_KEYS * _ALIGN)  # page-aligned, as O_DIRECT needs
+        self.page_views = [memoryview(self.pages)[i * _ALIGN : (i + 1) * _ALIGN]
+                           for i in range(BATCH_KEYS)]
+        self.results = array.array("q", bytes(16 * BATCH_KEYS))
+
+
+_BUFFERS = _BatchBuffers()
+
+
+def _held_fan(view: View, fan: str) -> int:
+    """The fan-out directory ``fan`` opened into ``view``'s cache (a fresh view holds none
+    until something looks into it), or -1 for the careful path: absent, not a directory, or
+    no descriptor left in the process's budget."""
+    try:
+        fd, owned = view.key_dir((fan,), create=False)
+    except OSError:
+        return -1
+    if owned:
+        os.close(fd)
+        return -1
+    return fd
+
+
+class FileReads:
+    """``_m_fetch`` of :class:`~kvtier.backends.file.backend.FileBackend` (a mixin: the
+    attributes and methods below are the backend's)."""
+
+    _dirs: TierDirs
+    _direct_io: DirectIO
+    _capacity: CapacityIndex
+    _scratch: _Scratch
+    _native_io: NativeIO
+    _stats: BackendStats
+    # The backend's and the template's (annotations only: a stub here would shadow them).
+    _fetch_one: Callable[[View, BlockKey, memoryview], tuple[Fetched, int]]
+    _open_failed: Callable[..., Fetched | None]  # (key, exc, *, direct)
+    _evict_files: Callable[..., None]  # (view, victims, *, count=True)
+    _fail: Callable[[str, object, BaseException], Outcome]
+
+    def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> Iterator[Fetched]:
+        try:
+            view = self._dirs.acquire()
+        except NamespaceGoneError:
+            yield from (MISSING_FETCH for _key in keys)
+            return
+        except OSError as exc:
+            for key in keys:
+                self._fail("get", key, exc)
+                yield FAILED_FETCH
+            return
+        try:
+            if self._native_io is NativeIO.ACTIVE:
+                for start in range(0, len(keys), BATCH_KEYS):
+                    yield from self._fetch_native(view, keys[start : start + BATCH_KEYS],
+                                                  outs[start : start + BATCH_KEYS])
+            elif self._direct_io is DirectIO.ACTIVE or self._capacity.bounded:
+                yield from self._fetch_each(view, keys, outs)
+            else:
+                yield from self._fetch_buffered(view, keys, outs)
+        finally:
+            self._dirs.release(view)
+
+    def _exists_native(self, view: View, keys: list[BlockKey]) -> list[Outcome] | None:
+        """Each key's file looked at in one native call (no symlink followed): a regular file
+        is OK, an absent one MISSING, anything else MISSING too (a read removes it). None: a
+        key the call cannot take (a fan-out directory not held, a long key), so the caller
+        looks block by block; an error other than absence is the caller's to count, too."""
+        native = BATCHIO
+        if native is None:
+            return None
+        dir_fds: list[int] = []
+        names: list[bytes] = []
+        fans = view.fans
+        for key in keys:
+            key_hex = key.hex()
+            if len(key_hex) > _MAX_NAME_HEX:
+                return None
+            dir_fd = fans.get(key_hex[:2], -1)
+            if dir_fd < 0:
+                dir_fd = _held_fan(view, key_hex[:2])
+            if dir_fd < 0:
+                return None
+            dir_fds.append(dir_fd)
+            names.append(key_hex.encode() + _SUFFIX_BYTES)
+        modes = array.array("q", bytes(8 * len(keys)))
+        native.stat_names(dir_fds, names, modes)
+        outcomes: list[Outcome] = []
+        for mode in modes:
+            if mode >= 0:
+                outcomes.append(Outcome.OK if stat.S_ISREG(mode) else Outcome.MISSING)
+            elif -mode in _MISSING_ERRNOS:
+                outcomes.append(Outcome.MISSING)
+            else:
+                return None
+        return outcomes
+
+    def _fetch_each(self, view: View, keys: list[BlockKey],
+                    outs: list[memoryview]) -> Iterator[Fetched]:
+        """Block by block through :meth:`_fetch_one` (O_DIRECT or a size cap, in Python)."""
+        for key, out in zip(keys, outs, strict=True):
+            fetched, fd = self._fetch_one(view, key, out)
+            try:
+                # The descriptor stays open while the template judges the item: a bad frame's
+                # token (its inode) is taken from it then, and only then.
+                yield fetched
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+
+    def _fetch_buffered(self, view: View, keys: list[BlockKey],
+                        outs: list[memoryview]) -> Iterator[Fetched]:
+        """Buffered and unbounded, in Python: ``_fetch_one``'s good path inline (one open and
+        one preadv per block, no call per step); anything else (a fan-out directory missing, an
+        error, a short read) goes through ``_fetch_one``."""
+        fans = view.fans
+        page = self._scratch.trailer_page()
+        for key, out in zip(keys, outs, strict=True):
+            key_hex = key.hex()
+            dir_fd = fans.get(key_hex[:2], -1) if len(key_hex) <= _MAX_NAME_HEX else -1
+            item: Fetched | None = None
+            fd = -1
+            if dir_fd >= 0:
+                try:
+                    fd = os.open(key_hex + _SUFFIX, _READ_FLAGS, dir_fd=dir_fd)
+                except OSError as exc:
+                    item = self._open_failed(key, exc, direct=False)
+                else:
+                    item = self._read_buffered(fd, out, page)
+                    if item is None:  # the read raised: _fetch_one gives the answer
+                        os.close(fd)
+                        fd = -1
+            if item is None:
+                item, fd = self._fetch_one(view, key, out)
+            try:
+                yield item
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+
+    def _read_buffered(self, fd: int, out: memoryview, page: mmap.mmap) -> Fetched | None:
+        """The buffered read of an open block file: the payload into ``out``, the trailer into
+        ``page``; None where the read raised (the caller asks :meth:`_fetch_one`)."""
+        try:
+            count = os.preadv(fd, (out, page), 0)
+        except OSError:
+            return None
+        if count == out.nbytes + codec.HEADER_BYTES and is_trailer(page):
+            return Fetched(Outcome.OK, header=page[: codec.HEADER_BYTES],
+                           payload_bytes=out.nbytes, token=partial(inode_of, fd))
+        try:
+            return read_whole(fd, self._scratch)
+        except OSError:
+            return None
+
+    def _fetch_native(self, view: View, keys: list[BlockKey],
+                      outs: list[memoryview]) -> Iterator[Fetched]:
+        """At most ``BATCH_KEYS`` blocks opened and read in one native call; a block it cannot
+        take (a fan-out directory not held, a name too long for one level, an O_DIRECT
+        destination that is not whole aligned pages) goes through :meth:`_fetch_one`."""
+        direct = self._direct_io is DirectIO.ACTIVE
+        fans = view.fans
+        dir_fds: list[int] = []
+        names: list[bytes] = []
+        for key, out in zip(keys, outs, strict=True):
+            key_hex = key.hex()
+            dir_fd = -1
+            if len(key_hex) <= _MAX_NAME_HEX and not (direct and not is_aligned(out)):
+                dir_fd = fans.get(key_hex[:2], -1)
+                if dir_fd < 0:
+                    dir_fd = _held_fan(view, key_hex[:2])
+            dir_fds.append(dir_fd)
+            names.append(b"" if dir_fd < 0 else key_hex.encode() + _SUFFIX_BYTES)
+        buffers = _BUFFERS
+        results = buffers.results
+        count = len(keys)
+        for index in range(count):  # a slot never read reports no descriptor to close
+            results[2 * index] = _NOT_TAKEN
+        taken = [index for index, fd in enumerate(dir_fds) if fd >= 0]
+        native = BATCHIO
+        if native is None:  # NativeIO.ACTIVE is only ever set with the module present
+            raise RuntimeError("file backend: native reads active without the extension")
+        try:
+            if taken:
+                self._read_taken(native, taken, dir_fds, names, outs, direct)
+                self._stats.add("native_reads", len(taken))
+            for index, (key, out) in enumerate(zip(keys, outs, strict=True)):
+                yield from self._answer(view, key, out, index, direct)
+        finally:
+            native.close_fds(results, count)
+
+    def _read_taken(self, native: ModuleType, taken: list[int], dir_fds: list[int],
+                    names: list[bytes], outs: list[memoryview], direct: bool) -> None:
+        """The native call over the blocks it takes, their results moved to their slots."""
+        buffers = _BUFFERS
+        if len(taken) == len(dir_fds):
+            native.read_frames(dir_fds, names, outs, buffers.pages, _ALIGN, buffers.results,
+                               _READ_FLAGS | (_O_DIRECT if direct else 0))
+            return
+        # Some go through _fetch_one: read the others into the first slots, then spread them.
+        scratch = array.array("q", bytes(16 * len(taken)))
+        native.read_frames([dir_fds[i] for i in taken], [names[i] for i in taken],
+                           [outs[i] for i in taken], buffers.pages, _ALIGN, scratch,
+                           _READ_FLAGS | (_O_DIRECT if direct else 0))
+        results = buffers.results
+        for slot in reversed(range(len(taken))):  # pages move up, never over an unread one
+            index = taken[slot]
+            results[2 * index] = scratch[2 * slot]
+            results[2 * index + 1] = scratch[2 * slot + 1]
+            if index != slot:
+                buffers.page_views[index][:] = buffers.page_views[slot]
+
+    def _answer(self, view: View, key: BlockKey, out: memoryview, index: int,
+                direct: bool) -> Iterator[Fetched]:
+        """What slot ``index`` of the batch holds (one item)."""
+        results = _BUFFERS.results
+        fd, got = results[2 * index], results[2 * index + 1]
+        item: Fetched | None = None
+        if _NOT_TAKEN < fd < 0:  # the open failed: -errno
+            item = self._open_failed(key, OSError(-fd, os.strerror(-fd)), direct=direct)
+        elif fd >= 0 and got == out.nbytes + codec.HEADER_BYTES and \
+                is_trailer(page := _BUFFERS.page_views[index]):
+            item = Fetched(Outcome.OK, header=bytes(page[: codec.HEADER_BYTES]),
+                           payload_bytes=out.nbytes, token=partial(inode_of, fd))
+        elif fd >= 0 and got >= 0:  # another size or format: read whole, judged by the template
+            try:
+                item = read_whole(fd, self._scratch)
+            except OSError:
+                item = None
+        if item is None:  # not taken, the read failed, or O_DIRECT refused: the careful path
+            item, extra_fd = self._fetch_one(view, key, out)
+            try:
+                yield item
+            finally:
+                if extra_fd >= 0:
+                    os.close(extra_fd)
+            return
+        if self._capacity.bounded and item.outcome is Outcome.OK:
+            self._evict_files(view, self._capacity.adopt(key, out.nbytes + codec.HEADER_BYTES))
+        yield item

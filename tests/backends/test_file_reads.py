@@ -1,0 +1,180 @@
+"""The file tier's batch reads (``kvtier.backends.file.reads``): the native reader that opens
+and reads a batch with the interpreter lock released once, and the Python path it falls back
+to. The hostile cases (FIFOs, sockets, symlinks, directories at block paths) run on both paths
+in ``test_file_hygiene.py``; the whole contract suite runs on both (``file`` and
+``file-python`` in ``conftest.py``)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from backends.conftest import fresh_namespace
+from backends.test_contract import keys_for, payload_for, sentinel_buffer
+from kvtier.backends import open_backend
+from kvtier.backends.file import DirectIO, FileBackend
+from kvtier.backends.file.native import NativeIO, native_io_for
+from kvtier.backends.file.reads import BATCH_KEYS
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _warmed(backend: FileBackend, keys: list[bytes], sizes: list[int]) -> None:
+    """Read every key once (the fan-out directories held, the first read's costs paid)."""
+    backend.get_many(keys, [memoryview(bytearray(size)) for size in sizes])
+
+
+def test_the_batch_reader_is_built_in_this_install() -> None:
+    assert native_io_for(True) is NativeIO.ACTIVE, (
+        "kvtier.backends.file._batchio was not built: install kvtier with a C compiler "
+        "(pip install -e . builds it); without it the file tier reads through Python")
+    assert native_io_for(False) is NativeIO.OFF
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_get_of_several_native_calls_reads_each_block_exactly_and_leaks_no_descriptor(
+    tmp_path: Path, native: bool
+) -> None:
+    backend = FileBackend(tmp_path, fresh_namespace(), native_io=native)
+    count = 2 * BATCH_KEYS + 9
+    keys = keys_for(count, "batches")
+    sizes = [(i * 977) % 9000 + 1 for i in range(count)]
+    payloads = [payload_for(key, size) for key, size in zip(keys, sizes, strict=True)]
+    stored = [i for i in range(count) if i % 17 != 5]  # some keys missing in every batch
+    assert backend.put_many([keys[i] for i in stored], [payloads[i] for i in stored]) == \
+        [True] * len(stored)
+    _warmed(backend, keys, sizes)
+    before = backend.stats()["native_reads"]
+    outs = [sentinel_buffer(size) for size in sizes]
+    fds = _open_fds()
+    answers = backend.get_many(keys, [memoryview(out) for out in outs])
+    assert _open_fds() == fds
+    assert answers == [i in stored for i in range(count)]
+    for i in stored:
+        assert bytes(outs[i]) == payloads[i], f"block {i} read wrong"
+    fans = {keys[i].hex()[:2] for i in stored}  # a key whose fan-out directory exists
+    batched = sum(key.hex()[:2] in fans for key in keys)
+    assert backend.stats()["native_reads"] - before == (batched if native else 0)
+    assert backend.stats()["misses"] >= count - len(stored)
+
+
+def test_a_bad_frame_in_a_batch_fails_alone_and_is_removed(tmp_path: Path) -> None:
+    """Its inode is taken from the descriptor the batch read it through: the file that was
+    read is the one removed, and its neighbours in the batch are served."""
+    backend = FileBackend(tmp_path, fresh_namespace())
+    keys = keys_for(12, "bad-in-batch")
+    payloads = [payload_for(key, 3000) for key in keys]
+    assert backend.put_many(keys, payloads) == [True] * 12
+    _warmed(backend, keys, [3000] * 12)
+    victim = backend.path_for(keys[6])
+    data = bytearray(victim.read_bytes())
+    data[100] ^= 0xFF  # a payload byte: the checksum no longer matches
+    victim.write_bytes(bytes(data))
+    outs = [sentinel_buffer(3000) for _ in keys]
+    answers = backend.get_many(keys, [memoryview(out) for out in outs])
+    assert answers == [i != 6 for i in range(12)]
+    assert [bytes(outs[i]) for i in range(12) if i != 6] == \
+        [payloads[i] for i in range(12) if i != 6]
+    assert not victim.exists()
+    assert backend.stats()["corrupt_objects"] == 1
+
+
+def test_descriptors_of_a_batch_are_closed_when_its_reader_stops_early(tmp_path: Path) -> None:
+    """The medium's generator is closed after two items (as when the caller fails between
+    items): the batch's descriptors are closed, not left to the garbage collector."""
+    backend = FileBackend(tmp_path, fresh_namespace())
+    keys = keys_for(20, "early-stop")
+    assert backend.put_many(keys, [payload_for(key, 500) for key in keys]) == [True] * 20
+    _warmed(backend, keys, [500] * 20)
+    fds = _open_fds()
+    items = backend._m_fetch(keys, [memoryview(bytearray(500)) for _ in keys])
+    next(items)
+    next(items)
+    assert _open_fds() >= fds + 18  # the batch is open while its items are judged
+    items.close()
+    assert _open_fds() == fds
+
+
+@pytest.fixture
+def direct_root() -> Iterator[Path]:
+    """A directory on a real disk (/var/tmp; tmpfs refuses O_DIRECT)."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-direct-", dir="/var/tmp") as root:
+        yield Path(root)
+
+
+def test_an_o_direct_batch_reads_aligned_destinations_natively_and_others_the_careful_way(
+    direct_root: Path,
+) -> None:
+    backend = FileBackend(direct_root, fresh_namespace(), o_direct=True)
+    if backend.direct_io is not DirectIO.ACTIVE:
+        pytest.fail(f"O_DIRECT is not available under {direct_root}: the test needs a real disk")
+    keys = keys_for(8, "direct-mix")
+    size = 2 * mmap.PAGESIZE
+    payloads = [payload_for(key, size) for key in keys]
+    assert backend.put_many(keys, payloads) == [True] * 8
+    _warmed(backend, keys, [size] * 8)
+    # Even slots: whole aligned pages (an engine's pool slot); odd ones: one byte off.
+    outs = [memoryview(mmap.mmap(-1, size)) if i % 2 == 0
+            else memoryview(bytearray(size + 1))[1:] for i in range(8)]
+    before = backend.stats()["native_reads"]
+    assert backend.get_many(keys, outs) == [True] * 8
+    assert [bytes(out) for out in outs] == payloads
+    assert backend.stats()["native_reads"] - before == 4
+    assert backend.direct_io is DirectIO.ACTIVE
+
+
+def test_native_io_is_a_setting_and_its_state_a_gauge(tmp_path: Path) -> None:
+    off = open_backend(f"file://{tmp_path}?native_io=false", fresh_namespace())
+    on = open_backend(f"file://{tmp_path}", fresh_namespace())
+    try:
+        assert off.stats()["native_io_active"] == 0
+        assert on.stats()["native_io_active"] == 1
+    finally:
+        off.close()
+        on.close()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_exists_answers_alike_on_both_paths_for_every_kind_of_name(tmp_path: Path,
+                                                                    native: bool) -> None:
+    """Stored, absent (in a fan-out directory that exists and in one that does not), a
+    directory at a block path, and a key too long for one file name (nested directories:
+    the native call does not take it, the batch falls back as a whole)."""
+    backend = FileBackend(tmp_path, fresh_namespace(), native_io=native)
+    stored, absent, planted = keys_for(3, "exists-kinds")
+    sibling = stored[:1] + absent[1:]  # absent, in a fan-out directory that exists
+    long_key = bytes(range(200))
+    assert backend.put_many([stored, long_key], [b"s" * 10, b"l" * 10]) == [True, True]
+    path = backend.path_for(planted)
+    path.mkdir(parents=True)
+    keys = [stored, absent, sibling, planted]
+    assert backend.exists(keys) == [True, False, False, False]
+    assert backend.exists([*keys, long_key]) == [True, False, False, False, True]
+    assert backend.stats()["errors"] == 0
+
+
+def test_a_backend_opened_on_a_filled_tier_holds_its_fan_out_directories_from_the_start(
+    tmp_path: Path,
+) -> None:
+    """The first probe of a fresh process opens no directory: in a threaded process every
+    descriptor number above the table's size costs a copy of the table as it grows (~20 us a
+    descriptor), which the first request's probe would otherwise pay for each directory."""
+    namespace = fresh_namespace()
+    writer = FileBackend(tmp_path, namespace)
+    keys = keys_for(40, "held-fans")
+    assert writer.put_many(keys, [b"x" * 100] * 40) == [True] * 40
+    writer.close()
+    fresh = FileBackend(tmp_path, namespace)
+    fds = _open_fds()
+    assert fresh.exists(keys) == [True] * 40
+    assert _open_fds() == fds, "the probe opened directories the open should have held"
+    outs = [sentinel_buffer(100) for _ in keys]
+    assert fresh.get_many(keys, [memoryview(out) for out in outs]) == [True] * 40
+    assert all(bytes(out) == b"x" * 100 for out in outs)

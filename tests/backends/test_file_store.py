@@ -1,0 +1,73 @@
+"""The file tier's batch store (``kvtier.backends.file.store``): one native call per batch
+(``write_frames``) where the extension is built, else the same system calls from Python. The
+capped store, crash safety and the hostile cases are in ``test_file.py`` and
+``test_file_hygiene.py``; the contract suite runs on both paths (``file``, ``file-python``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from backends.conftest import fresh_namespace
+from backends.test_contract import keys_for, payload_for, sentinel_buffer
+from backends.test_file import all_files, temp_files
+from kvtier import codec
+from kvtier.backends.file import FileBackend
+
+BOTH_PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@BOTH_PATHS
+def test_a_batch_is_stored_as_exact_frames_with_no_temp_file_left(tmp_path: Path,
+                                                                    native: bool) -> None:
+    backend = FileBackend(tmp_path, fresh_namespace(), native_io=native)
+    keys = keys_for(150, "store-batch")
+    sizes = [(i * 1237) % 20000 for i in range(150)]
+    payloads = [payload_for(key, size) for key, size in zip(keys, sizes, strict=True)]
+    fds = _open_fds()
+    assert backend.put_many(keys, payloads) == [True] * 150
+    assert _open_fds() <= fds + 256  # only fan-out directories held, no block file left open
+    assert temp_files(tmp_path) == []
+    for key, size in zip(keys, sizes, strict=True):
+        assert backend.path_for(key).stat().st_size == size + codec.HEADER_BYTES
+    outs = [sentinel_buffer(size) for size in sizes]
+    assert backend.get_many(keys, [memoryview(out) for out in outs]) == [True] * 150
+    assert [bytes(out) for out in outs] == payloads
+    assert backend.stats()["puts"] == 150 and backend.stats()["errors"] == 0
+
+
+@BOTH_PATHS
+def test_a_key_stored_twice_in_one_batch_and_again_later_is_one_block(tmp_path: Path,
+                                                                       native: bool) -> None:
+    """The second copy finds the name taken (RENAME_NOREPLACE: never an overwrite), removes
+    its temp file and answers present, counted in ``puts_existing``."""
+    backend = FileBackend(tmp_path, fresh_namespace(), native_io=native)
+    key, other = keys_for(2, "store-twice")
+    payload = payload_for(key, 5000)
+    assert backend.put_many([key, other, key], [payload, b"o" * 10, payload]) == [True] * 3
+    assert backend.put_many([key], [payload]) == [True]
+    assert backend.stats()["puts_existing"] == 2
+    assert temp_files(tmp_path) == []
+    assert sum(path.name.endswith(".kvb") for path in all_files(tmp_path)) == 2
+    out = sentinel_buffer(5000)
+    assert backend.get_many([key], [memoryview(out)]) == [True] and bytes(out) == payload
+
+
+def test_a_frame_the_native_call_cannot_take_goes_the_careful_way_in_the_same_batch(
+    tmp_path: Path,
+) -> None:
+    """A key too long for one file name (nested directories) beside ordinary ones."""
+    backend = FileBackend(tmp_path, fresh_namespace())
+    keys = [*keys_for(3, "store-mixed"), bytes(range(200))]
+    payloads = [payload_for(key, 700) for key in keys]
+    assert backend.put_many(keys, payloads) == [True] * 4
+    outs = [sentinel_buffer(700) for _ in keys]
+    assert backend.get_many(keys, [memoryview(out) for out in outs]) == [True] * 4
+    assert [bytes(out) for out in outs] == payloads
+    assert temp_files(tmp_path) == []
