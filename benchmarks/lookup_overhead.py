@@ -39,30 +39,37 @@ with its defaults.
 
 Timed: everything the scheduler thread spends in steps 1-4, including the scan loop itself, as
 wall time (the measure) and as the thread's CPU time (``time.thread_time_ns``: without the
-time the operating system gave the core to other threads and processes).
+time the operating system gave the core to other threads and processes). Before each round the
+heap is collected and frozen (``gc.freeze()``), as vLLM's engine core does once it has started
+(``freeze_gc_heap``); the collector otherwise runs with its defaults, on both.
+
 How the two are paired (``--interleave step``, the default). Each contender runs in a child
 process of its own (a fresh interpreter: its own heap, garbage collector and specialized
 bytecode), and the parent steps both through the same round in lockstep: each step one runs
 its step, then the other (who goes first alternates step by step and round by round), then both
-models run. Why: on this VM the machine's speed drifts by 20-30 % over seconds, the same for both
-contenders (in one 9-round run of whole rounds taken in turn, 3 s each, kvtier ranged 67-95 us a
-request and vLLM 79-119 us, CPU time alike, so it is not preemption), which put the per-round
-ratio anywhere from 0.58 to 1.11; stepping both through one round cancels any drift slower than
-a step. They need separate processes, not threads of one: in one interpreter the garbage
-collections (gen-0 and gen-1, about 10 % of the time) fell on whichever contender pushed the
-shared young generation over its threshold, the same one every round of the same order, which
-gave one of two identical kvtier managers 41 gen-0 and 4 gen-1 collections to the other's 33 and
-2 (ratios 0.95 / 1.04 by order), and the shared step code flipped its call sites between the two
-managers' types every step (kvtier came out at 0.77x there against 0.83x here: it flattered
-kvtier). With a process each, the same manager against itself gives 0.99-1.03 (kvtier) and
-0.94-1.02 (vLLM) over 8 rounds. ``--warmup`` rounds (default 1) run first and are not counted;
-``--interleave round`` is the old method (one whole round each, in turn, in this process).
+models run. Why: on this VM the machine's speed drifts by a quarter or more over seconds, alike
+for both contenders (in one 9-round run of whole rounds taken in turn, 3 s each, kvtier ranged
+67-95 us a request and vLLM 79-119 us, CPU time alike, so it is not preemption), which put the
+per-round ratio anywhere from 0.58 to 1.11; stepping both through one round cancels any drift
+slower than a step. They need separate processes, not threads of one: in one interpreter the
+garbage collections (gen-0 and gen-1, about 10 % of the time) fell on whichever contender
+pushed the shared young generation over its threshold, the same one every round of the same
+order, which gave one of two identical kvtier managers 41 gen-0 and 4 gen-1 collections to the
+other's 33 and 2 (ratios 0.95 / 1.04 by order), and the shared step code flipped its call sites
+between the two managers' types every step (kvtier came out at 0.77x there against 0.83x here:
+it flattered kvtier). With a process each, the same manager against itself gives 0.99-1.03
+(kvtier) and 0.94-1.02 (vLLM) over 8 rounds. ``--warmup`` rounds (default 1) run first and
+are not counted; ``--interleave round`` is the old method (one whole round each, in turn, in
+this process).
 
 Reported per scan style and contender: medians over ``--rounds`` rounds of the scheduler time
 per request and per step, ``lookup()`` calls per request and ns per call, backend calls, probes
 per probed key (how often each probed key was asked), and steps a request waited for its answer;
 then each round's parts (finish, drain, scan, flush) for both and its ratio. Ratios are kvtier /
 vLLM; the verdict is the median over rounds of the ratio within each round (the paired ratio).
+The same paired median of the CPU times follows: on a busy machine the wall time of a round
+also holds the moments the thread waited for a core (the worker it has just woken, other jobs),
+which the CPU time leaves out, so its spread is the smaller one there.
 Both must give every request the same number of hit blocks; the benchmark fails if they do not.
 With ``--max-ratio X`` it also fails (exit 2) when that paired median is above X on any scan.
 
@@ -772,11 +779,13 @@ def _report(plan: _Plan, scan: _Scan, ours: list[_Round], theirs: list[_Round]) 
             f"{item.cleanup_us:.1f} + {item.drain_us:.1f} + {item.scan_us:.1f} + "
             f"{item.flush_us:.1f} = {item.us_per_request:.1f} ({item.cpu_us_per_request:.1f})"
             for item in (kvtier, vllm)) + f" | {paired_ratio:.2f}")
-    paired = statistics.median(ratios)
-    print(f"paired ratio (kvtier / vLLM per round): median {paired:.2f}x, range "
-          f"{min(ratios):.2f}-{max(ratios):.2f}; sorted " + ", ".join(
-              f"{x:.2f}" for x in sorted(ratios)))
-    return float(paired)
+    cpu_ratios = [a.cpu_us_per_request / b.cpu_us_per_request
+                  for a, b in zip(ours, theirs, strict=True)]
+    for label, values in (("paired ratio (kvtier / vLLM per round)", ratios),
+                          ("  the same, CPU time", cpu_ratios)):
+        print(f"{label}: median {statistics.median(values):.2f}x, range {min(values):.2f}-"
+              f"{max(values):.2f}; sorted " + ", ".join(f"{x:.2f}" for x in sorted(values)))
+    return float(statistics.median(ratios))
 
 
 def _owner_check_ns() -> float:
