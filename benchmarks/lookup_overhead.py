@@ -60,7 +60,14 @@ between the two managers' types every step (kvtier came out at 0.77x there again
 it flattered kvtier). With a process each, the same manager against itself gives 0.99-1.03
 (kvtier) and 0.94-1.02 (vLLM) over 8 rounds. ``--warmup`` rounds (default 1) run first and
 are not counted; ``--interleave round`` is the old method (one whole round each, in turn, in
-this process).
+this process). The price of the lockstep: both share each step's wall time, which lasts until
+both workers answered. With ``--scan continue`` either worker answers a step in about 0.6 ms,
+inside the 2 ms step, and each gets the replay it gets alone (the same lookups per request and
+steps waited; a step lasts about a tenth longer, for the other's step and the hand-offs, which
+can only cost kvtier verdict-cache hits, as ``verdict_ttl_s`` then covers fewer steps). With ``--scan stop`` vLLM's worker makes one call per waiting request, about ten a
+step (5 ms or more): kvtier's steps stretch with it, its ``verdict_ttl_s`` covers fewer of them,
+and it waits 8.9 steps a request instead of the 6.2 it waits alone; so compare the stop scan with
+``--interleave round``.
 
 Reported per scan style and contender: medians over ``--rounds`` rounds of the scheduler time
 per request and per step, ``lookup()`` calls per request and ns per call, backend calls, probes
