@@ -43,31 +43,33 @@ time the operating system gave the core to other threads and processes). Before 
 heap is collected and frozen (``gc.freeze()``), as vLLM's engine core does once it has started
 (``freeze_gc_heap``); the collector otherwise runs with its defaults, on both.
 
-How the two are paired (``--interleave step``, the default). Each contender runs in a child
-process of its own (a fresh interpreter: its own heap, garbage collector and specialized
-bytecode), and the parent steps both through the same round in lockstep: each step one runs
-its step, then the other (who goes first alternates step by step and round by round), then both
-models run. Why: on this VM the machine's speed drifts by a quarter or more over seconds, alike
-for both contenders (in one 9-round run of whole rounds taken in turn, 3 s each, kvtier ranged
-67-95 us a request and vLLM 79-119 us, CPU time alike, so it is not preemption), which put the
-per-round ratio anywhere from 0.58 to 1.11; stepping both through one round cancels any drift
-slower than a step. They need separate processes, not threads of one: in one interpreter the
-garbage collections (gen-0 and gen-1, about 10 % of the time) fell on whichever contender
-pushed the shared young generation over its threshold, the same one every round of the same
-order, which gave one of two identical kvtier managers 41 gen-0 and 4 gen-1 collections to the
-other's 33 and 2 (ratios 0.95 / 1.04 by order), and the shared step code flipped its call sites
-between the two managers' types every step (kvtier came out at 0.77x there against 0.83x here:
-it flattered kvtier). With a process each, the same manager against itself gives 0.99-1.03
-(kvtier) and 0.94-1.02 (vLLM) over 8 rounds. ``--warmup`` rounds (default 1) run first and
-are not counted; ``--interleave round`` is the old method (one whole round each, in turn, in
-this process). The price of the lockstep: both share each step's wall time, which lasts until
-both workers answered. With ``--scan continue`` either worker answers a step in about 0.6 ms,
-inside the 2 ms step, and each gets the replay it gets alone (the same lookups per request and
-steps waited; a step lasts about a tenth longer, for the other's step and the hand-offs, which
-can only cost kvtier verdict-cache hits, as ``verdict_ttl_s`` then covers fewer steps). With ``--scan stop`` vLLM's worker makes one call per waiting request, about ten a
-step (5 ms or more): kvtier's steps stretch with it, its ``verdict_ttl_s`` covers fewer of them,
-and it waits 8.9 steps a request instead of the 6.2 it waits alone; so compare the stop scan with
-``--interleave round``.
+How the two are paired (``--interleave step``, the default for ``--scan continue``). Each
+contender runs in a child process of its own (a fresh interpreter: its own heap, garbage
+collector and specialized bytecode), and the parent steps both through the same round in
+lockstep: each step one runs its step, then the other (who goes first alternates step by step
+and round by round), then both models run. Why: on this VM the machine's speed drifts by a
+quarter or more over seconds, alike for both contenders (in one 9-round run of whole rounds
+taken in turn, 3 s each, kvtier ranged 67-95 us a request and vLLM 79-119 us, CPU time alike, so
+it is not preemption), which put the per-round ratio anywhere from 0.58 to 1.11; stepping both
+through one round cancels any drift slower than a step. They need separate processes, not
+threads of one: in one interpreter the garbage collections (gen-0 and gen-1, about 10 % of the
+time) fell on whichever contender pushed the shared young generation over its threshold, the
+same one every round of the same order, which gave one of two identical kvtier managers 41 gen-0
+and 4 gen-1 collections to the other's 33 and 2 (ratios 0.95 / 1.04 by order), and the shared
+step code flipped its call sites between the two managers' types every step (kvtier came out at
+0.77x there against 0.83x here: it flattered kvtier). With a process each, the same manager
+against itself gives 0.99-1.03 (kvtier) and 0.94-1.02 (vLLM) over 8 rounds. ``--warmup`` rounds
+(default 1) run first and are not counted; ``--interleave round`` is the old method (one whole
+round each, in turn, in this process). The price of the lockstep: both share each step's wall
+time, which lasts until both workers answered. With ``--scan continue`` either worker answers a
+step in about 0.6 ms, inside the 2 ms step, and each gets the replay it gets alone (the same
+lookups per request and steps waited; a step lasts about a tenth longer, for the other's step
+and the hand-offs, which can only cost kvtier verdict-cache hits, as ``verdict_ttl_s`` then
+covers fewer steps). With ``--scan stop`` vLLM's worker makes one call per waiting request,
+about ten a step (5 ms or more): kvtier's steps stretch with it, its ``verdict_ttl_s`` covers
+fewer of them, and it waits 8.9 steps a request instead of the 6.2 it waits alone; so the stop
+scan is compared in whole rounds (``--interleave auto``, the default, picks step for continue
+and round for stop).
 
 Reported per scan style and contender: medians over ``--rounds`` rounds of the scheduler time
 per request and per step, ``lookup()`` calls per request and ns per call, backend calls, probes
@@ -813,7 +815,8 @@ def _compare(source: str, plan: _Plan, args: argparse.Namespace, scan: _Scan,
              vllm_module: Any) -> tuple[list[_Round], list[_Round]]:
     ours: list[_Round] = []
     theirs: list[_Round] = []
-    lockstep = vllm_module is not None and args.interleave == "step"
+    lockstep = vllm_module is not None and (
+        args.interleave == "step" or (args.interleave == "auto" and scan is _Scan.CONTINUE))
     contenders = ([_Contender(source, args, scan, "kvtier"), _Contender(source, args, scan, "vllm")]
                   if lockstep else [])
     try:
@@ -912,9 +915,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="rounds per contender (median of the paired ratios reported)")
     trace.add_argument("--warmup", type=int, default=1,
                        help="rounds run first and not counted")
-    trace.add_argument("--interleave", choices=("step", "round"), default="step",
-                       help="step (default): both contenders replay the plan in one round, "
-                            "step by step in lockstep; round: one replay each, in turn")
+    trace.add_argument("--interleave", choices=("auto", "step", "round"), default="auto",
+                       help="step: both contenders replay the plan in one round, step by step "
+                            "in lockstep, each in its own process; round: one replay each, in "
+                            "turn; auto (default): step for --scan continue, round for stop")
     trace.add_argument("--step-ms", type=float, default=2.0,
                        help="model time per engine step")
     trace.add_argument("--arrivals", type=float, default=1.0,
