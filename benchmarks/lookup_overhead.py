@@ -39,15 +39,48 @@ with its defaults.
 
 Timed: everything the scheduler thread spends in steps 1-4, including the scan loop itself, as
 wall time (the measure) and as the thread's CPU time (``time.thread_time_ns``: without the
-time the operating system gave the core to other threads and processes, which on a busy machine
-is most of the spread between rounds).
-Reported per scan style and contender, median over ``--rounds`` rounds run interleaved (kvtier,
-vLLM, vLLM, kvtier, ...): scheduler time per request and per step, ``lookup()`` calls per
-request and ns per call, backend calls, probes per probed key (how often each probed key was
-asked), and steps a request waited for its answer. Ratios are kvtier / vLLM. Both must give
-every request the same number of hit blocks; the benchmark fails if they do not. With
-``--max-ratio X`` it also fails (exit 2) when kvtier's median time per request is above X times
-vLLM's on any scan.
+time the operating system gave the core to other threads and processes). Before each round the
+heap is collected and frozen (``gc.freeze()``), as vLLM's engine core does once it has started
+(``freeze_gc_heap``); the collector otherwise runs with its defaults, on both.
+
+How the two are paired (``--interleave step``, the default for ``--scan continue``). Each
+contender runs in a child process of its own (a fresh interpreter: its own heap, garbage
+collector and specialized bytecode), and the parent steps both through the same round in
+lockstep: each step one runs its step, then the other (who goes first alternates step by step
+and round by round), then both models run. Why: on this VM the machine's speed drifts by a
+quarter or more over seconds, alike for both contenders (in one 9-round run of whole rounds
+taken in turn, 3 s each, kvtier ranged 67-95 us a request and vLLM 79-119 us, CPU time alike, so
+it is not preemption), which put the per-round ratio anywhere from 0.58 to 1.11; stepping both
+through one round cancels any drift slower than a step. They need separate processes, not
+threads of one: in one interpreter the garbage collections (gen-0 and gen-1, about 10 % of the
+time) fell on whichever contender pushed the shared young generation over its threshold, the
+same one every round of the same order, which gave one of two identical kvtier managers 41 gen-0
+and 4 gen-1 collections to the other's 33 and 2 (ratios 0.95 / 1.04 by order), and the shared
+step code flipped its call sites between the two managers' types every step (kvtier came out at
+0.77x there against 0.83x here: it flattered kvtier). With a process each, the same manager
+against itself gives 0.99-1.03 (kvtier) and 0.94-1.02 (vLLM) over 8 rounds. ``--warmup`` rounds
+(default 1) run first and are not counted; ``--interleave round`` is the old method (one whole
+round each, in turn, in this process). The price of the lockstep: both share each step's wall
+time, which lasts until both workers answered. With ``--scan continue`` either worker answers a
+step in about 0.6 ms, inside the 2 ms step, and each gets the replay it gets alone (the same
+lookups per request and steps waited; a step lasts about a tenth longer, for the other's step
+and the hand-offs, which can only cost kvtier verdict-cache hits, as ``verdict_ttl_s`` then
+covers fewer steps). With ``--scan stop`` vLLM's worker makes one call per waiting request,
+about ten a step (5 ms or more): kvtier's steps stretch with it, its ``verdict_ttl_s`` covers
+fewer of them, and it waits 8.9 steps a request instead of the 6.2 it waits alone; so the stop
+scan is compared in whole rounds (``--interleave auto``, the default, picks step for continue
+and round for stop).
+
+Reported per scan style and contender: medians over ``--rounds`` rounds of the scheduler time
+per request and per step, ``lookup()`` calls per request and ns per call, backend calls, probes
+per probed key (how often each probed key was asked), and steps a request waited for its answer;
+then each round's parts (finish, drain, scan, flush) for both and its ratio. Ratios are kvtier /
+vLLM; the verdict is the median over rounds of the ratio within each round (the paired ratio).
+The same paired median of the CPU times follows: on a busy machine the wall time of a round
+also holds the moments the thread waited for a core (the worker it has just woken, other jobs),
+which the CPU time leaves out, so its spread is the smaller one there.
+Both must give every request the same number of hit blocks; the benchmark fails if they do not.
+With ``--max-ratio X`` it also fails (exit 2) when that paired median is above X on any scan.
 
 ``--mode synthetic`` runs the older synthetic step (64 requests x 32 keys, half shared, instant
 tier); it does not look like a scheduler scanning a trace and is kept only for comparison.
@@ -60,6 +93,7 @@ import enum
 import gc
 import hashlib
 import importlib
+import multiprocessing
 import queue
 import statistics
 import sys
@@ -68,6 +102,7 @@ import time
 import timeit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 from kvtier.keys import KEY_BYTES, BlockKey, Namespace, RequestContext, chain_keys
@@ -379,55 +414,64 @@ class _Scan(enum.Enum):
     CONTINUE = "continue"  # the scan goes on until a False (vLLM's _maximal_prefix_lookup)
 
 
-def _replay(plan: _Plan, args: argparse.Namespace, scan: _Scan,
-            make_context: Callable[[str], Any], manager: Any, backend: _ModelledBackend,
-            note_stored: Callable[[list[BlockKey]], None] | None,
-            wait_for_answers: Callable[[], None]) -> _Round:
-    """Drive ``manager`` through the plan like a scheduler; see the module docstring. Between
-    two steps the model runs (untimed): until the worker answered (``--pacing answered``) or
-    until the next step is due (``--pacing paced``)."""
-    lookup, flush = manager.lookup, manager.flush
-    drain, cleanup = manager.drain_results, manager.cleanup
-    stop_at_none = scan is _Scan.STOP
-    paced = args.pacing == "paced"
-    step_s = args.step_ms / 1e3
-    arrivals: dict[int, list[tuple[Any, list[BlockKey], str, int]]] = {}
-    for request in plan.requests:
-        arrivals.setdefault(request.arrival_step, []).append(
-            (make_context(request.req_id), request.keys, request.req_id, request.arrival_step))
-    last_arrival = plan.requests[-1].arrival_step
-    waiting: list[tuple[Any, list[BlockKey], str, int]] = []
-    finishing: dict[int, list[tuple[str, list[BlockKey]]]] = {}
-    result = _Round(requests=len(plan.requests))
-    hits_of: dict[str, int] = {}
-    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
+class _Replayer:
+    """One contender's replay of the plan, driven one scheduler step at a time (see the module
+    docstring) so that several contenders can be stepped in lockstep."""
 
-    def finish(req_id: str, computed: list[BlockKey]) -> None:
-        cleanup(req_id)
+    def __init__(self, name: str, plan: _Plan, args: argparse.Namespace, scan: _Scan,
+                 make_context: Callable[[str], Any], manager: Any, backend: _ModelledBackend,
+                 note_stored: Callable[[list[BlockKey]], None] | None,
+                 wait_for_answers: Callable[[], None], close: Callable[[], None]) -> None:
+        self.name = name
+        self._plan = plan
+        self._run_steps = args.run_steps
+        self._paced = args.pacing == "paced"
+        self._stop_at_none = scan is _Scan.STOP
+        self._manager = manager
+        self._backend = backend
+        self._note_stored = note_stored
+        self._wait_for_answers = wait_for_answers
+        self.close = close
+        self._arrivals: dict[int, list[tuple[Any, list[BlockKey], str, int]]] = {}
+        for request in plan.requests:
+            self._arrivals.setdefault(request.arrival_step, []).append(
+                (make_context(request.req_id), request.keys, request.req_id,
+                 request.arrival_step))
+        self._last_arrival = plan.requests[-1].arrival_step
+        self._waiting: list[tuple[Any, list[BlockKey], str, int]] = []
+        self._finishing: dict[int, list[tuple[str, list[BlockKey]]]] = {}
+        self._hits_of: dict[str, int] = {}
+        self._step = 0
+        self._lookups = 0
+        self.result = _Round(requests=len(plan.requests))
+
+    @property
+    def done(self) -> bool:
+        return self._step > self._last_arrival and not self._waiting
+
+    def _finish(self, req_id: str, computed: list[BlockKey]) -> None:
+        self._manager.cleanup(req_id)
         if computed:  # the request's stores land (the blocks it computed)
-            backend.store(computed)
-            if note_stored is not None:
-                note_stored(computed)
+            self._backend.store(computed)
+            if self._note_stored is not None:
+                self._note_stored(computed)
 
-    # Objects from before the round (the interpreter's, vLLM's and torch's when imported) are
-    # frozen: a full collection during the round then walks what the round allocated (each
-    # manager's own state), not a heap that belongs to neither (about 0.2 s on this machine).
-    # The round's caller unfreezes them when the round ends.
-    gc.collect()
-    gc.freeze()
-    step = 0
-    lookups = 0
-    next_start = time.perf_counter()
-    while step <= last_arrival or waiting:
+    def run_step(self) -> None:
+        """Steps 1-4 of one scheduler step, timed."""
+        manager, result, step = self._manager, self.result, self._step
+        lookup, stop_at_none = manager.lookup, self._stop_at_none
+        clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
         cpu_start = cpu_clock()
         start = clock()
-        for req_id, computed in finishing.pop(step, ()):  # the last step's model run ended
-            finish(req_id, computed)
+        for req_id, computed in self._finishing.pop(step, ()):  # the last model run ended
+            self._finish(req_id, computed)
         finished = clock()
-        drain()
+        manager.drain_results()
         drained = clock()
-        waiting.extend(arrivals.get(step, ()))
+        waiting = self._waiting
+        waiting.extend(self._arrivals.get(step, ()))
         still_waiting = []
+        lookups = 0
         for entry in waiting:
             context, keys = entry[0], entry[1]
             deferred = False
@@ -446,12 +490,13 @@ def _replay(plan: _Plan, args: argparse.Namespace, scan: _Scan,
             if deferred:
                 still_waiting.append(entry)
             else:
-                hits_of[entry[2]] = hits
+                self._hits_of[entry[2]] = hits
                 result.steps_waited += step - entry[3]
-                finishing.setdefault(step + args.run_steps, []).append((entry[2], keys[hits:]))
-        waiting = still_waiting
+                self._finishing.setdefault(step + self._run_steps, []).append(
+                    (entry[2], keys[hits:]))
+        self._waiting = still_waiting
         scanned = clock()
-        flush()
+        manager.flush()
         end = clock()
         result.cpu_ns += cpu_clock() - cpu_start
         result.sched_ns += end - start
@@ -459,33 +504,36 @@ def _replay(plan: _Plan, args: argparse.Namespace, scan: _Scan,
         result.drain_ns += drained - finished
         result.scan_ns += scanned - drained
         result.flush_ns += end - scanned
-        step += 1
-        # The model runs for a step; with --pacing answered at least until the worker answered.
-        if not paced:
-            wait_for_answers()
-        next_start += step_s
-        pause = next_start - time.perf_counter()
-        if pause > 0:
-            time.sleep(pause)
-    cpu_start = cpu_clock()
-    start = clock()
-    for finished_now in finishing.values():  # the tail: requests still running finish at once
-        for req_id, computed in finished_now:
-            finish(req_id, computed)
-    end = clock()
-    result.cpu_ns += cpu_clock() - cpu_start
-    result.sched_ns += end - start
-    result.cleanup_ns += end - start
-    result.steps = step
-    result.hits = [hits_of[request.req_id] for request in plan.requests]
-    result.lookups = lookups
-    result.backend_calls = backend.calls
-    result.probed_keys = backend.keys
-    result.unique_probed_keys = len(backend.unique)
-    return result
+        self._lookups += lookups
+        self._step = step + 1
+
+    def model_runs(self) -> None:
+        """Untimed, after a step: with --pacing answered, until the worker answered."""
+        if not self._paced:
+            self._wait_for_answers()
+
+    def finish_tail(self) -> _Round:
+        """The requests still running finish at once (timed); the round's totals."""
+        result = self.result
+        cpu_start = time.thread_time_ns()
+        start = time.perf_counter_ns()
+        for finished_now in self._finishing.values():
+            for req_id, computed in finished_now:
+                self._finish(req_id, computed)
+        end = time.perf_counter_ns()
+        result.cpu_ns += time.thread_time_ns() - cpu_start
+        result.sched_ns += end - start
+        result.cleanup_ns += end - start
+        result.steps = self._step
+        result.hits = [self._hits_of[request.req_id] for request in self._plan.requests]
+        result.lookups = self._lookups
+        result.backend_calls = self._backend.calls
+        result.probed_keys = self._backend.keys
+        result.unique_probed_keys = len(self._backend.unique)
+        return result
 
 
-def _kvtier_round(plan: _Plan, args: argparse.Namespace, scan: _Scan) -> _Round:
+def _kvtier_replayer(plan: _Plan, args: argparse.Namespace, scan: _Scan) -> _Replayer:
     backend = _ModelledBackend(plan.present, args.call_us / 1e6, args.key_us / 1e6)
 
     class ModelledTier(AsyncLookupManager):
@@ -499,15 +547,12 @@ def _kvtier_round(plan: _Plan, args: argparse.Namespace, scan: _Scan) -> _Round:
         if not tier._wait_for_results(60.0):
             raise RuntimeError("kvtier's probe worker did not answer within 60 s")
 
-    try:
-        return _replay(plan, args, scan, RequestContext, tier, backend, tier.note_stored,
-                       wait_for_answers)
-    finally:
-        gc.unfreeze()
-        tier.shutdown(timeout=10.0)
+    return _Replayer("kvtier", plan, args, scan, RequestContext, tier, backend,
+                     tier.note_stored, wait_for_answers, lambda: tier.shutdown(timeout=10.0))
 
 
-def _vllm_round(plan: _Plan, args: argparse.Namespace, scan: _Scan, module: Any) -> _Round:
+def _vllm_replayer(plan: _Plan, args: argparse.Namespace, scan: _Scan,
+                   module: Any) -> _Replayer:
     from vllm.v1.kv_offload.base import ReqContext
 
     backend = _ModelledBackend(plan.present, args.call_us / 1e6, args.key_us / 1e6)
@@ -543,13 +588,149 @@ def _vllm_round(plan: _Plan, args: argparse.Namespace, scan: _Scan, module: Any)
             tier._pending_results.put(item)
             sent[1] += 1
 
+    return _Replayer("vllm", plan, args, scan, lambda req_id: ReqContext(req_id=req_id),
+                     tier if args.pacing == "paced" else Counting, backend, None,
+                     wait_for_answers, tier.shutdown)
+
+
+def _solo_round(replayer: _Replayer, args: argparse.Namespace) -> _Round:
+    """One contender replays the plan alone, in this process (``--interleave round``)."""
+    step_s = args.step_ms / 1e3
+    _freeze_heap()
     try:
-        return _replay(plan, args, scan, lambda req_id: ReqContext(req_id=req_id),
-                       tier if args.pacing == "paced" else Counting, backend, None,
-                       wait_for_answers)
+        next_start = time.perf_counter()
+        while not replayer.done:
+            replayer.run_step()
+            replayer.model_runs()
+            next_start += step_s
+            pause = next_start - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+        return replayer.finish_tail()
     finally:
         gc.unfreeze()
-        tier.shutdown()
+        replayer.close()
+
+
+def _freeze_heap() -> None:
+    # Objects from before the round (the interpreter's, vLLM's and torch's when imported) are
+    # frozen: a full collection during the round then walks what the round allocated (the
+    # manager's own state), not a heap that belongs to neither (about 0.2 s on this machine).
+    # vLLM's engine does the same (gc.freeze() once it has started). Unfrozen after the round.
+    gc.collect()
+    gc.freeze()
+
+
+def _contender_process(conn: Connection, source: str, args: argparse.Namespace, scan: str,
+                       contender: str) -> None:
+    """A child process that replays the plan through one contender, a step per command from
+    the parent (``--interleave step``): "new" (a fresh manager), "step" (answers whether the
+    replay is done), "model" (the untimed model run), "tail" (answers the round), "stop"."""
+    module = importlib.import_module(_VLLM_MODULE) if contender == "vllm" else None
+    plan = _load_plan(source, args)
+    replayer: _Replayer | None = None
+    conn.send(None)  # ready
+    while True:
+        command = conn.recv()
+        if command == "stop":
+            return
+        if command == "new":
+            replayer = (_kvtier_replayer(plan, args, _Scan(scan)) if module is None
+                        else _vllm_replayer(plan, args, _Scan(scan), module))
+            _freeze_heap()
+            conn.send(None)
+            continue
+        if replayer is None:
+            raise RuntimeError(f"{command!r} before 'new'")
+        if command == "step":
+            replayer.run_step()
+            conn.send(replayer.done)
+        elif command == "model":
+            replayer.model_runs()
+            conn.send(None)
+        elif command == "tail":
+            try:
+                conn.send(replayer.finish_tail())
+            finally:
+                gc.unfreeze()
+                replayer.close()
+                replayer = None
+        else:
+            raise RuntimeError(f"unknown command {command!r}")
+
+
+class _Contender:
+    """The parent's handle on one contender's child process."""
+
+    def __init__(self, source: str, args: argparse.Namespace, scan: _Scan,
+                 contender: str) -> None:
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter, no inherited threads
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=_contender_process, args=(child_conn, source, args, scan.value, contender),
+            name=f"lookup-overhead-{contender}", daemon=True)
+        self._process.start()
+        child_conn.close()
+        self._ask(None)  # the child loaded the plan
+        self.done = False
+
+    def _ask(self, command: str | None) -> Any:
+        if command is not None:
+            self._conn.send(command)
+        if not self._conn.poll(120.0):
+            raise RuntimeError(f"{self._process.name} did not answer {command!r} within 120 s")
+        return self._conn.recv()
+
+    def new(self) -> None:
+        self._ask("new")
+        self.done = False
+
+    def step(self) -> None:
+        self.done = bool(self._ask("step"))
+
+    def model(self) -> None:
+        self._ask("model")
+
+    def tail(self) -> _Round:
+        result = self._ask("tail")
+        if not isinstance(result, _Round):
+            raise RuntimeError(f"{self._process.name} answered {result!r}")
+        return result
+
+    def stop(self) -> None:
+        if self._process.is_alive():
+            self._conn.send("stop")
+        self._process.join(10.0)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+def _lockstep_round(contenders: list[_Contender], args: argparse.Namespace,
+                    flip: bool) -> list[_Round]:
+    """Both contenders replay the plan in one round, in lockstep: every step each one that is
+    not done runs its step in its own process, one after the other (the order alternates step by
+    step, starting reversed when ``flip``), then the model runs (untimed) for both."""
+    step_s = args.step_ms / 1e3
+    for contender in contenders:
+        contender.new()
+    step = 0
+    next_start = time.perf_counter()
+    while True:
+        live = [contender for contender in contenders if not contender.done]
+        if not live:
+            break
+        if (step % 2 == 1) != flip:
+            live.reverse()
+        for contender in live:
+            contender.step()
+        for contender in live:
+            contender.model()
+        step += 1
+        next_start += step_s
+        pause = next_start - time.perf_counter()
+        if pause > 0:
+            time.sleep(pause)
+    return [contender.tail() for contender in contenders]
 
 
 def _default_traces() -> list[str]:
@@ -580,10 +761,11 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
 
 
 def _report(plan: _Plan, scan: _Scan, ours: list[_Round], theirs: list[_Round]) -> float | None:
-    """Print one table; return kvtier's median time per request over vLLM's (None: no vLLM)."""
+    """Print one table; return the median over rounds of kvtier's time per request over vLLM's
+    in the same round (None: no vLLM)."""
     print(f"\n{plan.trace}, scan {scan.value}: {len(plan.requests):,} requests, "
           f"{sum(len(r.keys) for r in plan.requests):,} keys, {len(plan.present):,} held by the "
-          f"tier at the start; median of {len(ours)} interleaved rounds")
+          f"tier at the start; medians of {len(ours)} rounds")
     header = f"{'':26}{'kvtier':>12}"
     if theirs:
         header += f"{'vLLM 0.32':>12}{'kvtier/vLLM':>13}"
@@ -598,10 +780,21 @@ def _report(plan: _Plan, scan: _Scan, ours: list[_Round], theirs: list[_Round]) 
         print(line)
     if not theirs:
         return None
-    spread = sorted(mine.us_per_request / other.us_per_request
-                    for mine, other in zip(ours, theirs, strict=True))
-    print("per-request ratio by round: " + ", ".join(f"{x:.2f}" for x in spread))
-    return _median_of(ours, "us_per_request") / _median_of(theirs, "us_per_request")
+    ratios = [a.us_per_request / b.us_per_request for a, b in zip(ours, theirs, strict=True)]
+    print("per round, us / request (cpu): kvtier finish + drain + scan + flush = total "
+          "| vLLM ... | ratio")
+    for index, (kvtier, vllm, paired_ratio) in enumerate(zip(ours, theirs, ratios, strict=True)):
+        print(f"  {index + 1:2}: " + " | ".join(
+            f"{item.cleanup_us:.1f} + {item.drain_us:.1f} + {item.scan_us:.1f} + "
+            f"{item.flush_us:.1f} = {item.us_per_request:.1f} ({item.cpu_us_per_request:.1f})"
+            for item in (kvtier, vllm)) + f" | {paired_ratio:.2f}")
+    cpu_ratios = [a.cpu_us_per_request / b.cpu_us_per_request
+                  for a, b in zip(ours, theirs, strict=True)]
+    for label, values in (("paired ratio (kvtier / vLLM per round)", ratios),
+                          ("  the same, CPU time", cpu_ratios)):
+        print(f"{label}: median {statistics.median(values):.2f}x, range {min(values):.2f}-"
+              f"{max(values):.2f}; sorted " + ", ".join(f"{x:.2f}" for x in sorted(values)))
+    return float(statistics.median(ratios))
 
 
 def _owner_check_ns() -> float:
@@ -618,18 +811,34 @@ def _scans(args: argparse.Namespace) -> list[_Scan]:
     return list(_Scan) if args.scan == "both" else [_Scan(args.scan)]
 
 
-def _compare(plan: _Plan, args: argparse.Namespace, scan: _Scan,
+def _compare(source: str, plan: _Plan, args: argparse.Namespace, scan: _Scan,
              vllm_module: Any) -> tuple[list[_Round], list[_Round]]:
     ours: list[_Round] = []
     theirs: list[_Round] = []
-    for index in range(args.rounds):
-        # alternate who goes first so drift hits both contenders alike
-        order = ("kvtier", "vllm") if index % 2 == 0 else ("vllm", "kvtier")
-        for contender in order:
-            if contender == "kvtier":
-                ours.append(_kvtier_round(plan, args, scan))
-            elif vllm_module is not None:
-                theirs.append(_vllm_round(plan, args, scan, vllm_module))
+    lockstep = vllm_module is not None and (
+        args.interleave == "step" or (args.interleave == "auto" and scan is _Scan.CONTINUE))
+    contenders = ([_Contender(source, args, scan, "kvtier"), _Contender(source, args, scan, "vllm")]
+                  if lockstep else [])
+    try:
+        for index in range(args.warmup + args.rounds):
+            flip = index % 2 == 1  # alternate who goes first so that order hits both alike
+            if lockstep:
+                mine, other = _lockstep_round(contenders, args, flip)
+            elif vllm_module is None:
+                mine, other = _solo_round(_kvtier_replayer(plan, args, scan), args), None
+            elif flip:
+                other = _solo_round(_vllm_replayer(plan, args, scan, vllm_module), args)
+                mine = _solo_round(_kvtier_replayer(plan, args, scan), args)
+            else:
+                mine = _solo_round(_kvtier_replayer(plan, args, scan), args)
+                other = _solo_round(_vllm_replayer(plan, args, scan, vllm_module), args)
+            if index >= args.warmup:
+                ours.append(mine)
+                if other is not None:
+                    theirs.append(other)
+    finally:
+        for contender in contenders:
+            contender.stop()
     return ours, theirs
 
 
@@ -638,7 +847,7 @@ def _trace_main(args: argparse.Namespace, vllm_module: Any) -> int:
     for source in args.trace or _default_traces():
         plan = _load_plan(source, args)
         for scan in _scans(args):
-            ours, theirs = _compare(plan, args, scan, vllm_module)
+            ours, theirs = _compare(source, plan, args, scan, vllm_module)
             for mine, other in zip(ours, theirs or ours, strict=True):  # no vLLM: nothing
                 if mine.hits != other.hits:
                     differ = sum(a != b for a, b in zip(mine.hits, other.hits, strict=True))
@@ -703,7 +912,13 @@ def _parser() -> argparse.ArgumentParser:
                             "file; default: " + ", ".join(_default_traces()))
     trace.add_argument("--requests", type=int, default=1_500, help="requests per trace")
     trace.add_argument("--rounds", type=int, default=7,
-                       help="interleaved rounds per contender (median reported)")
+                       help="rounds per contender (median of the paired ratios reported)")
+    trace.add_argument("--warmup", type=int, default=1,
+                       help="rounds run first and not counted")
+    trace.add_argument("--interleave", choices=("auto", "step", "round"), default="auto",
+                       help="step: both contenders replay the plan in one round, step by step "
+                            "in lockstep, each in its own process; round: one replay each, in "
+                            "turn; auto (default): step for --scan continue, round for stop")
     trace.add_argument("--step-ms", type=float, default=2.0,
                        help="model time per engine step")
     trace.add_argument("--arrivals", type=float, default=1.0,
@@ -718,7 +933,8 @@ def _parser() -> argparse.ArgumentParser:
                        default="both", help="what a request's scan does after a None: stop "
                        "for this step, or continue to start every probe (default: both)")
     trace.add_argument("--max-ratio", type=float, default=None, metavar="X",
-                       help="exit 2 when kvtier's time per request is above X times vLLM's")
+                       help="exit 2 when the median over rounds of kvtier's time per request "
+                            "over vLLM's in the same round is above X")
     trace.add_argument("--call-us", type=float, default=500.0, help="backend latency per call")
     trace.add_argument("--key-us", type=float, default=2.0, help="backend latency per key")
     synthetic = parser.add_argument_group("synthetic mode")
@@ -734,6 +950,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
     for name in ("requests", "rounds", "run_steps", "synthetic_requests", "keys", "lifetime",
                  "steps", "reps"):
         if getattr(args, name) < 1:
