@@ -28,6 +28,8 @@ time), where the medium is moved by the CPU (memory, page cache, tmpfs); it is n
           bytes, one file per block; ``exists``: ``os.stat``.
 - file+capped: the file backend under ``max_bytes`` (1 TiB: the capacity index's bookkeeping,
           no eviction) against the same raw baseline as ``file``.
+- file+python: the file backend with ``native_io=false`` (its system calls made from Python,
+          as on an install without the compiled batch calls) against the same raw baseline.
 - file+direct: the file backend with ``o_direct=true`` on ``--direct-dir`` (a real disk, not
           tmpfs; default /var/tmp) against raw O_DIRECT write+rename / read of the same
           page-aligned buffers (every side's buffers are page-aligned, as pool slots are) in the
@@ -635,9 +637,11 @@ def _subjects(
                     Subject(kind, open_backend("memory://", namespace, **auth), MemoryBaseline(),
                             open_backend("memory://", namespace) if auth else None)
                 )
-            elif kind in ("file", "file+auth", "file+capped"):
+            elif kind in ("file", "file+auth", "file+capped", "file+python"):
                 cap = {"max_bytes": "1TiB"} if kind == "file+capped" else {}
-                backend = open_backend(f"file://{workdir / kind}", namespace, **auth, **cap)
+                python = {"native_io": False} if kind == "file+python" else {}
+                backend = open_backend(f"file://{workdir / kind}", namespace, **auth, **cap,
+                                       **python)
                 unkeyed = (open_backend(f"file://{workdir / 'unkeyed'}", namespace)
                            if auth else None)
                 subjects.append(Subject(kind, backend, FileBaseline(workdir / f"raw-{kind}"),
@@ -693,7 +697,8 @@ def _subjects(
                 subjects.append(Subject(kind, backend, s3_baseline))
             else:
                 raise SystemExit(f"unknown backend {kind!r}; expected memory, file, redis, s3, "
-                                 "memory+auth, file+auth, file+capped or file+direct")
+                                 "memory+auth, file+auth, file+capped, file+python or "
+                                 "file+direct")
         yield subjects
     finally:
         for subject in subjects:
