@@ -242,6 +242,23 @@ class View:
             raise
         return fd, True
 
+    def cached_fan(self, fan: str, *, create: bool) -> int:
+        """The fan-out directory ``fan`` from the cache, opened into it (created first if
+        ``create``) where it is not there yet; -1 where it cannot be cached (absent, not a
+        directory, an error, the descriptor budget spent): the caller's careful path handles
+        and reports those."""
+        cached = self.fans.get(fan, -1)
+        if cached >= 0:
+            return cached
+        try:
+            fd, owned = self.key_dir((fan,), create=create)
+        except OSError:
+            return -1
+        if owned:
+            os.close(fd)
+            return -1
+        return fd
+
     def hold_fans(self) -> int:
         """Open every fan-out directory there is into the cache, as far as the descriptor
         budget allows; the number held. Called at open: a threaded process pays for each new

@@ -71,18 +71,15 @@ class _BatchBuffers(threading.local):
 _BUFFERS = _BatchBuffers()
 
 
-def _held_fan(view: View, fan: str) -> int:
-    """The fan-out directory ``fan`` opened into ``view``'s cache (a fresh view holds none
-    until something looks into it), or -1 for the careful path: absent, not a directory, or
-    no descriptor left in the process's budget."""
+def _judged_then_closed(item: Fetched, fd: int) -> Iterator[Fetched]:
+    """``item``, then its descriptor closed (-1: none). The descriptor stays open while the
+    template judges the item: a bad frame's token (its inode) is taken from it then, and only
+    then."""
     try:
-        fd, owned = view.key_dir((fan,), create=False)
-    except OSError:
-        return -1
-    if owned:
-        os.close(fd)
-        return -1
-    return fd
+        yield item
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 class FileReads:
@@ -134,14 +131,11 @@ class FileReads:
             return None
         dir_fds: list[int] = []
         names: list[bytes] = []
-        fans = view.fans
         for key in keys:
             key_hex = key.hex()
             if len(key_hex) > _MAX_NAME_HEX:
                 return None
-            dir_fd = fans.get(key_hex[:2], -1)
-            if dir_fd < 0:
-                dir_fd = _held_fan(view, key_hex[:2])
+            dir_fd = view.cached_fan(key_hex[:2], create=False)
             if dir_fd < 0:
                 return None
             dir_fds.append(dir_fd)
@@ -162,14 +156,7 @@ class FileReads:
                     outs: list[memoryview]) -> Iterator[Fetched]:
         """Block by block through :meth:`_fetch_one` (O_DIRECT or a size cap, in Python)."""
         for key, out in zip(keys, outs, strict=True):
-            fetched, fd = self._fetch_one(view, key, out)
-            try:
-                # The descriptor stays open while the template judges the item: a bad frame's
-                # token (its inode) is taken from it then, and only then.
-                yield fetched
-            finally:
-                if fd >= 0:
-                    os.close(fd)
+            yield from _judged_then_closed(*self._fetch_one(view, key, out))
 
     def _fetch_buffered(self, view: View, keys: list[BlockKey],
                         outs: list[memoryview]) -> Iterator[Fetched]:
@@ -195,11 +182,7 @@ class FileReads:
                         fd = -1
             if item is None:
                 item, fd = self._fetch_one(view, key, out)
-            try:
-                yield item
-            finally:
-                if fd >= 0:
-                    os.close(fd)
+            yield from _judged_then_closed(item, fd)
 
     def _read_buffered(self, fd: int, out: memoryview, page: mmap.mmap) -> Fetched | None:
         """The buffered read of an open block file: the payload into ``out``, the trailer into
@@ -222,16 +205,13 @@ class FileReads:
         take (a fan-out directory not held, a name too long for one level, an O_DIRECT
         destination that is not whole aligned pages) goes through :meth:`_fetch_one`."""
         direct = self._direct_io is DirectIO.ACTIVE
-        fans = view.fans
         dir_fds: list[int] = []
         names: list[bytes] = []
         for key, out in zip(keys, outs, strict=True):
             key_hex = key.hex()
             dir_fd = -1
             if len(key_hex) <= _MAX_NAME_HEX and not (direct and not is_aligned(out)):
-                dir_fd = fans.get(key_hex[:2], -1)
-                if dir_fd < 0:
-                    dir_fd = _held_fan(view, key_hex[:2])
+                dir_fd = view.cached_fan(key_hex[:2], create=False)
             dir_fds.append(dir_fd)
             names.append(b"" if dir_fd < 0 else key_hex.encode() + _SUFFIX_BYTES)
         buffers = _BUFFERS
@@ -291,12 +271,7 @@ class FileReads:
             except OSError:
                 item = None
         if item is None:  # not taken, the read failed, or O_DIRECT refused: the careful path
-            item, extra_fd = self._fetch_one(view, key, out)
-            try:
-                yield item
-            finally:
-                if extra_fd >= 0:
-                    os.close(extra_fd)
+            yield from _judged_then_closed(*self._fetch_one(view, key, out))
             return
         if self._capacity.bounded and item.outcome is Outcome.OK:
             self._evict_files(view, self._capacity.adopt(key, out.nbytes + codec.HEADER_BYTES))

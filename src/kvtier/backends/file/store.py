@@ -50,16 +50,12 @@ def put_plain(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKey
     file size). A long key or a fan-out directory that cannot be cached goes to ``slow``; a
     failed write or rename to ``rare``."""
     outcomes = [Outcome.OK] * len(frames)
-    fans = view.fans
     add = stored.append
     for index, frame in enumerate(frames):
         key, trailer, payload = frame
         key_hex = key.hex()
-        if len(key_hex) > _MAX_NAME_HEX:  # a long key's name is split into directories
-            outcomes[index] = slow(frame)
-            continue
-        fan = fans.get(key_hex[:2], -1)
-        if fan < 0 and (fan := _fan_dir(view, key_hex[:2])) < 0:
+        fan = _fan_for(view, key_hex)
+        if fan < 0:
             outcomes[index] = slow(frame)
             continue
         temp = b"%s%d" % (temp_prefix, next(counter))
@@ -95,18 +91,14 @@ def put_native(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKe
     per block with the interpreter lock released once); its answers are read as
     :func:`put_plain` reads its own calls'."""
     outcomes = [Outcome.OK] * len(frames)
-    fans = view.fans
     batch: list[int] = []  # indexes of the frames the native call takes
     fan_fds: list[int] = []
     temps: list[bytes] = []
     finals: list[bytes] = []
     for index, frame in enumerate(frames):
         key_hex = frame.key.hex()
-        if len(key_hex) > _MAX_NAME_HEX:
-            outcomes[index] = slow(frame)
-            continue
-        fan = fans.get(key_hex[:2], -1)
-        if fan < 0 and (fan := _fan_dir(view, key_hex[:2])) < 0:
+        fan = _fan_for(view, key_hex)
+        if fan < 0:
             outcomes[index] = slow(frame)
             continue
         batch.append(index)
@@ -131,15 +123,11 @@ def put_native(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKe
     return outcomes
 
 
-def _fan_dir(view: View, fan_hex: str) -> int:
-    """The fan-out directory ``fan_hex``, opened (created if missing) and cached in ``view`` --
-    a fresh view's first store into each, once per view, on the loop's way; -1 for a directory
-    not cached (past the descriptor budget, an error), which the slow path handles and reports."""
-    try:
-        fan, owned = view.key_dir((fan_hex,), create=True)
-    except OSError:
+def _fan_for(view: View, key_hex: str) -> int:
+    """The cached fan-out directory a key's block is stored under (opened, created if missing,
+    by a fresh view's first store into it); -1 for the slow path: a long key (its name is split
+    into directories) or a directory that cannot be cached (past the descriptor budget, an
+    error), which the slow path handles and reports."""
+    if len(key_hex) > _MAX_NAME_HEX:
         return -1
-    if owned:
-        os.close(fan)
-        return -1
-    return fan
+    return view.cached_fan(key_hex[:2], create=True)
