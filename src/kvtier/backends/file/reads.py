@@ -5,9 +5,10 @@ from Python.
 Why native: every system call made from Python gives the interpreter lock up and takes it back.
 Under an engine whose scheduler thread steps in Python back to back, each take-back waits for
 that thread, so a read of three system calls per block ran at half the disk's speed inside vLLM
-(``benchmarks/engine_load.py --modes direct --trace``: 96 ms for 256 blocks of 256 KiB where
-vLLM's own ``fs`` tier, native too, took 53 ms). The native call opens and reads a whole batch
-with the lock released once; what the results mean, and every trust rule (``O_NOFOLLOW |
+(``benchmarks/engine_load.py --modes direct --trace``: 96-106 ms for 256 blocks of 256 KiB where
+vLLM's own ``fs`` tier, native too, took 53-69 ms; 55-64 ms through the native call). The native
+call opens and reads a whole batch with the lock released once; what the results mean, and
+every trust rule (``O_NOFOLLOW |
 O_NONBLOCK``, descriptors relative to the held fan-out directories, a read of exactly the
 frame's size, verification by the template) stays here and in the backend.
 
