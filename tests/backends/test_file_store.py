@@ -5,7 +5,9 @@ capped store, crash safety and the hostile cases are in ``test_file.py`` and
 
 from __future__ import annotations
 
+import mmap
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from backends.conftest import fresh_namespace
 from backends.test_contract import keys_for, payload_for, sentinel_buffer
 from backends.test_file import all_files, temp_files
 from kvtier import codec
-from kvtier.backends.file import FileBackend
+from kvtier.backends.file import DirectIO, FileBackend
 
 BOTH_PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 
@@ -71,3 +73,32 @@ def test_a_frame_the_native_call_cannot_take_goes_the_careful_way_in_the_same_ba
     assert backend.get_many(keys, [memoryview(out) for out in outs]) == [True] * 4
     assert [bytes(out) for out in outs] == payloads
     assert temp_files(tmp_path) == []
+
+
+def test_o_direct_stores_of_aligned_payloads_go_natively_and_are_exact_frames() -> None:
+    """A pool slot (whole pages at a page-aligned address) is written from where it is with its
+    trailer from a page of its own and the file cut to the frame's size, in the native call; an
+    unaligned payload in the same batch takes the careful path (one copy into an aligned
+    buffer). Both read back with O_DIRECT and buffered."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-direct-", dir="/var/tmp") as root:
+        namespace = fresh_namespace()
+        direct = FileBackend(root, namespace, o_direct=True)
+        if direct.direct_io is not DirectIO.ACTIVE:
+            pytest.fail(f"O_DIRECT is not available under {root}: the test needs a real disk")
+        keys = keys_for(6, "direct-store")
+        size = 2 * mmap.PAGESIZE
+        slots = [memoryview(mmap.mmap(-1, size)) for _ in range(4)]
+        for key, slot in zip(keys[:4], slots, strict=True):
+            slot[:] = payload_for(key, size)
+        unaligned = [payload_for(key, 5000) for key in keys[4:]]
+        assert direct.put_many(keys, [*slots, *unaligned]) == [True] * 6
+        assert direct.stats()["native_stores"] == 4
+        assert temp_files(Path(root)) == []
+        for key in keys[:4]:
+            assert direct.path_for(key).stat().st_size == size + codec.HEADER_BYTES
+        buffered = FileBackend(root, namespace)
+        for reader in (direct, buffered):
+            outs = [memoryview(mmap.mmap(-1, size)) for _ in range(4)]
+            outs += [memoryview(bytearray(5000)) for _ in range(2)]
+            assert reader.get_many(keys, outs) == [True] * 6
+            assert [bytes(out) for out in outs] == [bytes(slot) for slot in slots] + unaligned

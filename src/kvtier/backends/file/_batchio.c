@@ -302,7 +302,7 @@ write_all(int fd, struct iovec *parts, int count)
  * without replacing. Stage and errno into out[0], out[1]. */
 static void
 write_one(int fan, const char *temp, const char *final, Py_buffer *payload, Py_buffer *trailer,
-          int flags, int mode, int64_t *out)
+          int flags, int mode, Py_ssize_t length, int64_t *out)
 {
     int fd;
     do {
@@ -318,6 +318,9 @@ write_one(int fan, const char *temp, const char *final, Py_buffer *payload, Py_b
         {trailer->buf, (size_t)trailer->len},
     };
     int written = write_all(fd, parts, 2);
+    if (written == 0 && length >= 0 && ftruncate(fd, (off_t)length) != 0) {
+        written = -errno;  /* O_DIRECT: whole pages written, cut to the frame's size */
+    }
     int closed = close(fd);
     if (written < 0 || (closed < 0 && errno != EINTR)) {
         out[0] = WRITE_FAILED;
@@ -333,25 +336,30 @@ write_one(int fan, const char *temp, const char *final, Py_buffer *payload, Py_b
     out[1] = 0;
 }
 
-/* write_frames(fan_fds, temps, finals, payloads, trailers, results, flags, mode)
+/* write_frames(fan_fds, temps, finals, payloads, trailers, results, flags, mode[, lengths])
  *
  * For each i, under fan_fds[i]: openat(temps[i], flags | O_CLOEXEC, mode), write payloads[i]
- * then trailers[i], close, renameat2(temps[i], finals[i], RENAME_NOREPLACE). results (int64,
- * 2 per frame) gets the stage that failed (0 stored, 1 open, 2 write or close, 3 rename) and
- * its errno. A temp file whose write or rename failed is left for the caller to remove. */
+ * then trailers[i], cut the file to lengths[i] where lengths is given (O_DIRECT writes whole
+ * pages), close, renameat2(temps[i], finals[i], RENAME_NOREPLACE). results (int64, 2 per
+ * frame) gets the stage that failed (0 stored, 1 open, 2 write, cut or close, 3 rename) and its
+ * errno. A temp file whose write or rename failed is left for the caller to remove. */
 static PyObject *
 write_frames(PyObject *module, PyObject *args)
 {
     PyObject *fans_arg, *temps_arg, *finals_arg, *payloads_arg, *trailers_arg;
+    PyObject *lengths_arg = Py_None;
     Py_buffer results;
     int flags, mode;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OOOOOw*ii:write_frames", &fans_arg, &temps_arg, &finals_arg,
-                          &payloads_arg, &trailers_arg, &results, &flags, &mode)) {
+    if (!PyArg_ParseTuple(args, "OOOOOw*ii|O:write_frames", &fans_arg, &temps_arg, &finals_arg,
+                          &payloads_arg, &trailers_arg, &results, &flags, &mode,
+                          &lengths_arg)) {
         return NULL;
     }
     PyObject *seqs[5] = {NULL, NULL, NULL, NULL, NULL};
     PyObject *args_in[5] = {fans_arg, temps_arg, finals_arg, payloads_arg, trailers_arg};
+    PyObject *lengths_seq = NULL;
+    Py_ssize_t *lengths = NULL;
     PyObject *answer = NULL;
     int *fans = NULL;
     const char **temps = NULL, **finals = NULL;
@@ -381,9 +389,33 @@ write_frames(PyObject *module, PyObject *args)
     temps = PyMem_Calloc((size_t)count + 1, sizeof(char *));
     finals = PyMem_Calloc((size_t)count + 1, sizeof(char *));
     views = PyMem_Calloc(2 * (size_t)count + 1, sizeof(Py_buffer));
-    if (fans == NULL || temps == NULL || finals == NULL || views == NULL) {
+    lengths = PyMem_Calloc((size_t)count + 1, sizeof(Py_ssize_t));
+    if (fans == NULL || temps == NULL || finals == NULL || views == NULL || lengths == NULL) {
         PyErr_NoMemory();
         goto done;
+    }
+    if (lengths_arg != Py_None) {
+        lengths_seq = PySequence_Fast(lengths_arg, "write_frames: lengths must be a sequence");
+        if (lengths_seq == NULL) {
+            goto done;
+        }
+        if (PySequence_Fast_GET_SIZE(lengths_seq) != count) {
+            PyErr_Format(PyExc_ValueError, "write_frames: %zd lengths for %zd frames",
+                         PySequence_Fast_GET_SIZE(lengths_seq), count);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        lengths[i] = -1;
+        if (lengths_seq != NULL) {
+            lengths[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(lengths_seq, i));
+            if (lengths[i] < 0) {
+                if (!PyErr_Occurred()) {
+                    PyErr_Format(PyExc_ValueError, "write_frames: length %zd is negative", i);
+                }
+                goto done;
+            }
+        }
     }
     for (Py_ssize_t i = 0; i < count; i++) {
         long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(seqs[0], i));
@@ -414,12 +446,14 @@ write_frames(PyObject *module, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
         write_one(fans[i], temps[i], finals[i], &views[2 * i], &views[2 * i + 1], flags, mode,
-                  out + 2 * i);
+                  lengths[i], out + 2 * i);
     }
     Py_END_ALLOW_THREADS
     answer = Py_NewRef(Py_None);
 done:
     release_all(views, taken);
+    Py_XDECREF(lengths_seq);
+    PyMem_Free(lengths);
     PyMem_Free(views);
     PyMem_Free(finals);
     PyMem_Free(temps);
@@ -438,8 +472,8 @@ static PyMethodDef methods[] = {
     {"close_fds", close_fds, METH_VARARGS,
      "close_fds(results, count): close the descriptors read_frames reported."},
     {"write_frames", write_frames, METH_VARARGS,
-     "write_frames(fan_fds, temps, finals, payloads, trailers, results, flags, mode): write "
-     "and publish many frames with the interpreter lock released once."},
+     "write_frames(fan_fds, temps, finals, payloads, trailers, results, flags, mode[, lengths]): "
+     "write and publish many frames with the interpreter lock released once."},
     {"stat_names", stat_names, METH_VARARGS,
      "stat_names(dir_fds, names, results): the st_mode (or -errno) of many names, without "
      "following symlinks, with the interpreter lock released once."},

@@ -114,8 +114,9 @@ _TEMP_PREFIX_BYTES = os.fsencode(_TEMP_PREFIX)
 class FileBackend(FileReads, Backend):
     """A thread-safe block store on a local directory (see module docstring)."""
 
-    EXTRA_COUNTERS = ("evictions", "native_reads", "stray_temp_files_removed", "o_direct_fallbacks",
-                      "put_rejected", "namespace_dir_swaps", "old_layout_blocks_moved")
+    EXTRA_COUNTERS = ("evictions", "native_reads", "native_stores", "stray_temp_files_removed",
+                      "o_direct_fallbacks", "put_rejected", "namespace_dir_swaps",
+                      "old_layout_blocks_moved")
     FRAME_LAYOUT = codec.FrameLayout.TRAILER
 
     def __init__(
@@ -281,8 +282,10 @@ class FileBackend(FileReads, Backend):
         def run(view: View) -> list[Outcome]:
             stored: list[tuple[BlockKey, int]] = []
             try:
-                if (self._direct_io is not DirectIO.ACTIVE and not self._fsync
-                        and self._publisher.refuses_existing):
+                direct = self._direct_io is DirectIO.ACTIVE
+                native = self._native_io is NativeIO.ACTIVE
+                if (not self._fsync and self._publisher.refuses_existing
+                        and (native or not direct)):
                     return self._put_batch(view, frames, stored)
                 return [self._put_one(view, frame, stored) for frame in frames]
             finally:
@@ -292,7 +295,8 @@ class FileBackend(FileReads, Backend):
 
     def _put_batch(self, view: View, frames: list[StoredFrame],
                    stored: list[tuple[BlockKey, int]]) -> list[Outcome]:
-        """:func:`.store.put_plain` over the batch. Under ``max_bytes`` the batch is reserved
+        """:func:`.store.put_native` (or, without the extension, :func:`.store.put_plain`,
+        buffered only) over the batch. Under ``max_bytes`` the batch is reserved
         first (one lock, victims evicted); a frame handed to a slow path gives its share back
         (that path reserves its own); a batch that does not fit goes block by block."""
         capacity = self._capacity
@@ -322,9 +326,11 @@ class FileBackend(FileReads, Backend):
         prefix = b"%s%d-" % (_TEMP_PREFIX_BYTES, self._pid)
         try:
             if self._native_io is NativeIO.ACTIVE and BATCHIO is not None:
-                return put_native(view, frames, published, temp_prefix=prefix,
-                                  counter=self._temp_counter, slow=slow, rare=rare,
-                                  native=BATCHIO)
+                outcomes = put_native(view, frames, published, temp_prefix=prefix,
+                                      counter=self._temp_counter, slow=slow, rare=rare,
+                                      native=BATCHIO, direct=self._direct_io is DirectIO.ACTIVE)
+                self._stats.add("native_stores", len(published))
+                return outcomes
             return put_plain(view, frames, published, temp_prefix=prefix,
                              counter=self._temp_counter, slow=slow, rare=rare)
         finally:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import array
 import errno
 import itertools
+import mmap
 import os
 from collections.abc import Callable
 from types import ModuleType
@@ -22,11 +23,14 @@ from types import ModuleType
 from kvtier.backends.base import Outcome, StoredFrame
 from kvtier.backends.file.dirs import View
 from kvtier.backends.file.layout import (
+    _ALIGN,
     _CREATE_FLAGS,
     _FILE_MODE,
     _MAX_NAME_HEX,
+    _O_DIRECT,
     _SUFFIX,
     _write_all,
+    is_aligned,
 )
 from kvtier.backends.file.publish import RENAME_NOREPLACE, name_taken
 from kvtier.backends.file.publish import renameat2 as _renameat2
@@ -86,10 +90,13 @@ _STORED, _OPEN_FAILED, _WRITE_FAILED = 0, 1, 2
 
 def put_native(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKey, int]], *,
                temp_prefix: bytes, counter: itertools.count[int], slow: Slow, rare: Rare,
-               native: ModuleType) -> list[Outcome]:
+               native: ModuleType, direct: bool = False) -> list[Outcome]:
     """:func:`put_plain`'s loop in one native call (``write_frames``: the same four system calls
     per block with the interpreter lock released once); its answers are read as
-    :func:`put_plain` reads its own calls'."""
+    :func:`put_plain` reads its own calls'. ``direct``: O_DIRECT, as
+    :func:`.frameio.write_direct` writes it (a payload of whole aligned pages from where it is,
+    its trailer from a page of its own, the file cut to the frame's size); any other payload
+    goes to ``slow``, which copies it into an aligned buffer."""
     outcomes = [Outcome.OK] * len(frames)
     batch: list[int] = []  # indexes of the frames the native call takes
     fan_fds: list[int] = []
@@ -98,7 +105,7 @@ def put_native(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKe
     for index, frame in enumerate(frames):
         key_hex = frame.key.hex()
         fan = _fan_for(view, key_hex)
-        if fan < 0:
+        if fan < 0 or (direct and not is_aligned(frame.payload)):
             outcomes[index] = slow(frame)
             continue
         batch.append(index)
@@ -108,8 +115,23 @@ def put_native(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKe
     if not batch:
         return outcomes
     results = array.array("q", bytes(16 * len(batch)))
-    native.write_frames(fan_fds, temps, finals, [frames[i].payload for i in batch],
-                        [frames[i].header for i in batch], results, _CREATE_FLAGS, _FILE_MODE)
+    payloads = [frames[i].payload for i in batch]
+    if direct:
+        pages = mmap.mmap(-1, _ALIGN * len(batch))  # zeroed, page-aligned: the trailer pages
+        trailers: list[bytes | memoryview] = []
+        for slot, index in enumerate(batch):
+            header = frames[index].header
+            pages[slot * _ALIGN : slot * _ALIGN + len(header)] = header
+            trailers.append(memoryview(pages)[slot * _ALIGN : (slot + 1) * _ALIGN])
+        lengths = [payload.nbytes + len(frames[i].header) for payload, i in zip(payloads, batch,
+                                                                                strict=True)]
+        native.write_frames(fan_fds, temps, finals, payloads, trailers, results,
+                            _CREATE_FLAGS | _O_DIRECT, _FILE_MODE, lengths)
+        trailers.clear()  # no view left on the pages
+        pages.close()
+    else:
+        native.write_frames(fan_fds, temps, finals, payloads, [frames[i].header for i in batch],
+                            results, _CREATE_FLAGS, _FILE_MODE)
     for slot, index in enumerate(batch):
         stage, code = results[2 * slot], results[2 * slot + 1]
         frame = frames[index]
