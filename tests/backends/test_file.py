@@ -468,8 +468,9 @@ def test_a_failed_stat_is_unknown_to_probe_and_false_to_exists(
 ) -> None:
     """An I/O error (EIO) on the block's ``fstatat`` cannot be produced on demand by a real
     disk, so it is injected with a mock ``os.stat``; a missing file (ENOENT) stays a plain
-    "absent"."""
-    backend = open_backend(f"file://{tmp_path}", fresh_namespace())
+    "absent". The backend looks through Python (``native_io=false``), where the mock reaches;
+    a native look that fails other than ENOENT is looked at again by the same Python path."""
+    backend = open_backend(f"file://{tmp_path}?native_io=false", fresh_namespace())
     present, absent = keys_for(2, "probe")
     assert backend.put_many([present], [payload_for(present, 64)]) == [True]
     real_stat = os.stat

@@ -146,7 +146,7 @@ def test_exists_answers_alike_on_both_paths_for_every_kind_of_name(tmp_path: Pat
                                                                     native: bool) -> None:
     """Stored, absent (in a fan-out directory that exists and in one that does not), a
     directory at a block path, and a key too long for one file name (nested directories:
-    the native call does not take it, the batch falls back as a whole)."""
+    the native call skips it and that key alone is looked at from Python)."""
     backend = FileBackend(tmp_path, fresh_namespace(), native_io=native)
     stored, absent, planted = keys_for(3, "exists-kinds")
     sibling = stored[:1] + absent[1:]  # absent, in a fan-out directory that exists

@@ -25,6 +25,10 @@
 #define O_CLOEXEC 0
 #endif
 
+/* A result slot of a block the call was told to skip (a directory descriptor below 0), and of
+ * a descriptor close_fds has closed: never an errno (those are -1..-4095) nor a descriptor. */
+#define NOT_TAKEN (-(INT64_C(1) << 62))
+
 static void
 release_all(Py_buffer *views, Py_ssize_t count)
 {
@@ -91,7 +95,8 @@ gather(Py_ssize_t count, PyObject *dir_fds, PyObject *names, PyObject *outs, int
  * For each i: openat(dir_fds[i], names[i], flags | O_CLOEXEC), then one preadv at offset 0 into
  * [outs[i], trailers[i * page : (i + 1) * page]]. results (int64, 2 per block) gets the
  * descriptor or -errno of the open, then the byte count or -errno of the read (0 where the open
- * failed). System calls interrupted by a signal are retried. */
+ * failed); a block whose dir_fds[i] is below 0 is skipped (NOT_TAKEN, 0). Every slot is
+ * written. System calls interrupted by a signal are retried. */
 static PyObject *
 read_frames(PyObject *module, PyObject *args)
 {
@@ -134,6 +139,11 @@ read_frames(PyObject *module, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
         int fd;
+        if (dirs[i] < 0) {
+            out[2 * i] = NOT_TAKEN;
+            out[2 * i + 1] = 0;
+            continue;
+        }
         do {
             fd = openat(dirs[i], paths[i], flags | O_CLOEXEC);
         } while (fd < 0 && errno == EINTR);
@@ -169,7 +179,7 @@ done:
 }
 
 /* close_fds(results, count): close every descriptor read_frames reported (entries 2 * i that
- * are >= 0), then mark it -1 so that a second call closes nothing twice. */
+ * are >= 0), then mark it NOT_TAKEN so that a second call closes nothing twice. */
 static PyObject *
 close_fds(PyObject *module, PyObject *args)
 {
@@ -190,7 +200,7 @@ close_fds(PyObject *module, PyObject *args)
     for (Py_ssize_t i = 0; i < count; i++) {
         if (out[2 * i] >= 0) {
             close((int)out[2 * i]);  /* Linux frees the descriptor even on EINTR: no retry */
-            out[2 * i] = -1;
+            out[2 * i] = NOT_TAKEN;
         }
     }
     Py_END_ALLOW_THREADS
@@ -199,7 +209,8 @@ close_fds(PyObject *module, PyObject *args)
 }
 
 /* stat_names(dir_fds, names, results): for each i, fstatat(dir_fds[i], names[i]) without
- * following a symlink; results (int64, 1 per name) gets st_mode, or -errno. */
+ * following a symlink; results (int64, 1 per name) gets st_mode, or -errno, or NOT_TAKEN where
+ * dir_fds[i] is below 0. */
 static PyObject *
 stat_names(PyObject *module, PyObject *args)
 {
@@ -251,6 +262,10 @@ stat_names(PyObject *module, PyObject *args)
     for (Py_ssize_t i = 0; i < count; i++) {
         struct stat info;
         int rc;
+        if (dirs[i] < 0) {
+            out[i] = NOT_TAKEN;
+            continue;
+        }
         do {
             rc = fstatat(dirs[i], paths[i], &info, AT_SYMLINK_NOFOLLOW);
         } while (rc < 0 && errno == EINTR);
@@ -489,5 +504,15 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__batchio(void)
 {
-    return PyModule_Create(&module_def);
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL) {
+        return NULL;
+    }
+    PyObject *not_taken = PyLong_FromLongLong((long long)NOT_TAKEN);
+    if (not_taken == NULL || PyModule_AddObject(module, "NOT_TAKEN", not_taken) < 0) {
+        Py_XDECREF(not_taken);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

@@ -80,7 +80,7 @@ from kvtier.backends.file.layout import (
     is_trailer,
     locate,
 )
-from kvtier.backends.file.native import BATCHIO, NativeIO, native_io_for
+from kvtier.backends.file.native import NativeIO, native_io_for, require_batchio
 from kvtier.backends.file.publish import Publisher
 from kvtier.backends.file.reads import FileReads
 from kvtier.backends.file.scan import scan_blocks
@@ -251,9 +251,7 @@ class FileBackend(FileReads, Backend):
     def _m_exists(self, keys: list[BlockKey]) -> list[Outcome]:
         def run(view: View) -> list[Outcome]:
             if self._native_io is NativeIO.ACTIVE:
-                outcomes = self._exists_native(view, keys)
-                if outcomes is not None:
-                    return outcomes
+                return self._exists_native(view, keys)
             return [self._exists_one(view, key) for key in keys]
 
         return self._batch("exists", keys, run, Outcome.MISSING)
@@ -325,10 +323,11 @@ class FileBackend(FileReads, Backend):
         published: list[tuple[BlockKey, int]] = []
         prefix = b"%s%d-" % (_TEMP_PREFIX_BYTES, self._pid)
         try:
-            if self._native_io is NativeIO.ACTIVE and BATCHIO is not None:
+            if self._native_io is NativeIO.ACTIVE:
                 outcomes = put_native(view, frames, published, temp_prefix=prefix,
                                       counter=self._temp_counter, slow=slow, rare=rare,
-                                      native=BATCHIO, direct=self._direct_io is DirectIO.ACTIVE)
+                                      native=require_batchio(),
+                                      direct=self._direct_io is DirectIO.ACTIVE)
                 self._stats.add("native_stores", len(published))
                 return outcomes
             return put_plain(view, frames, published, temp_prefix=prefix,

@@ -44,7 +44,13 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvtier.backends.file.layout import _DIR_MODE, _MAX_DEPTH, _O_CLOEXEC, _O_NOFOLLOW
+from kvtier.backends.file.layout import (
+    _DIR_MODE,
+    _MAX_DEPTH,
+    _MAX_NAME_HEX,
+    _O_CLOEXEC,
+    _O_NOFOLLOW,
+)
 from kvtier.settings import ConfigError
 
 __all__ = ["DIR_FLAGS", "DirRule", "DirectoryRefusedError", "NamespaceGoneError", "Sharing",
@@ -242,16 +248,19 @@ class View:
             raise
         return fd, True
 
-    def cached_fan(self, fan: str, *, create: bool) -> int:
-        """The fan-out directory ``fan`` from the cache, opened into it (created first if
-        ``create``) where it is not there yet; -1 where it cannot be cached (absent, not a
-        directory, an error, the descriptor budget spent): the caller's careful path handles
-        and reports those."""
-        cached = self.fans.get(fan, -1)
+    def block_fan(self, key_hex: str, *, create: bool) -> int:
+        """The cached fan-out directory the block of ``key_hex`` sits in, opened into the cache
+        (created first if ``create``) where it is not there yet; -1 for the caller's careful
+        path: a long key (its name is split into directories below the fan-out one), or a
+        directory that cannot be cached (absent, not a directory, an error, the descriptor
+        budget spent), which that path handles and reports."""
+        if len(key_hex) > _MAX_NAME_HEX:
+            return -1
+        cached = self.fans.get(key_hex[:2], -1)
         if cached >= 0:
             return cached
         try:
-            fd, owned = self.key_dir((fan,), create=create)
+            fd, owned = self.key_dir((key_hex[:2],), create=create)
         except OSError:
             return -1
         if owned:
@@ -259,12 +268,12 @@ class View:
             return -1
         return fd
 
-    def hold_fans(self) -> int:
-        """Open every fan-out directory there is into the cache, as far as the descriptor
-        budget allows; the number held. Called at open: a threaded process pays for each new
-        descriptor number above its table's size (the table is copied as it doubles, ~20 us a
-        descriptor measured here), so it is paid once there, not by the first requests' probes;
-        later views reuse the numbers."""
+    def hold_fans(self) -> None:
+        """Open every fan-out directory there is into the cache (as far as the descriptor budget
+        allows). Called at open: a threaded process pays for each new descriptor number above
+        its table's size (the table is copied as it doubles, ~20 us a descriptor measured here),
+        so it is paid once there, not by the first requests' probes; later views reuse the
+        numbers."""
         listing = os.open(".", DIR_FLAGS, dir_fd=self.fd)  # our own: scandir moves its offset
         try:
             with os.scandir(listing) as entries:
@@ -272,17 +281,8 @@ class View:
                          and entry.is_dir(follow_symlinks=False)]
         finally:
             os.close(listing)
-        held = 0
         for name in names:
-            try:
-                fd, owned = self.key_dir((name,), create=False)
-            except OSError:  # removed or replaced meanwhile: the first look will judge it
-                continue
-            if owned:  # the budget is spent
-                os.close(fd)
-                break
-            held += 1
-        return held
+            self.block_fan(name, create=False)  # a fan's name is its keys' first two hex digits
 
     def close(self) -> None:
         fans = list(self.fans.values())

@@ -11,7 +11,7 @@ import enum
 import importlib
 from types import ModuleType
 
-__all__ = ["BATCHIO", "NativeIO", "native_io_for"]
+__all__ = ["BATCHIO", "NativeIO", "native_io_for", "require_batchio"]
 
 BATCHIO: ModuleType | None
 try:
@@ -33,3 +33,10 @@ def native_io_for(wanted: bool) -> NativeIO:
     if not wanted:
         return NativeIO.OFF
     return NativeIO.ACTIVE if BATCHIO is not None else NativeIO.UNAVAILABLE
+
+
+def require_batchio() -> ModuleType:
+    """The extension, for a backend whose :class:`NativeIO` is ACTIVE (which needs it)."""
+    if BATCHIO is None:
+        raise RuntimeError("file backend: native calls active without the extension")
+    return BATCHIO

@@ -27,7 +27,6 @@ import stat
 import threading
 from collections.abc import Callable, Iterator
 from functools import partial
-from types import ModuleType
 
 from kvtier import codec
 from kvtier.backends.base import FAILED_FETCH, MISSING_FETCH, Fetched, Outcome
@@ -36,7 +35,6 @@ from kvtier.backends.file.dirs import NamespaceGoneError, TierDirs, View
 from kvtier.backends.file.frameio import inode_of, read_whole
 from kvtier.backends.file.layout import (
     _ALIGN,
-    _MAX_NAME_HEX,
     _MISSING_ERRNOS,
     _O_DIRECT,
     _READ_FLAGS,
@@ -46,7 +44,7 @@ from kvtier.backends.file.layout import (
     is_aligned,
     is_trailer,
 )
-from kvtier.backends.file.native import BATCHIO, NativeIO
+from kvtier.backends.file.native import BATCHIO, NativeIO, require_batchio
 from kvtier.backends.stats import BackendStats
 from kvtier.keys import BlockKey
 
@@ -56,7 +54,8 @@ BATCH_KEYS = 64
 """Blocks per native call (and descriptors a reading thread holds open at once)."""
 
 _SUFFIX_BYTES = os.fsencode(_SUFFIX)
-_NOT_TAKEN = -(1 << 62)  # a slot the native call did not read (an open's failure is -errno)
+_NOT_TAKEN = BATCHIO.NOT_TAKEN if BATCHIO is not None else -(1 << 62)
+"""A result slot the native call skipped, or whose descriptor it closed (never an errno)."""
 
 
 class _BatchBuffers(threading.local):
@@ -66,10 +65,28 @@ class _BatchBuffers(threading.local):
         self.pages = mmap.mmap(-1, BATCH_KEYS * _ALIGN)  # page-aligned, as O_DIRECT needs
         self.page_views = [memoryview(self.pages)[i * _ALIGN : (i + 1) * _ALIGN]
                            for i in range(BATCH_KEYS)]
-        self.results = array.array("q", bytes(16 * BATCH_KEYS))
+        # Every slot starts as "no descriptor": close_fds after a call that raised before
+        # filling them closes nothing (close_fds marks what it closed the same way).
+        self.results = array.array("q", [_NOT_TAKEN, 0] * BATCH_KEYS)
 
 
 _BUFFERS = _BatchBuffers()
+
+
+def _batch_names(view: View, keys: list[BlockKey],
+                 outs: list[memoryview] | None = None) -> tuple[list[int], list[bytes]]:
+    """Each key's held fan-out directory and file name for one native call; -1 (and no name)
+    for a key the call is not to take: a long key, a directory that cannot be held, or with
+    ``outs`` (O_DIRECT) a destination that is not whole aligned pages."""
+    dir_fds: list[int] = []
+    names: list[bytes] = []
+    for index, key in enumerate(keys):
+        key_hex = key.hex()
+        dir_fd = -1 if outs is not None and not is_aligned(outs[index]) else \
+            view.block_fan(key_hex, create=False)
+        dir_fds.append(dir_fd)
+        names.append(key_hex.encode() + _SUFFIX_BYTES if dir_fd >= 0 else b"")
+    return dir_fds, names
 
 
 def _judged_then_closed(item: Fetched, fd: int) -> Iterator[Fetched]:
@@ -98,6 +115,7 @@ class FileReads:
     _open_failed: Callable[..., Fetched | None]  # (key, exc, *, direct)
     _evict_files: Callable[..., None]  # (view, victims, *, count=True)
     _fail: Callable[[str, object, BaseException], Outcome]
+    _exists_one: Callable[[View, BlockKey], Outcome]
 
     def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> Iterator[Fetched]:
         try:
@@ -122,35 +140,23 @@ class FileReads:
         finally:
             self._dirs.release(view)
 
-    def _exists_native(self, view: View, keys: list[BlockKey]) -> list[Outcome] | None:
+    def _exists_native(self, view: View, keys: list[BlockKey]) -> list[Outcome]:
         """Each key's file looked at in one native call (no symlink followed): a regular file
-        is OK, an absent one MISSING, anything else MISSING too (a read removes it). None: a
-        key the call cannot take (a fan-out directory not held, a long key), so the caller
-        looks block by block; an error other than absence is the caller's to count, too."""
-        native = BATCHIO
-        if native is None:
-            return None
-        dir_fds: list[int] = []
-        names: list[bytes] = []
-        for key in keys:
-            key_hex = key.hex()
-            if len(key_hex) > _MAX_NAME_HEX:
-                return None
-            dir_fd = view.cached_fan(key_hex[:2], create=False)
-            if dir_fd < 0:
-                return None
-            dir_fds.append(dir_fd)
-            names.append(key_hex.encode() + _SUFFIX_BYTES)
+        is OK, an absent one MISSING, anything else MISSING too (a read removes it). A key the
+        call does not take (its fan-out directory not held, a long key) or whose look failed
+        otherwise is looked at by :meth:`_exists_one`, which also counts the failure."""
+        native = require_batchio()
+        dir_fds, names = _batch_names(view, keys)
         modes = array.array("q", bytes(8 * len(keys)))
         native.stat_names(dir_fds, names, modes)
         outcomes: list[Outcome] = []
-        for mode in modes:
+        for key, mode in zip(keys, modes, strict=True):
             if mode >= 0:
                 outcomes.append(Outcome.OK if stat.S_ISREG(mode) else Outcome.MISSING)
             elif -mode in _MISSING_ERRNOS:
                 outcomes.append(Outcome.MISSING)
-            else:
-                return None
+            else:  # not taken, or an error: the careful path answers and counts
+                outcomes.append(self._exists_one(view, key))
         return outcomes
 
     def _fetch_each(self, view: View, keys: list[BlockKey],
@@ -164,11 +170,10 @@ class FileReads:
         """Buffered and unbounded, in Python: ``_fetch_one``'s good path inline (one open and
         one preadv per block, no call per step); anything else (a fan-out directory missing, an
         error, a short read) goes through ``_fetch_one``."""
-        fans = view.fans
         page = self._scratch.trailer_page()
         for key, out in zip(keys, outs, strict=True):
             key_hex = key.hex()
-            dir_fd = fans.get(key_hex[:2], -1) if len(key_hex) <= _MAX_NAME_HEX else -1
+            dir_fd = view.block_fan(key_hex, create=False)
             item: Fetched | None = None
             fd = -1
             if dir_fd >= 0:
@@ -202,57 +207,21 @@ class FileReads:
 
     def _fetch_native(self, view: View, keys: list[BlockKey],
                       outs: list[memoryview]) -> Iterator[Fetched]:
-        """At most ``BATCH_KEYS`` blocks opened and read in one native call; a block it cannot
+        """At most ``BATCH_KEYS`` blocks opened and read in one native call; a block it does not
         take (a fan-out directory not held, a name too long for one level, an O_DIRECT
         destination that is not whole aligned pages) goes through :meth:`_fetch_one`."""
         direct = self._direct_io is DirectIO.ACTIVE
-        dir_fds: list[int] = []
-        names: list[bytes] = []
-        for key, out in zip(keys, outs, strict=True):
-            key_hex = key.hex()
-            dir_fd = -1
-            if len(key_hex) <= _MAX_NAME_HEX and not (direct and not is_aligned(out)):
-                dir_fd = view.cached_fan(key_hex[:2], create=False)
-            dir_fds.append(dir_fd)
-            names.append(b"" if dir_fd < 0 else key_hex.encode() + _SUFFIX_BYTES)
-        buffers = _BUFFERS
-        results = buffers.results
-        count = len(keys)
-        for index in range(count):  # a slot never read reports no descriptor to close
-            results[2 * index] = _NOT_TAKEN
-        taken = [index for index, fd in enumerate(dir_fds) if fd >= 0]
-        native = BATCHIO
-        if native is None:  # NativeIO.ACTIVE is only ever set with the module present
-            raise RuntimeError("file backend: native reads active without the extension")
+        native = require_batchio()
+        dir_fds, names = _batch_names(view, keys, outs if direct else None)
+        results = _BUFFERS.results
         try:
-            if taken:
-                self._read_taken(native, taken, dir_fds, names, outs, direct)
-                self._stats.add("native_reads", len(taken))
+            native.read_frames(dir_fds, names, outs, _BUFFERS.pages, _ALIGN, results,
+                               _READ_FLAGS | (_O_DIRECT if direct else 0))
+            self._stats.add("native_reads", sum(fd >= 0 for fd in dir_fds))
             for index, (key, out) in enumerate(zip(keys, outs, strict=True)):
                 yield from self._answer(view, key, out, index, direct)
         finally:
-            native.close_fds(results, count)
-
-    def _read_taken(self, native: ModuleType, taken: list[int], dir_fds: list[int],
-                    names: list[bytes], outs: list[memoryview], direct: bool) -> None:
-        """The native call over the blocks it takes, their results moved to their slots."""
-        buffers = _BUFFERS
-        if len(taken) == len(dir_fds):
-            native.read_frames(dir_fds, names, outs, buffers.pages, _ALIGN, buffers.results,
-                               _READ_FLAGS | (_O_DIRECT if direct else 0))
-            return
-        # Some go through _fetch_one: read the others into the first slots, then spread them.
-        scratch = array.array("q", bytes(16 * len(taken)))
-        native.read_frames([dir_fds[i] for i in taken], [names[i] for i in taken],
-                           [outs[i] for i in taken], buffers.pages, _ALIGN, scratch,
-                           _READ_FLAGS | (_O_DIRECT if direct else 0))
-        results = buffers.results
-        for slot in reversed(range(len(taken))):  # pages move up, never over an unread one
-            index = taken[slot]
-            results[2 * index] = scratch[2 * slot]
-            results[2 * index + 1] = scratch[2 * slot + 1]
-            if index != slot:
-                buffers.page_views[index][:] = buffers.page_views[slot]
+            native.close_fds(results, len(keys))
 
     def _answer(self, view: View, key: BlockKey, out: memoryview, index: int,
                 direct: bool) -> Iterator[Fetched]:
@@ -260,7 +229,7 @@ class FileReads:
         results = _BUFFERS.results
         fd, got = results[2 * index], results[2 * index + 1]
         item: Fetched | None = None
-        if _NOT_TAKEN < fd < 0:  # the open failed: -errno
+        if fd != _NOT_TAKEN and fd < 0:  # the open failed: -errno
             item = self._open_failed(key, OSError(-fd, os.strerror(-fd)), direct=direct)
         elif fd >= 0 and got == out.nbytes + codec.HEADER_BYTES and \
                 is_trailer(page := _BUFFERS.page_views[index]):

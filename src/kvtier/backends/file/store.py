@@ -26,7 +26,6 @@ from kvtier.backends.file.layout import (
     _ALIGN,
     _CREATE_FLAGS,
     _FILE_MODE,
-    _MAX_NAME_HEX,
     _O_DIRECT,
     _SUFFIX,
     _write_all,
@@ -58,7 +57,7 @@ def put_plain(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKey
     for index, frame in enumerate(frames):
         key, trailer, payload = frame
         key_hex = key.hex()
-        fan = _fan_for(view, key_hex)
+        fan = view.block_fan(key_hex, create=True)
         if fan < 0:
             outcomes[index] = slow(frame)
             continue
@@ -104,7 +103,7 @@ def put_native(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKe
     finals: list[bytes] = []
     for index, frame in enumerate(frames):
         key_hex = frame.key.hex()
-        fan = _fan_for(view, key_hex)
+        fan = view.block_fan(key_hex, create=True)
         if fan < 0 or (direct and not is_aligned(frame.payload)):
             outcomes[index] = slow(frame)
             continue
@@ -143,13 +142,3 @@ def put_native(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKe
             outcomes[index] = rare(fan_fds[slot], temps[slot], frame,
                                    stage != _WRITE_FAILED and code == errno.EEXIST)
     return outcomes
-
-
-def _fan_for(view: View, key_hex: str) -> int:
-    """The cached fan-out directory a key's block is stored under (opened, created if missing,
-    by a fresh view's first store into it); -1 for the slow path: a long key (its name is split
-    into directories) or a directory that cannot be cached (past the descriptor budget, an
-    error), which the slow path handles and reports."""
-    if len(key_hex) > _MAX_NAME_HEX:
-        return -1
-    return view.cached_fan(key_hex[:2], create=True)
