@@ -61,6 +61,27 @@ def test_a_key_stored_twice_in_one_batch_and_again_later_is_one_block(tmp_path: 
     assert backend.get_many([key], [memoryview(out)]) == [True] and bytes(out) == payload
 
 
+@BOTH_PATHS
+def test_a_batch_under_cached_fan_out_directories_indexes_each_block_at_its_file_size(
+        tmp_path: Path, native: bool) -> None:
+    """The second batch finds every fan-out directory cached (the native path's whole-batch
+    build, no pass per frame); the capacity index then holds each block at its size on disk,
+    and a block already stored in that batch still answers present, not stored twice."""
+    backend = FileBackend(tmp_path, fresh_namespace(), native_io=native)
+    warm = [bytes([first]) + b"w" * 15 for first in range(256)]  # one key per fan-out directory
+    assert backend.put_many(warm, [b"x"] * 256) == [True] * 256
+    keys = keys_for(64, "store-cached")
+    sizes = [100 + 97 * i for i in range(64)]
+    payloads = [payload_for(key, size) for key, size in zip(keys, sizes, strict=True)]
+    assert backend.put_many(keys, payloads) == [True] * 64
+    assert backend.put_many([keys[3], *keys[:2]], [payloads[3], *payloads[:2]]) == [True] * 3
+    on_disk = sum(path.stat().st_size for path in all_files(tmp_path) if path.suffix == ".kvb")
+    assert backend.stats()["used_bytes"] == on_disk
+    assert backend.stats()["used_bytes"] == sum(sizes) + 256 * (1 + codec.HEADER_BYTES) \
+        + 64 * codec.HEADER_BYTES
+    assert backend.stats()["blocks"] == 256 + 64 and backend.stats()["puts_existing"] == 3
+
+
 def test_a_frame_the_native_call_cannot_take_goes_the_careful_way_in_the_same_batch(
     tmp_path: Path,
 ) -> None:

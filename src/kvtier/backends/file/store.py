@@ -16,8 +16,9 @@ import array
 import errno
 import itertools
 import mmap
+import operator
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 from kvtier.backends.base import Outcome, StoredFrame
@@ -26,6 +27,7 @@ from kvtier.backends.file.layout import (
     _ALIGN,
     _CREATE_FLAGS,
     _FILE_MODE,
+    _MAX_NAME_HEX,
     _O_DIRECT,
     _SUFFIX,
     _write_all,
@@ -97,7 +99,67 @@ def put_native(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKe
     its trailer from a page of its own, the file cut to the frame's size); any other payload
     goes to ``slow``, which copies it into an aligned buffer."""
     outcomes = [Outcome.OK] * len(frames)
-    batch: list[int] = []  # indexes of the frames the native call takes
+    taken = None if direct else _common_batch(view, frames, temp_prefix, counter)
+    if taken is None:
+        taken = _sorted_batch(view, frames, outcomes, temp_prefix, counter, slow, direct)
+    batch, fan_fds, temps, finals = taken
+    if not batch:
+        return outcomes
+    results = array.array("q", bytes(16 * len(batch)))
+    whole = len(batch) == len(frames)
+    payloads = list(map(_PAYLOAD, frames)) if whole else [frames[i].payload for i in batch]
+    if direct:
+        _write_direct(native, frames, batch, fan_fds, temps, finals, payloads, results)
+    else:
+        headers = list(map(_HEADER, frames)) if whole else [frames[i].header for i in batch]
+        native.write_frames(fan_fds, temps, finals, payloads, headers, results, _CREATE_FLAGS,
+                            _FILE_MODE)
+        if whole and results.count(_STORED) == len(results):
+            # Every frame published (the common case): no pass per frame in Python. (A payload
+            # is a flat byte view: its len is its nbytes.)
+            stored.extend(zip(map(_KEY, frames), map(operator.add, map(len, payloads),
+                                                     map(len, headers)), strict=True))
+            return outcomes
+    for slot, index in enumerate(batch):
+        stage, code = results[2 * slot], results[2 * slot + 1]
+        frame = frames[index]
+        if stage == _STORED:
+            stored.append((frame.key, frame.payload.nbytes + len(frame.header)))
+        elif stage == _OPEN_FAILED:
+            outcomes[index] = slow(frame)
+        else:  # the temp file stands: its write or rename failed
+            outcomes[index] = rare(fan_fds[slot], temps[slot], frame,
+                                   stage != _WRITE_FAILED and code == errno.EEXIST)
+    return outcomes
+
+
+_KEY, _HEADER, _PAYLOAD = map(operator.itemgetter, range(3))  # StoredFrame's fields
+_Taken = tuple[Sequence[int], list[int], list[bytes], list[bytes]]
+"""The frames the native call takes: their indexes, fan-out descriptors, temp and final names."""
+
+
+def _common_batch(view: View, frames: list[StoredFrame], temp_prefix: bytes,
+                  counter: itertools.count[int]) -> _Taken | None:
+    """The whole batch, built without a Python loop per frame, where every key is short and
+    its fan-out directory cached (the common store); None for :func:`_sorted_batch`."""
+    hexes = [key.hex() for key in map(_KEY, frames)]
+    if max(map(len, hexes)) > _MAX_NAME_HEX:
+        return None
+    fans = view.fans
+    fan_fds = [fans.get(key_hex[:2], -1) for key_hex in hexes]
+    if -1 in fan_fds:
+        return None
+    temps = [b"%s%d" % (temp_prefix, number) for number in itertools.islice(counter, len(hexes))]
+    finals = [(key_hex + _SUFFIX).encode() for key_hex in hexes]
+    return range(len(frames)), fan_fds, temps, finals
+
+
+def _sorted_batch(view: View, frames: list[StoredFrame], outcomes: list[Outcome],
+                  temp_prefix: bytes, counter: itertools.count[int], slow: Slow,
+                  direct: bool) -> _Taken:
+    """The frames the native call can take, one by one (fan-out directories opened as needed);
+    the others go to ``slow`` now, their outcome set."""
+    batch: list[int] = []
     fan_fds: list[int] = []
     temps: list[bytes] = []
     finals: list[bytes] = []
@@ -111,34 +173,23 @@ def put_native(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKe
         fan_fds.append(fan)
         temps.append(b"%s%d" % (temp_prefix, next(counter)))
         finals.append((key_hex + _SUFFIX).encode())
-    if not batch:
-        return outcomes
-    results = array.array("q", bytes(16 * len(batch)))
-    payloads = [frames[i].payload for i in batch]
-    if direct:
-        pages = mmap.mmap(-1, _ALIGN * len(batch))  # zeroed, page-aligned: the trailer pages
-        trailers: list[bytes | memoryview] = []
-        for slot, index in enumerate(batch):
-            header = frames[index].header
-            pages[slot * _ALIGN : slot * _ALIGN + len(header)] = header
-            trailers.append(memoryview(pages)[slot * _ALIGN : (slot + 1) * _ALIGN])
-        lengths = [payload.nbytes + len(frames[i].header) for payload, i in zip(payloads, batch,
-                                                                                strict=True)]
-        native.write_frames(fan_fds, temps, finals, payloads, trailers, results,
-                            _CREATE_FLAGS | _O_DIRECT, _FILE_MODE, lengths)
-        trailers.clear()  # no view left on the pages
-        pages.close()
-    else:
-        native.write_frames(fan_fds, temps, finals, payloads, [frames[i].header for i in batch],
-                            results, _CREATE_FLAGS, _FILE_MODE)
+    return batch, fan_fds, temps, finals
+
+
+def _write_direct(native: ModuleType, frames: list[StoredFrame], batch: Sequence[int],
+                  fan_fds: list[int], temps: list[bytes], finals: list[bytes],
+                  payloads: list[memoryview], results: array.array[int]) -> None:
+    """``write_frames`` with O_DIRECT: each trailer from a zeroed page of its own, each file
+    cut to its frame's size."""
+    pages = mmap.mmap(-1, _ALIGN * len(batch))  # zeroed, page-aligned: the trailer pages
+    trailers: list[bytes | memoryview] = []
     for slot, index in enumerate(batch):
-        stage, code = results[2 * slot], results[2 * slot + 1]
-        frame = frames[index]
-        if stage == _STORED:
-            stored.append((frame.key, frame.payload.nbytes + len(frame.header)))
-        elif stage == _OPEN_FAILED:
-            outcomes[index] = slow(frame)
-        else:  # the temp file stands: its write or rename failed
-            outcomes[index] = rare(fan_fds[slot], temps[slot], frame,
-                                   stage != _WRITE_FAILED and code == errno.EEXIST)
-    return outcomes
+        header = frames[index].header
+        pages[slot * _ALIGN : slot * _ALIGN + len(header)] = header
+        trailers.append(memoryview(pages)[slot * _ALIGN : (slot + 1) * _ALIGN])
+    lengths = [payload.nbytes + len(frames[i].header) for payload, i in zip(payloads, batch,
+                                                                            strict=True)]
+    native.write_frames(fan_fds, temps, finals, payloads, trailers, results,
+                        _CREATE_FLAGS | _O_DIRECT, _FILE_MODE, lengths)
+    trailers.clear()  # no view left on the pages
+    pages.close()
