@@ -611,6 +611,15 @@ def _bench_exists(subject: Subject, batch: int, total_keys: int, rounds: int) ->
     )
 
 
+def _batch_sizes(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """``--exists-batches``: comma-separated whole numbers >= 1, or a usage error naming it."""
+    batches = [item.strip() for item in text.split(",")]
+    if not all(item.isdigit() and int(item) >= 1 for item in batches):
+        parser.error(f"--exists-batches {text!r}: expected comma-separated whole numbers >= 1, "
+                     "e.g. 1,16,256")
+    return [int(item) for item in batches]
+
+
 def _human(size: int) -> str:
     for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if size >= scale and size % scale == 0:
@@ -746,7 +755,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     kinds = [kind.strip() for kind in args.backends.split(",") if kind.strip()]
     sizes = [parse_size(size.strip(), "--sizes") for size in args.sizes.split(",")]
     total = parse_size(args.total, "--total")
-    exists_batches = [int(batch) for batch in args.exists_batches.split(",")]
+    exists_batches = _batch_sizes(parser, args.exists_batches)
+    for option, directory in (("--dir", args.dir), ("--direct-dir", args.direct_dir)):
+        if directory is not None and not os.path.isdir(directory):
+            parser.error(f"{option} {directory!r}: no such directory (expected an existing "
+                         "directory to hold the benchmark's scratch files)")
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.dir))
     console = Console(width=150)
     rows: list[Row] = []

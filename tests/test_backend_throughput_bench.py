@@ -60,3 +60,17 @@ def test_a_row_names_the_targets_it_misses() -> None:
     assert row.misses() == ["90% of floor", "80% of raw"]
     row.ratio, row.floor_ratio = 0.81, 0.95
     assert row.misses() == []
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--dir", "/nonexistent/kvtier"], "--dir '/nonexistent/kvtier': no such directory"),
+    (["--exists-batches", "1,many"], "--exists-batches '1,many': expected comma-separated whole"),
+    (["--exists-batches", "0"], "--exists-batches '0': expected comma-separated whole"),
+])
+def test_a_bad_option_is_a_usage_error_that_names_it(argv: list[str], named: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        bench.main(argv)
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert named in error and "Traceback" not in error
