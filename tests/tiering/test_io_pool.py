@@ -120,8 +120,14 @@ def test_load_timeout_is_a_tier_setting_with_bounds() -> None:
 
 def test_io_threads_are_daemons_and_shutdown_is_bounded() -> None:
     pool = IoThreadPool(2, "test-io")
-    stuck = threading.Event()
-    pool.submit(lambda: stuck.wait(60) and None)
+    stuck, running = threading.Event(), threading.Event()
+
+    def hang() -> None:
+        running.set()
+        stuck.wait(60)
+
+    pool.submit(hang)
+    assert running.wait(10)  # taken by a thread, not still waiting (shutdown drops those)
     started = time.monotonic()
     assert pool.shutdown(0.2) is False  # the stuck task is abandoned, not waited for
     assert time.monotonic() - started < 5
@@ -201,3 +207,22 @@ def test_tier_rejects_a_bad_load_timeout() -> None:
         SecondaryTier("t", backend, load_timeout_s=0)
     backend.close()
     assert RequestContext("x").req_id == "x"
+
+
+def test_the_io_threads_start_with_the_pool_not_in_a_submit() -> None:
+    """``Thread.start`` waits until the new thread runs: started in ``submit``, a fresh engine's
+    first load paid for it on the scheduler thread. So every thread runs from construction on,
+    and a submit starts none."""
+    pool = IoThreadPool(3, "test-eager")
+    try:
+        assert pool.alive_threads == 3
+        names = {thread.name for thread in threading.enumerate()}
+        assert {"test-eager_0", "test-eager_1", "test-eager_2"} <= names
+        done = [threading.Event() for _ in range(5)]
+        for event in done:
+            pool.submit(event.set)
+        assert all(event.wait(10) for event in done)
+        assert pool.alive_threads == 3
+        assert sum(thread.name.startswith("test-eager") for thread in threading.enumerate()) == 3
+    finally:
+        assert pool.shutdown(5)

@@ -38,10 +38,13 @@ _STOP = None
 
 
 class IoThreadPool:
-    """Up to ``max_workers`` daemon threads running submitted callables in FIFO order.
+    """``max_workers`` daemon threads running submitted callables in FIFO order.
 
-    Threads start on demand (one per submit until ``max_workers``). A task must not raise (the
-    tier's task catches everything); if one does, the thread logs nothing and carries on.
+    The threads start with the pool, not on demand: ``Thread.start`` waits until the new
+    thread runs, which took 6-10 ms on the scheduler thread in a fresh vLLM engine's first load
+    (three starts while the lock was contended; ``benchmarks/engine_load.py --trace``). A task
+    must not raise (the tier's task catches everything); if one does, the thread logs nothing
+    and carries on.
     """
 
     __slots__ = ("_max_workers", "_name_prefix", "_open", "_tasks", "_threads")
@@ -52,18 +55,17 @@ class IoThreadPool:
         self._max_workers = max_workers
         self._name_prefix = name_prefix
         self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+        self._threads = [threading.Thread(target=self._work, daemon=True,
+                                          name=f"{name_prefix}_{index}")
+                         for index in range(max_workers)]
         self._open = True
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, task: Callable[[], None]) -> None:
         if not self._open:
             raise PoolClosedError("the I/O thread pool is shut down")
         self._tasks.put(task)
-        if len(self._threads) < self._max_workers:
-            thread = threading.Thread(target=self._work, daemon=True,
-                                      name=f"{self._name_prefix}_{len(self._threads)}")
-            self._threads.append(thread)
-            thread.start()
 
     def _work(self) -> None:
         while True:
