@@ -187,6 +187,37 @@ def test_a_store_or_delete_through_the_tier_drops_the_staged_copy(backend: Backe
         staging.shutdown()
 
 
+def test_a_chain_admitted_while_its_own_store_runs_is_read_after_it_not_cancelled(
+        backend: Backend) -> None:
+    """vLLM finishes a request (its chain is admitted) while the stores of its last blocks may
+    still be on the tier's I/O threads. A store of a queued block must not cancel it: the read
+    waits for an idle tier, so it comes after the store and reads the stored copy. A store of a
+    block already staged still drops it (wasted)."""
+    keys, payloads = _blocks(3)
+    backend.put_many(keys[:1], payloads[:1])
+    staging = _staging(backend, 4)
+    reads = StagedReads(backend, staging)
+    try:
+        assert staging.admit_chain(keys[:1]) == 1
+        _fill(staging)
+        assert staging.state_of(keys[0]) is EntryState.STAGED
+        assert staging.admit_chain(keys) == 2  # the staged one is not admitted again
+        staging.step(idle=False)  # the stores are in flight: nothing is read
+        assert staging.wait_reader(WAIT_S)
+        assert reads.put_many(keys, payloads) == [True] * 3  # the chain's stores land
+        assert staging.state_of(keys[0]) is None  # staged before the store: dropped
+        assert [staging.state_of(key) for key in keys[1:]] == [EntryState.QUEUED] * 2
+        _fill(staging)
+        counts = staging.counts()
+        assert counts.cancelled_blocks == 0 and counts.wasted_blocks == 1
+        assert counts.prefetched_blocks == 3
+        outs = _outs(2)
+        assert reads.get_many(keys[1:], outs) == [True, True]
+        assert [bytes(out) for out in outs] == payloads[1:]
+    finally:
+        staging.shutdown()
+
+
 def test_staged_bytes_that_changed_in_memory_are_not_served(backend: Backend) -> None:
     """Fault injection (a real part cannot flip a bit in our memory on demand): one staged
     buffer is overwritten; the digest check refuses it and the load reads the backend."""

@@ -24,7 +24,9 @@ Rules:
   length, checksum; the MAC with ``auth_key``), and their xxh3 digest is checked again before
   they are served (a mismatch is counted ``corrupt`` and the load reads the backend). A staged
   block is dropped (``wasted``) as soon as this tier sees its backend copy change or go: a probe
-  that finds it absent, a failed load, a store or a delete through this tier; and it expires
+  that finds it absent, a failed load, a store or a delete through this tier (a store keeps a
+  block still queued: its read comes after the store, as reads wait for an idle tier, so a
+  chain admitted while its own stores are in flight is read, not cancelled); and it expires
   after ``ttl_s``. Keys are content hashes inside the namespace, so another writer can replace
   a block only with another verified copy of the same KV; ``ttl_s`` bounds how long a change
   that this tier cannot see (another instance deleting it) goes unnoticed.
@@ -282,6 +284,18 @@ class PrefetchStaging:
                 if entry is not None:
                     self._drop(entry)
 
+    def storing(self, keys: Sequence[BlockKey]) -> None:
+        """``keys`` are being stored through this tier: staged copies and reads in progress are
+        dropped (they may predate the new copy), a block still queued stays. Its read starts
+        only with the tier idle, after this store, so it reads the new copy: a finished
+        request's chain, admitted while its own stores are still in flight, is not cancelled
+        by them."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.state is not EntryState.QUEUED:
+                    self._drop(entry)
+
     # -- under _lock ------------------------------------------------------------------------
 
     def _evict_below(self, candidate: _Entry) -> bool:
@@ -396,7 +410,7 @@ class StagedReads:
         return served
 
     def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
-        self._staging.discard(keys)
+        self._staging.storing(keys)
         return self._backend.put_many(keys, payloads)
 
     def probe(self, keys: Sequence[BlockKey]) -> list[bool]:
