@@ -47,13 +47,11 @@ class IoThreadPool:
     and carries on.
     """
 
-    __slots__ = ("_max_workers", "_name_prefix", "_open", "_tasks", "_threads")
+    __slots__ = ("_open", "_tasks", "_threads")
 
     def __init__(self, max_workers: int, name_prefix: str) -> None:
         if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
             raise ValueError(f"max_workers must be an int >= 1, got {max_workers!r}")
-        self._max_workers = max_workers
-        self._name_prefix = name_prefix
         self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._work, daemon=True,
                                           name=f"{name_prefix}_{index}")

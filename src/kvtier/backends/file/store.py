@@ -27,7 +27,6 @@ from kvtier.backends.file.layout import (
     _ALIGN,
     _CREATE_FLAGS,
     _FILE_MODE,
-    _MAX_NAME_HEX,
     _O_DIRECT,
     _SUFFIX,
     _write_all,
@@ -143,11 +142,8 @@ def _common_batch(view: View, frames: list[StoredFrame], temp_prefix: bytes,
     """The whole batch, built without a Python loop per frame, where every key is short and
     its fan-out directory cached (the common store); None for :func:`_sorted_batch`."""
     hexes = [key.hex() for key in map(_KEY, frames)]
-    if max(map(len, hexes)) > _MAX_NAME_HEX:
-        return None
-    fans = view.fans
-    fan_fds = [fans.get(key_hex[:2], -1) for key_hex in hexes]
-    if -1 in fan_fds:
+    fan_fds = view.cached_fans(hexes)
+    if fan_fds is None:
         return None
     temps = [b"%s%d" % (temp_prefix, number) for number in itertools.islice(counter, len(hexes))]
     finals = [(key_hex + _SUFFIX).encode() for key_hex in hexes]

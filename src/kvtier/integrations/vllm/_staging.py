@@ -276,24 +276,16 @@ class PrefetchStaging:
                                  "read from the backend instead", len(corrupt))
         return served
 
-    def discard(self, keys: Sequence[BlockKey]) -> None:
-        """The backend's copy of ``keys`` changed or went: their staged copies are dropped."""
+    def discard(self, keys: Sequence[BlockKey], *, keep_queued: bool = False) -> None:
+        """The backend's copy of ``keys`` changed or went: their staged copies are dropped.
+        ``keep_queued`` (a store through this tier): a block still queued stays, as its read
+        starts only with the tier idle, after the store, and so reads the new copy; a finished
+        request's chain, admitted while its own stores are in flight, is not cancelled by
+        them."""
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
-                if entry is not None:
-                    self._drop(entry)
-
-    def storing(self, keys: Sequence[BlockKey]) -> None:
-        """``keys`` are being stored through this tier: staged copies and reads in progress are
-        dropped (they may predate the new copy), a block still queued stays. Its read starts
-        only with the tier idle, after this store, so it reads the new copy: a finished
-        request's chain, admitted while its own stores are still in flight, is not cancelled
-        by them."""
-        with self._lock:
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is not None and entry.state is not EntryState.QUEUED:
+                if entry is not None and not (keep_queued and entry.state is EntryState.QUEUED):
                     self._drop(entry)
 
     # -- under _lock ------------------------------------------------------------------------
@@ -410,7 +402,7 @@ class StagedReads:
         return served
 
     def put_many(self, keys: Sequence[BlockKey], payloads: Sequence[Buffer]) -> list[bool]:
-        self._staging.storing(keys)
+        self._staging.discard(keys, keep_queued=True)
         return self._backend.put_many(keys, payloads)
 
     def probe(self, keys: Sequence[BlockKey]) -> list[bool]:
