@@ -7,16 +7,22 @@ from __future__ import annotations
 
 import mmap
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from backends.conftest import fresh_namespace
 from backends.test_contract import keys_for, payload_for, sentinel_buffer
 from backends.test_file import all_files, temp_files
 from kvtier import codec
-from kvtier.backends.file import DirectIO, FileBackend
+from kvtier.backends.file import DirectIO, FileBackend, dirs
+from kvtier.backends.file.native import require_batchio
+from kvtier.backends.file.store import StoreStage
+from kvtier.keys import Namespace
 
 BOTH_PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 
@@ -123,3 +129,191 @@ def test_o_direct_stores_of_aligned_payloads_go_natively_and_are_exact_frames() 
             outs += [memoryview(bytearray(5000)) for _ in range(2)]
             assert reader.get_many(keys, outs) == [True] * 6
             assert [bytes(out) for out in outs] == [bytes(slot) for slot in slots] + unaligned
+
+
+# -- the sealed store: trailers sealed in the native call (store_sealed) ---------------------
+
+
+@pytest.fixture(autouse=True)
+def _fans_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A namespace view (and its fan-out cache) lives for an hour here, not a second, so that a
+    slow machine cannot renew it between a test's warm-up and its batch (a renewed view takes
+    the careful path until its fan-out directories are cached again, which would change the
+    counts these tests assert, not the bytes)."""
+    monkeypatch.setattr(dirs, "_FAN_TTL_S", 3600.0)
+
+
+def _warm(backend: FileBackend) -> None:
+    """Blocks in every fan-out directory: the first batch creates them (which renews the
+    namespace view), the second caches them in the new view, so that the next batch is the
+    sealed store's whole."""
+    for tag in (b"warm", b"hold"):
+        warm = [bytes([first]) + tag * 4 for first in range(256)]
+        assert backend.put_many(warm, [b"w"] * 256) == [True] * 256
+
+
+def _frame_of(namespace: Namespace, key: bytes, payload: bytes) -> bytes:
+    """The frame Python's codec writes for ``payload`` (the sealed store's twin)."""
+    encoder = codec.FrameCodec(namespace.digest, layout=codec.FrameLayout.TRAILER)
+    return payload + encoder.encode_trailer(key, memoryview(payload))
+
+
+@pytest.mark.parametrize("size", [0, 3, 16, 17, 128, 129, 240, 241, 1024, 4096, 16384,
+                                  65536 + 7, 1 << 20])
+def test_the_native_checksum_is_the_xxhash_librarys(size: int) -> None:
+    """Each of xxh3's length classes (0, 1-3, 4-8, 9-16, 17-128, 129-240, longer; whole and
+    partial stripes and blocks), as the trailer hashes it: the payload, then the record."""
+    native = require_batchio()
+    payload = payload_for(b"xxh3", size)
+    record = payload_for(b"record", 304)
+    hasher = xxhash.xxh3_64(payload)
+    hasher.update(record)
+    assert native.xxh3_pair(payload, record) == hasher.intdigest()
+    assert native.XXH3_KERNEL in ("avx2", "baseline")
+    assert native.SKIPPED == StoreStage.SKIPPED
+
+
+@pytest.mark.parametrize("key_len", [1, 16, 32, 124])
+def test_a_sealed_store_writes_the_exact_frame_the_codec_encodes(tmp_path: Path,
+                                                                   key_len: int) -> None:
+    namespace = fresh_namespace()
+    backend = FileBackend(tmp_path, namespace)
+    _warm(backend)
+    before = backend.stats()["sealed_stores"]
+    keys = [key[:1] + key * 8 for key in keys_for(12, f"sealed-{key_len}")]
+    keys = [key[:key_len] for key in keys]
+    payloads = [payload_for(key, 5000) for key in keys]
+    assert backend.put_many(keys, payloads) == [True] * 12
+    assert backend.stats()["sealed_stores"] - before == 12
+    for key, payload in zip(keys, payloads, strict=True):
+        assert backend.path_for(key).read_bytes() == _frame_of(namespace, key, payload)
+    outs = [sentinel_buffer(5000) for _ in keys]
+    assert backend.get_many(keys, [memoryview(out) for out in outs]) == [True] * 12
+    assert [bytes(out) for out in outs] == payloads
+    assert temp_files(tmp_path) == []
+
+
+def test_blocks_of_another_shape_in_a_sealed_batch_are_stored_the_careful_way(
+        tmp_path: Path) -> None:
+    """The template fits the first block's key and payload lengths; the native call skips the
+    others (and blocks under a fan-out directory not cached yet), which the backend then stores
+    through write_frames. Every block is the exact frame either way."""
+    namespace = fresh_namespace()
+    backend = FileBackend(tmp_path, namespace)
+    _warm(backend)
+    before = backend.stats()["sealed_stores"]
+    keys = keys_for(9, "sealed-mixed")
+    keys[4] = keys[4] * 2  # 32 bytes, not 16
+    sizes = [4096] * 9
+    sizes[2] = sizes[7] = 4097
+    payloads = [payload_for(key, size) for key, size in zip(keys, sizes, strict=True)]
+    assert backend.put_many(keys, payloads) == [True] * 9
+    assert backend.stats()["sealed_stores"] - before == 6
+    for key, payload in zip(keys, payloads, strict=True):
+        assert backend.path_for(key).read_bytes() == _frame_of(namespace, key, payload)
+    assert temp_files(tmp_path) == [] and backend.stats()["errors"] == 0
+
+
+def test_the_first_batch_caches_the_fan_out_directories_the_next_ones_seal(
+        tmp_path: Path) -> None:
+    backend = FileBackend(tmp_path, fresh_namespace())
+    keys = keys_for(40, "sealed-first")
+    payloads = [payload_for(key, 1000) for key in keys]
+    assert backend.put_many(keys[:20], payloads[:20]) == [True] * 20
+    assert backend.stats()["sealed_stores"] == 0  # a new tier: no fan-out directory cached yet
+    assert backend.put_many(keys, payloads) == [True] * 40  # the first 20 are there already
+    assert backend.stats()["puts_existing"] == 20
+    assert backend.stats()["blocks"] == 40 and temp_files(tmp_path) == []
+
+
+def test_a_sealed_store_over_a_stored_block_keeps_it_and_answers_present(
+        tmp_path: Path) -> None:
+    """RENAME_NOREPLACE finds the name taken: the temp file is removed and the block that holds
+    the name is kept (never overwritten), counted in ``puts_existing``."""
+    namespace = fresh_namespace()
+    backend = FileBackend(tmp_path, namespace)
+    _warm(backend)
+    key, other = keys_for(2, "sealed-present")
+    first = payload_for(key, 3000)
+    assert backend.put_many([key], [first]) == [True]
+    before = backend.stats()["puts_existing"]
+    assert backend.put_many([key, other], [payload_for(key, 3000, b"again"),
+                                           payload_for(other, 3000)]) == [True, True]
+    assert backend.stats()["puts_existing"] - before == 1
+    assert backend.path_for(key).read_bytes() == _frame_of(namespace, key, first)
+    assert temp_files(tmp_path) == []
+
+
+def test_a_sealed_store_over_a_planted_directory_sets_it_aside_and_stores(tmp_path: Path) -> None:
+    """A neighbour's directory at the block's name is no block: it is moved aside and removed,
+    and the block stored."""
+    namespace = fresh_namespace()
+    backend = FileBackend(tmp_path, namespace)
+    _warm(backend)
+    key = keys_for(1, "sealed-planted")[0]
+    backend.path_for(key).mkdir()
+    payload = payload_for(key, 2000)
+    assert backend.put_many([key], [payload]) == [True]
+    assert backend.path_for(key).read_bytes() == _frame_of(namespace, key, payload)
+    assert temp_files(tmp_path) == []
+
+
+_FSIZE_CHILD = """
+import os, resource, signal, sys
+from pathlib import Path
+from kvtier.backends.file import FileBackend, dirs
+from kvtier.keys import Namespace
+dirs._FAN_TTL_S = 3600.0  # as the parent test's fixture: the view is not renewed mid-test
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+root, model = sys.argv[1], sys.argv[2]
+backend = FileBackend(root, Namespace(model=model))
+for tag in (b"warm", b"hold"):
+    warm = [bytes([first]) + tag * 4 for first in range(256)]
+    assert backend.put_many(warm, [b"w"] * 256) == [True] * 256
+resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+big = [bytes([7, n]) * 8 for n in range(4)]
+small = [bytes([9, n]) * 8 for n in range(4)]
+print(backend.put_many(big, [b"b" * 16384] * 4), backend.put_many(small, [b"s" * 1000] * 4),
+      backend.stats()["errors"], backend.stats()["sealed_stores"])
+"""
+
+
+def test_a_write_the_kernel_refuses_fails_that_block_and_leaves_no_temp_file(
+        tmp_path: Path) -> None:
+    """A real write failure: in a child process whose file size limit (RLIMIT_FSIZE, 8 KiB) a
+    16 KiB block exceeds, the sealed write stops short (EFBIG); the temp file is removed, the
+    careful path fails the same way, and the block answers False (counted). Blocks under the
+    limit in the next batch are stored."""
+    model = f"test-fsize-{os.getpid()}"
+    child = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, str(tmp_path), model],
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.startswith("[False, False, False, False] [True, True, True, True] ")
+    errors, sealed = map(int, child.stdout.split()[-2:])
+    assert errors == 4 and sealed == 4  # the small ones (the warm-up's went the careful way)
+    assert temp_files(tmp_path) == []
+    reader = FileBackend(tmp_path, Namespace(model=model))
+    assert reader.exists([bytes([7, n]) * 8 for n in range(4)]) == [False] * 4
+    assert reader.exists([bytes([9, n]) * 8 for n in range(4)]) == [True] * 4
+
+
+def test_a_keyed_tier_signs_every_frame_in_python_never_the_sealed_store(tmp_path: Path) -> None:
+    namespace = fresh_namespace()
+    backend = FileBackend(tmp_path, namespace, auth_key=b"k" * 32)
+    _warm(backend)
+    keys = keys_for(8, "sealed-keyed")
+    assert backend.put_many(keys, [payload_for(key, 4096) for key in keys]) == [True] * 8
+    assert backend.stats()["sealed_stores"] == 0
+    assert backend.stats()["native_stores"] == 2 * 256 + 8
+
+
+def test_the_fan_table_holds_each_cached_fan_out_directory_by_number(tmp_path: Path) -> None:
+    backend = FileBackend(tmp_path, fresh_namespace())
+    _warm(backend)
+    reopened = FileBackend(tmp_path, backend.namespace)  # holds every fan-out directory at open
+    view = reopened._dirs.acquire()
+    try:
+        assert sorted(view.fans) == [f"{number:02x}" for number in range(256)]
+        assert list(view.fan_table) == [view.fans[f"{number:02x}"] for number in range(256)]
+    finally:
+        reopened._dirs.release(view)

@@ -29,8 +29,8 @@ State and owners:
   object's own lock.
 - :class:`RateLimitedLog` timestamps: any thread, guarded by the object's own lock.
 - :class:`Lifecycle` state: any thread; ``close()`` flips it once, under its lock.
-- ``Backend._replaceable`` (the keys the next store rewrites): any thread calling
-  ``get_many`` / ``put_many``, guarded by ``Backend._replace_lock``.
+- :class:`ReplaceableKeys` (the keys the next store rewrites): any thread calling
+  ``get_many`` / ``put_many``, guarded by the object's own lock.
 - everything else a medium owns is described in its own module docstring.
 
 Backends are synchronous and thread-safe. A batch call never raises for an I/O error (the
@@ -71,8 +71,10 @@ __all__ = [
     "NoTierError",
     "OpenMode",
     "Outcome",
+    "ReplaceableKeys",
     "StoredFrame",
     "UnkeyedWriterError",
+    "encode_frames",
     "load_auth_key",
 ]
 
@@ -87,6 +89,45 @@ _MAX_REPLACEABLE = 65536  # keys remembered for rewriting; one that falls out is
 class UnkeyedWriterError(ConfigError):
     """A writer without an auth key opened a tier whose manifest says its frames are keyed."""
 
+
+
+def encode_frames(encoder: codec.FrameCodec, keys: list[BlockKey],
+                  payloads: list[memoryview]) -> list[StoredFrame]:
+    """The frames of a batch, each record encoded by ``encoder``."""
+    records = encoder.encode_records(keys, payloads)
+    # Each StoredFrame built by tuple.__new__ at C speed (a NamedTuple's own __new__ is a
+    # Python call per block).
+    return list(map(_NEW_TUPLE, repeat(StoredFrame, len(keys)),
+                    zip(keys, records, payloads, strict=True)))
+
+
+class ReplaceableKeys:
+    """The keys whose stored frame the next store rewrites (a load served it under an older
+    key or format, or refused it as foreign), at most ``bound``: the oldest is forgotten and
+    found again by its next load. Thread-safe (its own lock)."""
+
+    __slots__ = ("_keys", "_lock")
+
+    def __init__(self, bound: int) -> None:
+        self._keys: BoundedLRU[BlockKey, None] = BoundedLRU(bound)
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        # Unlocked: a stale answer costs one locked look, or leaves a rewrite to the next store.
+        return bool(self._keys)
+
+    def note(self, keys: list[BlockKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys.put(key, None)
+
+    def take(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """Those of ``keys`` (once each) that the next store rewrites, forgotten here."""
+        with self._lock:
+            doomed = [key for key in dict.fromkeys(keys) if key in self._keys]
+            for key in doomed:
+                self._keys.pop(key)
+        return doomed
 
 class BackendUnavailableError(KvtierError, RuntimeError):
     """:meth:`Backend.probe` could not answer for every key (I/O error, lost connection).
@@ -245,8 +286,7 @@ class Backend:
         self._namespace = namespace
         self._digest = namespace.digest
         self._codec = codec.FrameCodec(namespace.digest, auth_key, self.FRAME_LAYOUT)
-        self._replaceable: BoundedLRU[BlockKey, None] = BoundedLRU(_MAX_REPLACEABLE)
-        self._replace_lock = threading.Lock()
+        self._replaceable = ReplaceableKeys(_MAX_REPLACEABLE)
         self._stats = BackendStats(extra=self.EXTRA_COUNTERS)
         self._error_log = RateLimitedLog(logger)
         self._lifecycle = Lifecycle(name)
@@ -292,20 +332,17 @@ class Backend:
         count = len(key_list)
         if not count:
             return []
-        records = self._codec.encode_records(key_list, views)
-        # Each StoredFrame built by tuple.__new__ at C speed (a NamedTuple's own __new__ is a
-        # Python call per block).
-        frames: list[StoredFrame] = list(map(_NEW_TUPLE, repeat(StoredFrame, count),
-                                             zip(key_list, records, views, strict=True)))
-        if self._replaceable:
-            self._clear_replaceable(key_list)
-        outcomes = self._checked(self._m_store(frames), count, "store")
+        if self._replaceable and (doomed := self._replaceable.take(key_list)):
+            # Unconditional: whatever is stored under such a key now, this store writes a frame
+            # every holder of the current key serves, so nothing is lost by replacing it.
+            self._m_delete(doomed)
+        outcomes = self._checked(self._m_store_blocks(key_list, views), count, "store")
         if outcomes.count(Outcome.OK) == count:
             # Every block written (the common case): one counter update, no per-block pass.
             # (``count`` compares by identity first; a flat byte view's len is its nbytes.)
             self._stats.add_many({"puts": count, "bytes_written": sum(map(len, views))})
             return [True] * count
-        written = sum(frame.payload.nbytes for frame, outcome in zip(frames, outcomes, strict=True)
+        written = sum(view.nbytes for view, outcome in zip(views, outcomes, strict=True)
                       if outcome is Outcome.OK)
         existing = sum(outcome is Outcome.PRESENT for outcome in outcomes)
         self._stats.add_many({"puts": len(key_list), "puts_existing": existing,
@@ -367,9 +404,7 @@ class Backend:
         if doomed:
             self._m_remove_bad(doomed)
         if stale:
-            with self._replace_lock:
-                for key in stale:
-                    self._replaceable.put(key, None)
+            self._replaceable.note(stale)
         hits = sum(results)
         self._stats.add_many({"gets": len(key_list), "hits": hits,
                               "misses": len(key_list) - hits, "bytes_read": bytes_read,
@@ -467,19 +502,6 @@ class Backend:
             return [Outcome.FAILED] * expected
         return outcomes
 
-    def _clear_replaceable(self, keys: list[BlockKey]) -> None:
-        """Delete the stored frames of ``keys`` that the next store must rewrite (served under
-        an older key or format, or refused as foreign), so that this store writes them.
-
-        Unconditional: whatever is stored under such a key now, this store writes a frame
-        every holder of the current key serves, so nothing is lost by replacing it."""
-        with self._replace_lock:
-            doomed = [key for key in dict.fromkeys(keys) if key in self._replaceable]
-            for key in doomed:
-                self._replaceable.pop(key)
-        if doomed:
-            self._m_delete(doomed)
-
     def _judge(self, key: BlockKey, out: memoryview, item: Fetched) -> Verdict | None:
         """The verdict on one fetched object; None where nothing was read (missing / failed)."""
         if item is COPIED_FETCH:
@@ -521,6 +543,12 @@ class Backend:
     def _m_store(self, frames: list[StoredFrame]) -> list[Outcome]:
         """Store each frame unless its key is present: OK (written) / PRESENT / FAILED."""
         raise NotImplementedError
+
+    def _m_store_blocks(self, keys: list[BlockKey], payloads: list[memoryview]) -> list[Outcome]:
+        """Hook: :meth:`_m_store` of the batch's frames, encoded here. A medium that seals its
+        records itself (the file tier's native store) overrides it and hands what it does not
+        take to :func:`encode_frames`."""
+        return self._m_store(encode_frames(self._codec, keys, payloads))
 
     def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> Iterable[Fetched]:
         """One :class:`Fetched` per key, in order; may read payloads straight into ``outs``.

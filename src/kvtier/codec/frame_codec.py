@@ -141,6 +141,19 @@ class FrameCodec:
             fixed = self._fixed_part(TRAILER_VERSION, len(key), nbytes)
         return b"".join((fixed, key, self._pad_tail[len(key)]))
 
+    def seal_template(self, key_len: int, nbytes: int) -> bytes | None:
+        """The format-4 trailer of a payload of ``nbytes`` under a key of ``key_len`` bytes,
+        with its key echo and checksum left zero, for a sealer that fills both in (the file
+        tier's native store: the key at ``_KEY_OFFSET``, then, at ``_CHECK_OFFSET``, the
+        little-endian xxh3-64 of the payload followed by the trailer's first ``_CHECK_OFFSET``
+        bytes: :meth:`encode_trailer`'s rule). None where this codec signs (a keyed MAC) or
+        writes headers."""
+        if self._ring is not None or self._layout is not FrameLayout.TRAILER:
+            return None
+        return b"".join((self._parts.get((TRAILER_VERSION, key_len, nbytes))
+                         or self._fixed_part(TRAILER_VERSION, key_len, nbytes),
+                         bytes(key_len), self._pad_tail[key_len], _ZERO_16))
+
     def encode_header(self, key: bytes, payload: memoryview) -> bytes:
         """The format-3 header for ``payload`` (a flat byte view) under a valid ``key``."""
         prefix = self._prefix(HEADER_VERSION, key, payload.nbytes)

@@ -16,10 +16,14 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
+
+#include "_xxh3.h"
 
 #ifndef O_CLOEXEC
 #define O_CLOEXEC 0
@@ -316,8 +320,9 @@ write_all(int fd, struct iovec *parts, int count)
 /* One frame: create temps under fan, write payload then trailer, close, rename to final
  * without replacing. Stage and errno into out[0], out[1]. */
 static void
-write_one(int fan, const char *temp, const char *final, Py_buffer *payload, Py_buffer *trailer,
-          int flags, int mode, Py_ssize_t length, int64_t *out)
+write_one(int fan, const char *temp, const char *final, const void *payload, size_t payload_len,
+          const void *trailer, size_t trailer_len, int flags, int mode, Py_ssize_t length,
+          int64_t *out)
 {
     int fd;
     do {
@@ -329,8 +334,8 @@ write_one(int fan, const char *temp, const char *final, Py_buffer *payload, Py_b
         return;
     }
     struct iovec parts[2] = {
-        {payload->buf, (size_t)payload->len},
-        {trailer->buf, (size_t)trailer->len},
+        {(void *)payload, payload_len},
+        {(void *)trailer, trailer_len},
     };
     int written = write_all(fd, parts, 2);
     if (written == 0 && length >= 0 && ftruncate(fd, (off_t)length) != 0) {
@@ -460,8 +465,9 @@ write_frames(PyObject *module, PyObject *args)
     int64_t *out = (int64_t *)results.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
-        write_one(fans[i], temps[i], finals[i], &views[2 * i], &views[2 * i + 1], flags, mode,
-                  lengths[i], out + 2 * i);
+        write_one(fans[i], temps[i], finals[i], views[2 * i].buf, (size_t)views[2 * i].len,
+                  views[2 * i + 1].buf, (size_t)views[2 * i + 1].len, flags, mode, lengths[i],
+                  out + 2 * i);
     }
     Py_END_ALLOW_THREADS
     answer = Py_NewRef(Py_None);
@@ -480,6 +486,217 @@ done:
     return answer;
 }
 
+/* The trailer checksum, chosen once at load: the AVX2 build where the processor has it. */
+typedef uint64_t (*xxh3_pair_fn)(const void *, size_t, const void *, size_t);
+static xxh3_pair_fn xxh3_pair = kvtier_xxh3_pair;
+static const char *xxh3_kernel = "baseline";
+
+#define SEALED_RECORD_MAX 512
+#define SEALED_NAME_MAX 255
+#define SEALED_PREFIX_MAX 64
+enum { SKIPPED = 4 };
+
+/* A sealed store's arguments, taken with the lock held: key bytes and lengths, payload views,
+ * temp numbers. -1 with an exception set. */
+static int
+gather_sealed(Py_ssize_t count, PyObject *keys, PyObject *payloads, PyObject *numbers,
+              const char **key_bytes, Py_ssize_t *key_lens, Py_buffer *views,
+              long long *temp_numbers, Py_ssize_t *taken)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
+        if (!PyBytes_Check(key)) {
+            PyErr_Format(PyExc_TypeError, "store_sealed: key %zd is %.80s; expected bytes", i,
+                         Py_TYPE(key)->tp_name);
+            return -1;
+        }
+        key_bytes[i] = PyBytes_AS_STRING(key);
+        key_lens[i] = PyBytes_GET_SIZE(key);
+        temp_numbers[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(numbers, i));
+        if (temp_numbers[i] < 0) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_ValueError, "store_sealed: temp number %zd is negative", i);
+            }
+            return -1;
+        }
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(payloads, i), &views[i],
+                               PyBUF_ANY_CONTIGUOUS) < 0) {
+            return -1;
+        }
+        *taken = i + 1;
+    }
+    return 0;
+}
+
+/* The record layout a caller asked for, checked; -1 with an exception set. */
+static int
+check_sealed_layout(Py_ssize_t template_len, Py_ssize_t key_len, Py_ssize_t nbytes,
+                    Py_ssize_t key_offset, Py_ssize_t check_offset, Py_ssize_t prefix_len,
+                    Py_ssize_t suffix_len)
+{
+    if (template_len > SEALED_RECORD_MAX || check_offset < 0 || check_offset + 8 > template_len
+        || key_offset < 0 || key_len < 1 || key_offset + key_len > check_offset || nbytes < 0) {
+        PyErr_Format(PyExc_ValueError, "store_sealed: a record of %zd bytes with a key of %zd "
+                     "bytes at %zd and its check at %zd; expected key and check inside a record "
+                     "of at most %d bytes", template_len, key_len, key_offset, check_offset,
+                     SEALED_RECORD_MAX);
+        return -1;
+    }
+    if (2 * key_len + suffix_len > SEALED_NAME_MAX || prefix_len > SEALED_PREFIX_MAX) {
+        PyErr_Format(PyExc_ValueError, "store_sealed: names of %zd hex digits + %zd and a temp "
+                     "prefix of %zd bytes; expected at most %d and %d", 2 * key_len, suffix_len,
+                     prefix_len, SEALED_NAME_MAX, SEALED_PREFIX_MAX);
+        return -1;
+    }
+    return 0;
+}
+
+/* One sealed block: its record filled in and checksummed, its names built, then write_one. */
+static void
+seal_one(const int32_t *fan_table, const char *key, Py_ssize_t key_len, const Py_buffer *payload,
+         long long number, const Py_buffer *template, Py_ssize_t want_key_len,
+         Py_ssize_t nbytes, Py_ssize_t key_offset, Py_ssize_t check_offset,
+         const Py_buffer *prefix, const Py_buffer *suffix, int flags, int mode, int64_t *out)
+{
+    static const char digits[] = "0123456789abcdef";
+    int fan = fan_table[(unsigned char)key[0]];
+    if (key_len != want_key_len || payload->len != nbytes || fan < 0) {
+        out[0] = SKIPPED;
+        out[1] = 0;
+        return;
+    }
+    unsigned char record[SEALED_RECORD_MAX];
+    memcpy(record, template->buf, (size_t)template->len);
+    memcpy(record + key_offset, key, (size_t)key_len);
+    uint64_t check = xxh3_pair(payload->buf, (size_t)payload->len, record, (size_t)check_offset);
+    for (int byte = 0; byte < 8; byte++) {
+        record[check_offset + byte] = (unsigned char)(check >> (8 * byte));
+    }
+    char final[SEALED_NAME_MAX + 1];
+    for (Py_ssize_t i = 0; i < key_len; i++) {
+        final[2 * i] = digits[(unsigned char)key[i] >> 4];
+        final[2 * i + 1] = digits[(unsigned char)key[i] & 15];
+    }
+    memcpy(final + 2 * key_len, suffix->buf, (size_t)suffix->len);
+    final[2 * key_len + suffix->len] = '\0';
+    char temp[SEALED_PREFIX_MAX + 24];
+    memcpy(temp, prefix->buf, (size_t)prefix->len);
+    snprintf(temp + prefix->len, 24, "%lld", number);
+    write_one(fan, temp, final, payload->buf, (size_t)payload->len, record,
+              (size_t)template->len, flags, mode, -1, out);
+}
+
+/* store_sealed(fan_table, keys, payloads, numbers, template, key_len, nbytes, key_offset,
+ *              check_offset, temp_prefix, suffix, results, flags, mode)
+ *
+ * write_frames for blocks whose trailers are sealed here rather than in Python. For each i the
+ * trailer is template with keys[i] copied in at key_offset and, at check_offset, the
+ * little-endian xxh3-64 of payloads[i] followed by the trailer's first check_offset bytes. The
+ * block is written under fan_table[keys[i][0]] (256 int32: the cached fan-out directory
+ * descriptors, -1 where none) as temp_prefix + numbers[i] in decimal, and published as the hex
+ * of keys[i] + suffix. A block whose key is not key_len bytes, whose payload is not nbytes, or
+ * whose fan-out directory is not cached is skipped (stage 4, for the caller's other paths).
+ * Stages otherwise as write_frames; a temp file whose write or rename failed is left for the
+ * caller to remove. */
+static PyObject *
+store_sealed(PyObject *module, PyObject *args)
+{
+    Py_buffer fan_table, template, prefix, suffix, results;
+    PyObject *keys_arg, *payloads_arg, *numbers_arg;
+    Py_ssize_t key_len, nbytes, key_offset, check_offset;
+    int flags, mode;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "y*OOOy*nnnny*y*w*ii:store_sealed", &fan_table, &keys_arg,
+                          &payloads_arg, &numbers_arg, &template, &key_len, &nbytes, &key_offset,
+                          &check_offset, &prefix, &suffix, &results, &flags, &mode)) {
+        return NULL;
+    }
+    PyObject *keys = NULL, *payloads = NULL, *numbers = NULL, *answer = NULL;
+    const char **key_bytes = NULL;
+    Py_ssize_t *key_lens = NULL;
+    Py_buffer *views = NULL;
+    long long *temp_numbers = NULL;
+    Py_ssize_t count = 0, taken = 0;
+    if (fan_table.len != 256 * (Py_ssize_t)sizeof(int32_t)) {
+        PyErr_Format(PyExc_ValueError, "store_sealed: fan table of %zd bytes; expected 256 "
+                     "int32", fan_table.len);
+        goto done;
+    }
+    if (check_sealed_layout(template.len, key_len, nbytes, key_offset, check_offset, prefix.len,
+                            suffix.len) < 0) {
+        goto done;
+    }
+    keys = PySequence_Fast(keys_arg, "store_sealed: keys must be a sequence");
+    payloads = PySequence_Fast(payloads_arg, "store_sealed: payloads must be a sequence");
+    numbers = PySequence_Fast(numbers_arg, "store_sealed: numbers must be a sequence");
+    if (keys == NULL || payloads == NULL || numbers == NULL) {
+        goto done;
+    }
+    count = PySequence_Fast_GET_SIZE(keys);
+    if (PySequence_Fast_GET_SIZE(payloads) != count || PySequence_Fast_GET_SIZE(numbers) != count) {
+        PyErr_Format(PyExc_ValueError, "store_sealed: %zd keys, %zd payloads and %zd temp "
+                     "numbers; expected as many of each", count,
+                     PySequence_Fast_GET_SIZE(payloads), PySequence_Fast_GET_SIZE(numbers));
+        goto done;
+    }
+    if (results.len < count * 2 * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "store_sealed: result buffer of %zd bytes for %zd blocks",
+                     results.len, count);
+        goto done;
+    }
+    key_bytes = PyMem_Calloc((size_t)count + 1, sizeof(char *));
+    key_lens = PyMem_Calloc((size_t)count + 1, sizeof(Py_ssize_t));
+    views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
+    temp_numbers = PyMem_Calloc((size_t)count + 1, sizeof(long long));
+    if (key_bytes == NULL || key_lens == NULL || views == NULL || temp_numbers == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (gather_sealed(count, keys, payloads, numbers, key_bytes, key_lens, views, temp_numbers,
+                      &taken) < 0) {
+        goto done;
+    }
+    const int32_t *fans = (const int32_t *)fan_table.buf;
+    int64_t *out = (int64_t *)results.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        seal_one(fans, key_bytes[i], key_lens[i], &views[i], temp_numbers[i], &template, key_len,
+                 nbytes, key_offset, check_offset, &prefix, &suffix, flags, mode, out + 2 * i);
+    }
+    Py_END_ALLOW_THREADS
+    answer = Py_NewRef(Py_None);
+done:
+    release_all(views, taken);
+    PyMem_Free(temp_numbers);
+    PyMem_Free(views);
+    PyMem_Free(key_lens);
+    PyMem_Free(key_bytes);
+    Py_XDECREF(numbers);
+    Py_XDECREF(payloads);
+    Py_XDECREF(keys);
+    PyBuffer_Release(&results);
+    PyBuffer_Release(&suffix);
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&template);
+    PyBuffer_Release(&fan_table);
+    return answer;
+}
+
+/* xxh3_pair(first, second): the checksum store_sealed writes (for tests and diagnostics). */
+static PyObject *
+xxh3_pair_of(PyObject *module, PyObject *args)
+{
+    Py_buffer first, second;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "y*y*:xxh3_pair", &first, &second)) {
+        return NULL;
+    }
+    uint64_t check = xxh3_pair(first.buf, (size_t)first.len, second.buf, (size_t)second.len);
+    PyBuffer_Release(&second);
+    PyBuffer_Release(&first);
+    return PyLong_FromUnsignedLongLong((unsigned long long)check);
+}
+
 static PyMethodDef methods[] = {
     {"read_frames", read_frames, METH_VARARGS,
      "read_frames(dir_fds, names, outs, trailers, page, results, flags): open and read many "
@@ -489,6 +706,12 @@ static PyMethodDef methods[] = {
     {"write_frames", write_frames, METH_VARARGS,
      "write_frames(fan_fds, temps, finals, payloads, trailers, results, flags, mode[, lengths]): "
      "write and publish many frames with the interpreter lock released once."},
+    {"store_sealed", store_sealed, METH_VARARGS,
+     "store_sealed(fan_table, keys, payloads, numbers, template, key_len, nbytes, key_offset, "
+     "check_offset, temp_prefix, suffix, results, flags, mode): write_frames with each trailer "
+     "sealed (key echo and xxh3 checksum) in the same call."},
+    {"xxh3_pair", xxh3_pair_of, METH_VARARGS,
+     "xxh3_pair(first, second): the xxh3-64 of first then second, as store_sealed seals."},
     {"stat_names", stat_names, METH_VARARGS,
      "stat_names(dir_fds, names, results): the st_mode (or -errno) of many names, without "
      "following symlinks, with the interpreter lock released once."},
@@ -506,6 +729,18 @@ PyInit__batchio(void)
 {
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL) {
+        return NULL;
+    }
+#if KVTIER_XXH3_AVX2
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) {
+        xxh3_pair = kvtier_xxh3_pair_avx2;
+        xxh3_kernel = "avx2";
+    }
+#endif
+    if (PyModule_AddStringConstant(module, "XXH3_KERNEL", xxh3_kernel) < 0
+            || PyModule_AddIntConstant(module, "SKIPPED", SKIPPED) < 0) {
+        Py_DECREF(module);
         return NULL;
     }
     PyObject *not_taken = PyLong_FromLongLong((long long)NOT_TAKEN);

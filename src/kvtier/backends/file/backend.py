@@ -24,7 +24,8 @@ files are read: anything else at a block path is moved aside, removed and counte
 buffered read lands in the caller's buffer (``preadv`` of payload and trailer, one verification
 pass); an ``o_direct`` read into memory that is not whole aligned pages goes through a
 page-aligned per-thread buffer (:mod:`.frameio`). Batches are read in one native call each where
-the extension is built (:mod:`.reads`).
+the extension is built (:mod:`.reads`), and stored the same way (:mod:`.writes`, the
+loops in :mod:`.store`; without ``auth_key`` the native call seals each trailer too).
 
 State and owners (any caller thread): ``_capacity`` (its own lock); ``_dirs`` (its own lock,
 see :mod:`.dirs`); ``_direct_io``, written once under ``_lock`` when O_DIRECT turns out
@@ -57,12 +58,11 @@ from kvtier.backends.base import (
     Fetched,
     OpenMode,
     Outcome,
-    StoredFrame,
     load_auth_key,
 )
 from kvtier.backends.file.capacity import CapacityIndex
 from kvtier.backends.file.dirs import DirRule, NamespaceGoneError, Sharing, TierDirs, View
-from kvtier.backends.file.frameio import inode_of, read_frame, read_whole, write_temp
+from kvtier.backends.file.frameio import inode_of, read_frame, read_whole
 from kvtier.backends.file.layout import (
     _CREATE_FLAGS,
     _FILE_MODE,
@@ -80,11 +80,11 @@ from kvtier.backends.file.layout import (
     is_trailer,
     locate,
 )
-from kvtier.backends.file.native import NativeIO, native_io_for, require_batchio
+from kvtier.backends.file.native import NativeIO, native_io_for
 from kvtier.backends.file.publish import Publisher
 from kvtier.backends.file.reads import FileReads
 from kvtier.backends.file.scan import scan_blocks
-from kvtier.backends.file.store import put_native, put_plain
+from kvtier.backends.file.writes import FileWrites
 from kvtier.backends.manifest import read_manifest_file
 from kvtier.keys import BlockKey, Namespace, check_key
 from kvtier.settings import ConfigError, Kind, Setting, SettingsTable
@@ -108,13 +108,13 @@ SETTINGS = SettingsTable("file backend", (
     *COMMON_SETTINGS,
 ))
 
-_TEMP_PREFIX_BYTES = os.fsencode(_TEMP_PREFIX)
 
 
-class FileBackend(FileReads, Backend):
+class FileBackend(FileReads, FileWrites, Backend):
     """A thread-safe block store on a local directory (see module docstring)."""
 
-    EXTRA_COUNTERS = ("evictions", "native_reads", "native_stores", "stray_temp_files_removed",
+    EXTRA_COUNTERS = ("evictions", "native_reads", "native_stores", "sealed_stores",
+                      "stray_temp_files_removed",
                       "o_direct_fallbacks", "put_rejected", "namespace_dir_swaps",
                       "old_layout_blocks_moved")
     FRAME_LAYOUT = codec.FrameLayout.TRAILER
@@ -273,156 +273,6 @@ class FileBackend(FileReads, Backend):
                 os.close(dir_fd)
         # A FIFO, symlink or directory is not a block (a read removes it).
         return Outcome.OK if stat.S_ISREG(info.st_mode) else Outcome.MISSING
-
-    # ------------------------------------------------------------------ writes
-
-    def _m_store(self, frames: list[StoredFrame]) -> list[Outcome]:
-        def run(view: View) -> list[Outcome]:
-            stored: list[tuple[BlockKey, int]] = []
-            try:
-                direct = self._direct_io is DirectIO.ACTIVE
-                native = self._native_io is NativeIO.ACTIVE
-                if (not self._fsync and self._publisher.refuses_existing
-                        and (native or not direct)):
-                    return self._put_batch(view, frames, stored)
-                return [self._put_one(view, frame, stored) for frame in frames]
-            finally:
-                self._capacity.commit(stored)  # one lock per batch, not per block
-
-        return self._batch("put", [frame.key for frame in frames], run, Outcome.FAILED)
-
-    def _put_batch(self, view: View, frames: list[StoredFrame],
-                   stored: list[tuple[BlockKey, int]]) -> list[Outcome]:
-        """:func:`.store.put_native` (or, without the extension, :func:`.store.put_plain`,
-        buffered only) over the batch. Under ``max_bytes`` the batch is reserved
-        first (one lock, victims evicted); a frame handed to a slow path gives its share back
-        (that path reserves its own); a batch that does not fit goes block by block."""
-        capacity = self._capacity
-        held = 0  # bytes of the batch reservation not given back (published ones included)
-        if capacity.bounded:
-            held = sum(frame.nbytes for frame in frames)
-            fits, victims = capacity.reserve(held)
-            self._evict_files(view, victims)
-            if not fits:
-                return [self._put_one(view, frame, stored) for frame in frames]
-
-        def give_back(frame: StoredFrame) -> None:
-            nonlocal held
-            if held:
-                held -= frame.nbytes
-                capacity.release(frame.nbytes, key=None)
-
-        def slow(frame: StoredFrame) -> Outcome:
-            give_back(frame)
-            return self._put_one(view, frame, stored)
-
-        def rare(fan: int, temp: bytes, frame: StoredFrame, taken: bool) -> Outcome:
-            give_back(frame)
-            return self._put_rare(view, fan, temp, frame, stored, name_taken=taken)
-
-        published: list[tuple[BlockKey, int]] = []
-        prefix = b"%s%d-" % (_TEMP_PREFIX_BYTES, self._pid)
-        try:
-            if self._native_io is NativeIO.ACTIVE:
-                outcomes = put_native(view, frames, published, temp_prefix=prefix,
-                                      counter=self._temp_counter, slow=slow, rare=rare,
-                                      native=require_batchio(),
-                                      direct=self._direct_io is DirectIO.ACTIVE)
-                self._stats.add("native_stores", len(published))
-                return outcomes
-            return put_plain(view, frames, published, temp_prefix=prefix,
-                             counter=self._temp_counter, slow=slow, rare=rare)
-        finally:
-            stored.extend(published)  # their reservation ends in commit()
-            if held and (unreached := held - sum(size for _key, size in published)):
-                capacity.release(unreached, key=None)  # after an error only
-
-    def _put_rare(self, view: View, fan: int, temp: bytes, frame: StoredFrame,
-                  stored: list[tuple[BlockKey, int]], *, name_taken: bool) -> Outcome:
-        """:func:`.store.put_plain`'s temp file ``temp`` under ``fan`` was not published (its write
-        or rename failed; ``name_taken``: a file holds the block's name): the temp file
-        removed, the name's holder judged, else :meth:`_put_one` tries and reports."""
-        self._unlink_quietly(fan, temp, frame.key)
-        found = self._existing(view, fan, locate(frame.key)[1], frame.key) if name_taken \
-            else None
-        return found if found is not None else self._put_one(view, frame, stored)
-
-    def _put_one(self, view: View, frame: StoredFrame,
-                 stored: list[tuple[BlockKey, int]]) -> Outcome:
-        parts, name = locate(frame.key)
-        try:
-            for fresh in (False, True):
-                dir_fd, owned = view.key_dir(parts, create=True, fresh=fresh)
-                try:
-                    outcome = self._put_in(view, dir_fd, name, frame, stored)
-                finally:
-                    if owned:
-                        os.close(dir_fd)
-                if outcome is not None:
-                    return outcome
-                view.stale = True  # its directory was removed under us: reopen it by name
-            raise FileNotFoundError(errno.ENOENT, "the block's directory keeps vanishing", name)
-        except OSError as exc:
-            return self._fail("put", frame.key, exc)
-
-    def _put_in(self, view: View, dir_fd: int, name: str, frame: StoredFrame,
-                stored: list[tuple[BlockKey, int]]) -> Outcome | None:
-        """Store ``frame`` as ``name`` under ``dir_fd``; None if that directory was removed.
-        What exists at ``name`` is looked at first only with fsync or no no-replace rename.
-        A published block is appended to ``stored`` (its reservation and index entry are
-        committed with its batch's)."""
-        key = frame.key
-        reserved = frame.nbytes  # the file's size, O_DIRECT or not (the padding is cut off)
-        capacity = self._capacity
-        if self._fsync or not self._publisher.refuses_existing:
-            found = self._existing(view, dir_fd, name, key)
-            if found is not None:
-                return found
-        for _attempt in range(2):  # a second time after setting a planted non-block aside
-            if capacity.bounded:
-                fits, victims = capacity.reserve(reserved)
-                self._evict_files(view, victims)
-                if not fits:
-                    self._stats.add("put_rejected")
-                    return Outcome.FAILED
-            temp = b"%s%d-%d" % (_TEMP_PREFIX_BYTES, self._pid, next(self._temp_counter))
-            try:
-                write_temp(dir_fd, temp, frame.header, frame.payload,
-                           direct=self._direct_io is DirectIO.ACTIVE, fsync=self._fsync,
-                           scratch=self._scratch, on_direct_refused=self._disable_direct_io)
-                published = self._publisher.publish(dir_fd, temp, dir_fd, name)
-            except OSError as exc:
-                capacity.release(reserved, key=None)
-                try:
-                    os.stat(temp, dir_fd=dir_fd, follow_symlinks=False)
-                except OSError:
-                    if isinstance(exc, FileNotFoundError):
-                        return None  # no temp file: its directory is gone
-                else:
-                    self._unlink_quietly(dir_fd, temp, key)
-                return self._fail("put", key, exc)
-            if published:
-                stored.append((key, reserved))
-                return Outcome.OK
-            capacity.release(reserved, key=None)
-            found = self._existing(view, dir_fd, name, key)
-            if found is not None:
-                return found
-        return Outcome.PRESENT  # set aside twice and re-planted: leave it to the next put
-
-    def _existing(self, view: View, dir_fd: int, name: str, key: BlockKey) -> Outcome | None:
-        """PRESENT if a regular file holds ``name``; None if nothing does (or a non-block did
-        and was set aside; an unreadable one: the write reports the real error)."""
-        try:
-            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except OSError:
-            return None
-        if stat.S_ISREG(info.st_mode):
-            self._evict_files(view, self._capacity.adopt(key, info.st_size))  # size on disk
-            return Outcome.PRESENT
-        self._stats.add("corrupt_objects")
-        self._drop_bad(key, dir_fd, name, None, "not a regular file")
-        return None
 
     # ------------------------------------------------------------------ reads
 

@@ -26,12 +26,16 @@ State and owners (any caller thread of the backend):
   the same lock. A replaced view is retired: its descriptors are closed by whichever thread drops
   its last use (or at once if none), so no call ever uses a descriptor number after its close.
 - ``View.fans``: filled by any thread with ``dict.setdefault`` (atomic; the loser of a race
-  closes its own descriptor); never emptied while the view is in use.
+  closes its own descriptor); never emptied while the view is in use. ``View.fan_table``, the
+  same descriptors by the fan-out directory's number (the first byte of its keys) for the native
+  store: each slot written once, by the thread that cached its descriptor, after caching it (a
+  reader that still sees -1 takes the careful path).
 - ``_FAN_BUDGET``: a process-wide count of cached descriptors, under its own lock.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import enum
 import errno
@@ -196,13 +200,15 @@ class _FanBudget:
 
 
 _FAN_BUDGET = _FanBudget()
+_NO_FANS = [-1] * 256  # a View's fan_table before any fan-out directory is cached
+_FAN_NUMBERS = {f"{number:02x}": number for number in range(256)}  # a fan-out name's slot
 
 
 class View:
     """One held namespace descriptor and its fan-out cache (see module docstring)."""
 
-    __slots__ = ("dev", "expires", "fans", "fd", "ino", "retired", "stale", "stamp", "trusted",
-                 "users")
+    __slots__ = ("dev", "expires", "fan_table", "fans", "fd", "ino", "retired", "stale", "stamp",
+                 "trusted", "users")
 
     def __init__(self, fd: int, info: os.stat_result) -> None:
         self.fd = fd
@@ -211,6 +217,7 @@ class View:
         self.trusted = (info.st_mode, info.st_uid)  # the owner and mode last checked
         self.expires = time.monotonic() + _FAN_TTL_S
         self.fans: dict[str, int] = {}
+        self.fan_table = array.array("i", _NO_FANS)
         self.users = 0
         self.retired = False
         self.stale = False  # a cached fan-out directory was found removed: replace this view
@@ -231,6 +238,8 @@ class View:
                     os.close(fan)
                     _FAN_BUDGET.give(1)
                     fan = cached
+                elif (number := _FAN_NUMBERS.get(parts[0])) is not None:
+                    self.fan_table[number] = fan
             else:
                 owned = True
         if len(parts) == 1:
@@ -296,6 +305,7 @@ class View:
     def close(self) -> None:
         fans = list(self.fans.values())
         self.fans = {}
+        self.fan_table = array.array("i", _NO_FANS)
         for fd in fans:
             with contextlib.suppress(OSError):
                 os.close(fd)

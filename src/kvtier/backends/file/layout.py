@@ -30,6 +30,7 @@ MANIFEST_NAME = "namespace.json"
 """The namespace manifest's file name in ``<root>/<digest>/``; never a block's name (those end
 in ``.kvb`` one directory further down)."""
 _TEMP_PREFIX = ".tmp-"
+_TEMP_PREFIX_BYTES = os.fsencode(_TEMP_PREFIX)
 _ALIGN = 4096
 _MAX_NAME_HEX = 248  # longest hex in one file name (NAME_MAX is 255 with the suffix)
 _CHUNK_HEX = 200

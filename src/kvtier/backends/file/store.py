@@ -3,7 +3,9 @@ raw write + rename's four system calls per block and no call of ours in between.
 
 Used where the store needs nothing else (buffered, no fsync, RENAME_NOREPLACE; under
 ``max_bytes`` the backend reserves the whole batch first); the backend (:mod:`.backend`) passes
-what the loop cannot decide itself to its own slow paths.
+what the loop cannot decide itself to its own slow paths. :func:`put_sealed` goes one step
+further for the unkeyed store: the native call seals each trailer too (key echo, xxh3), so a
+batch costs no Python pass per block at all.
 
 State and owners: none of its own. ``view`` (its fan-out cache, :mod:`.dirs`) and ``stored``
 are the calling thread's for the call; the temp-name counter is process-wide (``next`` is
@@ -13,12 +15,14 @@ atomic).
 from __future__ import annotations
 
 import array
+import enum
 import errno
 import itertools
 import mmap
 import operator
 import os
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from types import ModuleType
 
 from kvtier.backends.base import Outcome, StoredFrame
@@ -34,9 +38,10 @@ from kvtier.backends.file.layout import (
 )
 from kvtier.backends.file.publish import RENAME_NOREPLACE, name_taken
 from kvtier.backends.file.publish import renameat2 as _renameat2
+from kvtier.codec.record import _CHECK_OFFSET, _KEY_OFFSET
 from kvtier.keys import BlockKey
 
-__all__ = ["put_native", "put_plain"]
+__all__ = ["StoreStage", "put_native", "put_plain", "put_sealed"]
 
 Slow = Callable[[StoredFrame], Outcome]
 """Stores one frame the careful way and reports what went wrong (the backend's ``_put_one``)."""
@@ -84,8 +89,18 @@ def put_plain(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKey
     return outcomes
 
 
-# write_frames' stages (``_batchio.c``)
-_STORED, _OPEN_FAILED, _WRITE_FAILED = 0, 1, 2
+class StoreStage(enum.IntEnum):
+    """Where a native store (``write_frames``, ``store_sealed`` in ``_batchio.c``) left a block."""
+
+    STORED = 0
+    OPEN_FAILED = 1  # no temp file was created
+    WRITE_FAILED = 2  # the temp file stands: its write, cut or close failed
+    RENAME_FAILED = 3  # the temp file stands: it was not published (errno EEXIST: name taken)
+    SKIPPED = 4  # store_sealed only: not its block (another shape, an uncached fan-out directory)
+
+
+_STORED, _OPEN_FAILED, _WRITE_FAILED = StoreStage.STORED, StoreStage.OPEN_FAILED, \
+    StoreStage.WRITE_FAILED
 
 
 def put_native(view: View, frames: list[StoredFrame], stored: list[tuple[BlockKey, int]], *,
@@ -189,3 +204,42 @@ def _write_direct(native: ModuleType, frames: list[StoredFrame], batch: Sequence
                         _CREATE_FLAGS | _O_DIRECT, _FILE_MODE, lengths)
     trailers.clear()  # no view left on the pages
     pages.close()
+
+
+Unpublished = tuple[int, StoreStage, int, bytes]
+"""A block :func:`put_sealed` did not publish: its index, stage, errno and temp file name."""
+
+
+def put_sealed(view: View, keys: list[BlockKey], payloads: list[memoryview],
+               stored: list[tuple[BlockKey, int]], *, template: bytes, temp_prefix: bytes,
+               counter: itertools.count[int], native: ModuleType) -> list[Unpublished]:
+    """:func:`put_native` for an unkeyed batch, with each trailer sealed in the same native call
+    (``store_sealed``): ``template`` (:meth:`.FrameCodec.seal_template` of the first block's
+    key and payload lengths) gets the block's key echo and xxh3 check there, so that nothing
+    runs in Python per block. Each published block is appended to ``stored`` as (key, file
+    size); the others are returned, for the backend's careful paths: SKIPPED and OPEN_FAILED
+    left nothing behind, WRITE_FAILED and RENAME_FAILED left their temp file under the block's
+    fan-out directory (``view.fan_table``)."""
+    count = len(keys)
+    numbers = list(itertools.islice(counter, count))
+    results = array.array("q", bytes(16 * count))
+    native.store_sealed(view.fan_table, keys, payloads, numbers, template, len(keys[0]),
+                        payloads[0].nbytes, _KEY_OFFSET, _CHECK_OFFSET, temp_prefix,
+                        _SUFFIX_BYTES, results, _CREATE_FLAGS, _FILE_MODE)
+    record = len(template)
+    if results.count(0) == len(results):  # every block published, every errno 0
+        stored.extend(zip(keys, map(operator.add, map(len, payloads), repeat(record)),
+                          strict=True))
+        return []
+    unpublished: list[Unpublished] = []
+    for index, key in enumerate(keys):
+        stage = StoreStage(results[2 * index])
+        if stage is StoreStage.STORED:
+            stored.append((key, payloads[index].nbytes + record))
+        else:
+            unpublished.append((index, stage, results[2 * index + 1],
+                                b"%s%d" % (temp_prefix, numbers[index])))
+    return unpublished
+
+
+_SUFFIX_BYTES = _SUFFIX.encode()
