@@ -6,6 +6,7 @@ in ``test_file_hygiene.py``; the whole contract suite runs on both (``file`` and
 
 from __future__ import annotations
 
+import array
 import mmap
 import os
 import tempfile
@@ -18,7 +19,7 @@ from backends.conftest import fresh_namespace
 from backends.test_contract import keys_for, payload_for, sentinel_buffer
 from kvtier.backends import open_backend
 from kvtier.backends.file import DirectIO, FileBackend
-from kvtier.backends.file.native import NativeIO, native_io_for
+from kvtier.backends.file.native import NativeIO, native_io_for, require_batchio
 from kvtier.backends.file.reads import BATCH_KEYS
 
 
@@ -178,3 +179,104 @@ def test_a_backend_opened_on_a_filled_tier_holds_its_fan_out_directories_from_th
     outs = [sentinel_buffer(100) for _ in keys]
     assert fresh.get_many(keys, [memoryview(out) for out in outs]) == [True] * 40
     assert all(bytes(out) == b"x" * 100 for out in outs)
+
+
+# -- the seal check in the native read (read_frames with a seal) -----------------------------
+
+
+def _stored(tmp_path: Path, count: int, tag: str, size: int = 3000,
+            **options: object) -> tuple[FileBackend, list[bytes], list[bytes]]:
+    backend = FileBackend(tmp_path, fresh_namespace(), **options)  # type: ignore[arg-type]
+    keys = keys_for(count, tag)
+    payloads = [payload_for(key, size) for key in keys]
+    assert backend.put_many(keys, payloads) == [True] * count
+    return backend, keys, payloads
+
+
+def test_an_exact_frame_is_verified_in_the_native_read(tmp_path: Path) -> None:
+    backend, keys, payloads = _stored(tmp_path, 40, "sealed-read")
+    outs = [sentinel_buffer(3000) for _ in keys]
+    assert backend.get_many(keys, [memoryview(out) for out in outs]) == [True] * 40
+    assert [bytes(out) for out in outs] == payloads
+    assert backend.stats()["sealed_reads"] == 40
+    assert backend.stats()["hits"] == 40 and backend.stats()["corrupt_objects"] == 0
+
+
+@pytest.mark.parametrize("where", ["payload", "checksum", "key echo", "namespace", "length"])
+def test_a_neighbours_edit_anywhere_in_a_frame_is_never_verified_natively_nor_served(
+        tmp_path: Path, where: str) -> None:
+    """One byte changed by a writer with access to the tier: the native check refuses the
+    frame, the template's judge finds what is wrong, the block answers False and its file is
+    removed; the rest of the batch is served."""
+    backend, keys, payloads = _stored(tmp_path, 6, f"sealed-edit-{where}")
+    offset = {"payload": 1234, "checksum": 3000 + 304, "key echo": 3000 + 32 + 3,
+              "namespace": 3000 + 20, "length": 3000 + 8}[where]
+    victim = backend.path_for(keys[2])
+    data = bytearray(victim.read_bytes())
+    data[offset] ^= 0x01
+    victim.write_bytes(bytes(data))
+    outs = [sentinel_buffer(3000) for _ in keys]
+    assert backend.get_many(keys, [memoryview(out) for out in outs]) == [i != 2 for i in range(6)]
+    assert [bytes(outs[i]) for i in range(6) if i != 2] == [payloads[i] for i in range(6) if i != 2]
+    assert backend.stats()["sealed_reads"] == 5
+    assert not victim.exists()
+
+
+def test_a_block_file_moved_to_another_keys_name_is_not_served_for_it(tmp_path: Path) -> None:
+    """A valid frame of key A renamed to key B's path: every byte is a good frame, but of
+    another key; the native check compares the key echo with B and refuses it."""
+    backend, keys, _payloads = _stored(tmp_path, 2, "sealed-moved")
+    os.replace(backend.path_for(keys[0]), backend.path_for(keys[1]))
+    out = sentinel_buffer(3000)
+    assert backend.get_many([keys[1]], [memoryview(out)]) == [False]
+    assert backend.stats()["sealed_reads"] == 0 and backend.stats()["corrupt_objects"] == 1
+
+
+@pytest.mark.parametrize("change", ["appended", "truncated"])
+def test_a_frame_of_another_size_is_judged_by_the_template(tmp_path: Path, change: str) -> None:
+    backend, keys, _payloads = _stored(tmp_path, 1, f"sealed-size-{change}")
+    path = backend.path_for(keys[0])
+    data = path.read_bytes()
+    path.write_bytes(data + b"x" * 10 if change == "appended" else data[:-10])
+    assert backend.get_many(keys, [memoryview(sentinel_buffer(3000))]) == [False]
+    assert backend.stats()["sealed_reads"] == 0
+
+
+def test_a_keyed_tier_verifies_every_tag_in_python(tmp_path: Path) -> None:
+    backend, keys, payloads = _stored(tmp_path, 8, "sealed-keyed", auth_key=b"k" * 32)
+    outs = [sentinel_buffer(3000) for _ in keys]
+    assert backend.get_many(keys, [memoryview(out) for out in outs]) == [True] * 8
+    assert [bytes(out) for out in outs] == payloads
+    assert backend.stats()["sealed_reads"] == 0
+
+
+def test_a_capped_tier_indexes_blocks_verified_natively(tmp_path: Path) -> None:
+    """A block found by a read (stored by another process) joins the capacity index at its
+    size on disk, whichever path verified it."""
+    namespace = fresh_namespace()
+    reader = FileBackend(tmp_path, namespace, max_bytes=1 << 30)  # opened on an empty tier
+    writer = FileBackend(tmp_path, namespace)
+    keys = keys_for(10, "sealed-capped")
+    assert writer.put_many(keys, [payload_for(key, 3000) for key in keys]) == [True] * 10
+    assert reader.stats()["blocks"] == 0
+    assert reader.get_many(keys, [memoryview(sentinel_buffer(3000)) for _ in keys]) == [True] * 10
+    assert reader.stats()["sealed_reads"] == 10
+    assert reader.stats()["blocks"] == 10
+    assert reader.stats()["used_bytes"] == 10 * (3000 + 320)
+
+
+def test_a_seal_of_the_wrong_shape_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+    native = require_batchio()
+    results = array.array("q", bytes(16))
+    pages = mmap.mmap(-1, mmap.PAGESIZE)
+    out = bytearray(10)
+    template = bytes(320)
+    with pytest.raises(ValueError, match="1 seal keys and 0 verdict bytes for 1 blocks"):
+        native.read_frames([-1], [b""], [out], pages, mmap.PAGESIZE, results, os.O_RDONLY,
+                           ([b"k" * 16], template, 16, 10, 32, 304, bytearray(0)))
+    with pytest.raises(ValueError, match="a record of 320 bytes with a key of 300 bytes"):
+        native.read_frames([-1], [b""], [out], pages, mmap.PAGESIZE, results, os.O_RDONLY,
+                           ([b"k" * 16], template, 300, 10, 32, 304, bytearray(1)))
+    with pytest.raises(TypeError, match="seal key 0 is str; expected bytes"):
+        native.read_frames([-1], [b""], [out], pages, mmap.PAGESIZE, results, os.O_RDONLY,
+                           (["k"], template, 16, 10, 32, 304, bytearray(1)))

@@ -5,6 +5,7 @@ capped store, crash safety and the hostile cases are in ``test_file.py`` and
 
 from __future__ import annotations
 
+import array
 import mmap
 import os
 import subprocess
@@ -317,3 +318,21 @@ def test_the_fan_table_holds_each_cached_fan_out_directory_by_number(tmp_path: P
         assert list(view.fan_table) == [view.fans[f"{number:02x}"] for number in range(256)]
     finally:
         reopened._dirs.release(view)
+
+
+def test_a_sealed_store_of_the_wrong_shape_is_refused_before_anything_is_written(
+        tmp_path: Path) -> None:
+    native = require_batchio()
+    table = array.array("i", [-1] * 256)
+    results = array.array("q", bytes(16))
+    args = (table, [b"k" * 16], [b"p"], [0], bytes(320), 16, 1, 32, 304, b".tmp-", b".kvb",
+            results, os.O_WRONLY, 0o600)
+    with pytest.raises(ValueError, match="fan table of 1020 bytes; expected 256 int32"):
+        native.store_sealed(array.array("i", [-1] * 255), *args[1:])
+    with pytest.raises(ValueError, match="check at 316; expected key and check inside"):
+        native.store_sealed(*args[:8], 316, *args[9:])
+    with pytest.raises(ValueError, match="1 keys, 1 payloads and 2 temp numbers"):
+        native.store_sealed(*args[:3], [0, 1], *args[4:])
+    with pytest.raises(ValueError, match="names of 300 hex digits"):
+        native.store_sealed(table, [b"k" * 150], *args[2:5], 150, *args[6:])
+    assert list(tmp_path.iterdir()) == []

@@ -223,6 +223,10 @@ class Fetched(NamedTuple):
 
 MISSING_FETCH = Fetched(Outcome.MISSING)
 COPIED_FETCH = Fetched(Outcome.OK, trusted=True)
+"""The payload is in ``out`` and nothing is left to judge: a copy of a frame this very instance
+encoded (the private memory store), or a frame the medium already verified exactly as the
+codec's current unkeyed format for its key (the file tier's native check,
+:func:`~kvtier.backends.file.reads`)."""
 FAILED_FETCH = Fetched(Outcome.FAILED)
 CORRUPT_FETCH = Fetched(Outcome.CORRUPT)
 

@@ -94,23 +94,165 @@ gather(Py_ssize_t count, PyObject *dir_fds, PyObject *names, PyObject *outs, int
     return 0;
 }
 
-/* read_frames(dir_fds, names, outs, trailers, page, results, flags)
+/* The trailer checksum, chosen once at load: the AVX2 build where the processor has it. */
+typedef uint64_t (*xxh3_pair_fn)(const void *, size_t, const void *, size_t);
+static xxh3_pair_fn xxh3_pair = kvtier_xxh3_pair;
+static const char *xxh3_kernel = "baseline";
+
+#define SEALED_RECORD_MAX 512
+#define SEALED_NAME_MAX 255
+#define SEALED_PREFIX_MAX 64
+enum { SKIPPED = 4 };
+
+/* A sealed record: what every unkeyed trailer of one key length and payload length shares (the
+ * codec's template, key echo and checksum zero) and where the key and checksum go. */
+typedef struct {
+    const unsigned char *template;
+    Py_ssize_t record_len, key_len, nbytes, key_offset, check_offset;
+} SealSpec;
+
+/* record = the template with key copied in at key_offset and, at check_offset, the
+ * little-endian xxh3-64 of payload followed by record[0:check_offset] (FrameCodec's rule). */
+static void
+seal_record(unsigned char *record, const SealSpec *spec, const char *key, const void *payload,
+            size_t payload_len)
+{
+    memcpy(record, spec->template, (size_t)spec->record_len);
+    memcpy(record + spec->key_offset, key, (size_t)spec->key_len);
+    uint64_t check = xxh3_pair(payload, payload_len, record, (size_t)spec->check_offset);
+    for (int byte = 0; byte < 8; byte++) {
+        record[spec->check_offset + byte] = (unsigned char)(check >> (8 * byte));
+    }
+}
+
+/* The record layout a caller asked for, checked; -1 with an exception set. */
+static int
+check_seal_spec(const char *caller, const SealSpec *spec)
+{
+    if (spec->record_len > SEALED_RECORD_MAX || spec->check_offset < 0
+        || spec->check_offset + 8 > spec->record_len || spec->key_offset < 0
+        || spec->key_len < 1 || spec->key_offset + spec->key_len > spec->check_offset
+        || spec->nbytes < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: a record of %zd bytes with a key of %zd bytes at %zd "
+                     "and its check at %zd; expected key and check inside a record of at most "
+                     "%d bytes", caller, spec->record_len, spec->key_len, spec->key_offset,
+                     spec->check_offset, SEALED_RECORD_MAX);
+        return -1;
+    }
+    return 0;
+}
+
+/* Whether a block read whole (got bytes: payload, then its trailer in page) is exactly the
+ * unkeyed frame spec describes for key: FrameCodec.is_current's rule. */
+static int
+is_sealed(const SealSpec *spec, const char *key, Py_ssize_t key_len, const Py_buffer *payload,
+          const char *page, int64_t got)
+{
+    if (key_len != spec->key_len || payload->len != spec->nbytes
+        || got != (int64_t)(payload->len + spec->record_len)) {
+        return 0;
+    }
+    unsigned char expected[SEALED_RECORD_MAX];
+    seal_record(expected, spec, key, payload->buf, (size_t)payload->len);
+    return memcmp(expected, page, (size_t)spec->record_len) == 0;
+}
+
+/* The optional seal of read_frames: each block read whole checked against the template, with
+ * its key, in the same pass (while the payload is still in cache). Taken with the lock held. */
+typedef struct {
+    SealSpec spec;
+    Py_buffer template, verified;
+    PyObject *keys;  /* a fast sequence of bytes, one per block (holds them alive) */
+    const char **key_bytes;
+    Py_ssize_t *key_lens;
+    int active;
+} ReadSeal;
+
+static int
+take_read_seal(PyObject *arg, Py_ssize_t count, ReadSeal *seal)
+{
+    PyObject *keys_arg;
+    memset(seal, 0, sizeof(*seal));
+    if (arg == Py_None) {
+        return 0;
+    }
+    if (!PyArg_ParseTuple(arg, "Oy*nnnnw*:read_frames seal", &keys_arg, &seal->template,
+                          &seal->spec.key_len, &seal->spec.nbytes, &seal->spec.key_offset,
+                          &seal->spec.check_offset, &seal->verified)) {
+        return -1;
+    }
+    seal->active = 1;
+    seal->spec.template = seal->template.buf;
+    seal->spec.record_len = seal->template.len;
+    if (check_seal_spec("read_frames", &seal->spec) < 0) {
+        return -1;
+    }
+    seal->keys = PySequence_Fast(keys_arg, "read_frames: seal keys must be a sequence");
+    if (seal->keys == NULL) {
+        return -1;
+    }
+    if (PySequence_Fast_GET_SIZE(seal->keys) != count || seal->verified.len < count) {
+        PyErr_Format(PyExc_ValueError, "read_frames: %zd seal keys and %zd verdict bytes for %zd "
+                     "blocks; expected one of each per block",
+                     PySequence_Fast_GET_SIZE(seal->keys), seal->verified.len, count);
+        return -1;
+    }
+    seal->key_bytes = PyMem_Calloc((size_t)count + 1, sizeof(char *));
+    seal->key_lens = PyMem_Calloc((size_t)count + 1, sizeof(Py_ssize_t));
+    if (seal->key_bytes == NULL || seal->key_lens == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seal->keys, i);
+        if (!PyBytes_Check(key)) {
+            PyErr_Format(PyExc_TypeError, "read_frames: seal key %zd is %.80s; expected bytes",
+                         i, Py_TYPE(key)->tp_name);
+            return -1;
+        }
+        seal->key_bytes[i] = PyBytes_AS_STRING(key);
+        seal->key_lens[i] = PyBytes_GET_SIZE(key);
+    }
+    return 0;
+}
+
+static void
+drop_read_seal(ReadSeal *seal)
+{
+    if (seal->active) {
+        PyMem_Free(seal->key_lens);
+        PyMem_Free(seal->key_bytes);
+        Py_XDECREF(seal->keys);
+        PyBuffer_Release(&seal->verified);
+        PyBuffer_Release(&seal->template);
+    }
+}
+
+/* read_frames(dir_fds, names, outs, trailers, page, results, flags[, seal])
  *
  * For each i: openat(dir_fds[i], names[i], flags | O_CLOEXEC), then one preadv at offset 0 into
  * [outs[i], trailers[i * page : (i + 1) * page]]. results (int64, 2 per block) gets the
  * descriptor or -errno of the open, then the byte count or -errno of the read (0 where the open
  * failed); a block whose dir_fds[i] is below 0 is skipped (NOT_TAKEN, 0). Every slot is
- * written. System calls interrupted by a signal are retried. */
+ * written. System calls interrupted by a signal are retried.
+ *
+ * seal, where given, is (keys, template, key_len, nbytes, key_offset, check_offset, verified):
+ * verified[i] becomes 1 where block i was read whole (payload and exactly the template's length
+ * of trailer) and its trailer is exactly store_sealed's for keys[i] over what was read (magic,
+ * version, lengths, namespace, key echo, algorithm and the xxh3 check: FrameCodec.is_current's
+ * rule), else 0, for the caller's own verification. */
 static PyObject *
 read_frames(PyObject *module, PyObject *args)
 {
-    PyObject *dir_fds_arg, *names_arg, *outs_arg;
+    PyObject *dir_fds_arg, *names_arg, *outs_arg, *seal_arg = Py_None;
     Py_buffer trailers, results;
     Py_ssize_t page;
     int flags;
+    ReadSeal seal;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OOOw*nw*i:read_frames", &dir_fds_arg, &names_arg, &outs_arg,
-                          &trailers, &page, &results, &flags)) {
+    memset(&seal, 0, sizeof(seal));
+    if (!PyArg_ParseTuple(args, "OOOw*nw*i|O:read_frames", &dir_fds_arg, &names_arg, &outs_arg,
+                          &trailers, &page, &results, &flags, &seal_arg)) {
         return NULL;
     }
     PyObject *dir_fds = NULL, *names = NULL, *outs = NULL, *answer = NULL;
@@ -135,8 +277,13 @@ read_frames(PyObject *module, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    if (gather(count, dir_fds, names, outs, dirs, paths, views, &taken) < 0) {
+    if (gather(count, dir_fds, names, outs, dirs, paths, views, &taken) < 0
+        || take_read_seal(seal_arg, count, &seal) < 0) {
         goto done;
+    }
+    unsigned char *verified = seal.active ? (unsigned char *)seal.verified.buf : NULL;
+    if (verified != NULL) {
+        memset(verified, 0, (size_t)count);
     }
     int64_t *out = (int64_t *)results.buf;
     char *pages = (char *)trailers.buf;
@@ -166,10 +313,16 @@ read_frames(PyObject *module, PyObject *args)
         } while (got < 0 && errno == EINTR);
         out[2 * i] = fd;
         out[2 * i + 1] = got < 0 ? -(int64_t)errno : (int64_t)got;
+        if (verified != NULL && got > 0) {
+            verified[i] = (unsigned char)is_sealed(&seal.spec, seal.key_bytes[i],
+                                                   seal.key_lens[i], &views[i], pages + i * page,
+                                                   (int64_t)got);
+        }
     }
     Py_END_ALLOW_THREADS
     answer = Py_NewRef(Py_None);
 done:
+    drop_read_seal(&seal);
     release_all(views, taken);
     PyMem_Free(views);
     PyMem_Free(paths);
@@ -486,15 +639,6 @@ done:
     return answer;
 }
 
-/* The trailer checksum, chosen once at load: the AVX2 build where the processor has it. */
-typedef uint64_t (*xxh3_pair_fn)(const void *, size_t, const void *, size_t);
-static xxh3_pair_fn xxh3_pair = kvtier_xxh3_pair;
-static const char *xxh3_kernel = "baseline";
-
-#define SEALED_RECORD_MAX 512
-#define SEALED_NAME_MAX 255
-#define SEALED_PREFIX_MAX 64
-enum { SKIPPED = 4 };
 
 /* A sealed store's arguments, taken with the lock held: key bytes and lengths, payload views,
  * temp numbers. -1 with an exception set. */
@@ -528,50 +672,21 @@ gather_sealed(Py_ssize_t count, PyObject *keys, PyObject *payloads, PyObject *nu
     return 0;
 }
 
-/* The record layout a caller asked for, checked; -1 with an exception set. */
-static int
-check_sealed_layout(Py_ssize_t template_len, Py_ssize_t key_len, Py_ssize_t nbytes,
-                    Py_ssize_t key_offset, Py_ssize_t check_offset, Py_ssize_t prefix_len,
-                    Py_ssize_t suffix_len)
-{
-    if (template_len > SEALED_RECORD_MAX || check_offset < 0 || check_offset + 8 > template_len
-        || key_offset < 0 || key_len < 1 || key_offset + key_len > check_offset || nbytes < 0) {
-        PyErr_Format(PyExc_ValueError, "store_sealed: a record of %zd bytes with a key of %zd "
-                     "bytes at %zd and its check at %zd; expected key and check inside a record "
-                     "of at most %d bytes", template_len, key_len, key_offset, check_offset,
-                     SEALED_RECORD_MAX);
-        return -1;
-    }
-    if (2 * key_len + suffix_len > SEALED_NAME_MAX || prefix_len > SEALED_PREFIX_MAX) {
-        PyErr_Format(PyExc_ValueError, "store_sealed: names of %zd hex digits + %zd and a temp "
-                     "prefix of %zd bytes; expected at most %d and %d", 2 * key_len, suffix_len,
-                     prefix_len, SEALED_NAME_MAX, SEALED_PREFIX_MAX);
-        return -1;
-    }
-    return 0;
-}
-
 /* One sealed block: its record filled in and checksummed, its names built, then write_one. */
 static void
 seal_one(const int32_t *fan_table, const char *key, Py_ssize_t key_len, const Py_buffer *payload,
-         long long number, const Py_buffer *template, Py_ssize_t want_key_len,
-         Py_ssize_t nbytes, Py_ssize_t key_offset, Py_ssize_t check_offset,
-         const Py_buffer *prefix, const Py_buffer *suffix, int flags, int mode, int64_t *out)
+         long long number, const SealSpec *spec, const Py_buffer *prefix,
+         const Py_buffer *suffix, int flags, int mode, int64_t *out)
 {
     static const char digits[] = "0123456789abcdef";
     int fan = fan_table[(unsigned char)key[0]];
-    if (key_len != want_key_len || payload->len != nbytes || fan < 0) {
+    if (key_len != spec->key_len || payload->len != spec->nbytes || fan < 0) {
         out[0] = SKIPPED;
         out[1] = 0;
         return;
     }
     unsigned char record[SEALED_RECORD_MAX];
-    memcpy(record, template->buf, (size_t)template->len);
-    memcpy(record + key_offset, key, (size_t)key_len);
-    uint64_t check = xxh3_pair(payload->buf, (size_t)payload->len, record, (size_t)check_offset);
-    for (int byte = 0; byte < 8; byte++) {
-        record[check_offset + byte] = (unsigned char)(check >> (8 * byte));
-    }
+    seal_record(record, spec, key, payload->buf, (size_t)payload->len);
     char final[SEALED_NAME_MAX + 1];
     for (Py_ssize_t i = 0; i < key_len; i++) {
         final[2 * i] = digits[(unsigned char)key[i] >> 4];
@@ -583,7 +698,7 @@ seal_one(const int32_t *fan_table, const char *key, Py_ssize_t key_len, const Py
     memcpy(temp, prefix->buf, (size_t)prefix->len);
     snprintf(temp + prefix->len, 24, "%lld", number);
     write_one(fan, temp, final, payload->buf, (size_t)payload->len, record,
-              (size_t)template->len, flags, mode, -1, out);
+              (size_t)spec->record_len, flags, mode, -1, out);
 }
 
 /* store_sealed(fan_table, keys, payloads, numbers, template, key_len, nbytes, key_offset,
@@ -622,8 +737,14 @@ store_sealed(PyObject *module, PyObject *args)
                      "int32", fan_table.len);
         goto done;
     }
-    if (check_sealed_layout(template.len, key_len, nbytes, key_offset, check_offset, prefix.len,
-                            suffix.len) < 0) {
+    SealSpec spec = {template.buf, template.len, key_len, nbytes, key_offset, check_offset};
+    if (check_seal_spec("store_sealed", &spec) < 0) {
+        goto done;
+    }
+    if (2 * key_len + suffix.len > SEALED_NAME_MAX || prefix.len > SEALED_PREFIX_MAX) {
+        PyErr_Format(PyExc_ValueError, "store_sealed: names of %zd hex digits + %zd and a temp "
+                     "prefix of %zd bytes; expected at most %d and %d", 2 * key_len, suffix.len,
+                     prefix.len, SEALED_NAME_MAX, SEALED_PREFIX_MAX);
         goto done;
     }
     keys = PySequence_Fast(keys_arg, "store_sealed: keys must be a sequence");
@@ -660,8 +781,8 @@ store_sealed(PyObject *module, PyObject *args)
     int64_t *out = (int64_t *)results.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
-        seal_one(fans, key_bytes[i], key_lens[i], &views[i], temp_numbers[i], &template, key_len,
-                 nbytes, key_offset, check_offset, &prefix, &suffix, flags, mode, out + 2 * i);
+        seal_one(fans, key_bytes[i], key_lens[i], &views[i], temp_numbers[i], &spec, &prefix,
+                 &suffix, flags, mode, out + 2 * i);
     }
     Py_END_ALLOW_THREADS
     answer = Py_NewRef(Py_None);
@@ -699,8 +820,9 @@ xxh3_pair_of(PyObject *module, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"read_frames", read_frames, METH_VARARGS,
-     "read_frames(dir_fds, names, outs, trailers, page, results, flags): open and read many "
-     "block files with the interpreter lock released once."},
+     "read_frames(dir_fds, names, outs, trailers, page, results, flags[, seal]): open and read "
+     "many block files with the interpreter lock released once (and, with seal, check each "
+     "unkeyed trailer in the same pass)."},
     {"close_fds", close_fds, METH_VARARGS,
      "close_fds(results, count): close the descriptors read_frames reported."},
     {"write_frames", write_frames, METH_VARARGS,

@@ -113,10 +113,9 @@ SETTINGS = SettingsTable("file backend", (
 class FileBackend(FileReads, FileWrites, Backend):
     """A thread-safe block store on a local directory (see module docstring)."""
 
-    EXTRA_COUNTERS = ("evictions", "native_reads", "native_stores", "sealed_stores",
-                      "stray_temp_files_removed",
-                      "o_direct_fallbacks", "put_rejected", "namespace_dir_swaps",
-                      "old_layout_blocks_moved")
+    EXTRA_COUNTERS = ("evictions", "native_reads", "native_stores", "sealed_reads",
+                      "sealed_stores", "stray_temp_files_removed", "o_direct_fallbacks",
+                      "put_rejected", "namespace_dir_swaps", "old_layout_blocks_moved")
     FRAME_LAYOUT = codec.FrameLayout.TRAILER
 
     def __init__(

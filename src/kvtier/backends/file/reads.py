@@ -10,7 +10,10 @@ vLLM's own ``fs`` tier, native too, took 53-69 ms; 55-64 ms through the native c
 call opens and reads a whole batch with the lock released once; what the results mean, and
 every trust rule (``O_NOFOLLOW |
 O_NONBLOCK``, descriptors relative to the held fan-out directories, a read of exactly the
-frame's size, verification by the template) stays here and in the backend.
+frame's size, verification by the template) stays here and in the backend. Where the tier has
+no ``auth_key`` the same call also checks each block read whole against the codec's trailer
+template for its key (``FrameCodec.is_current``'s rule, xxh3 included, while the payload is
+still in cache): such a block needs nothing more; any other goes to the template's judge.
 
 State and owners: ``_BatchBuffers`` (per thread: the trailer pages a batch lands in and the
 result array; owned by the reading thread, reused by its next batch once every descriptor of
@@ -29,7 +32,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 
 from kvtier import codec
-from kvtier.backends.base import FAILED_FETCH, MISSING_FETCH, Fetched, Outcome
+from kvtier.backends.base import COPIED_FETCH, FAILED_FETCH, MISSING_FETCH, Fetched, Outcome
 from kvtier.backends.file.capacity import CapacityIndex
 from kvtier.backends.file.dirs import NamespaceGoneError, TierDirs, View
 from kvtier.backends.file.frameio import inode_of, read_whole
@@ -46,6 +49,8 @@ from kvtier.backends.file.layout import (
 )
 from kvtier.backends.file.native import BATCHIO, NativeIO, require_batchio
 from kvtier.backends.stats import BackendStats
+from kvtier.codec import FrameCodec
+from kvtier.codec.record import _CHECK_OFFSET, _KEY_OFFSET
 from kvtier.keys import BlockKey
 
 __all__ = ["BATCH_KEYS", "FileReads"]
@@ -68,6 +73,7 @@ class _BatchBuffers(threading.local):
         # Every slot starts as "no descriptor": close_fds after a call that raised before
         # filling them closes nothing (close_fds marks what it closed the same way).
         self.results = array.array("q", [_NOT_TAKEN, 0] * BATCH_KEYS)
+        self.verified = bytearray(BATCH_KEYS)  # read_frames' seal verdicts (1: exact frame)
 
 
 _BUFFERS = _BatchBuffers()
@@ -110,6 +116,7 @@ class FileReads:
     _scratch: _Scratch
     _native_io: NativeIO
     _stats: BackendStats
+    _codec: FrameCodec
     # The backend's and the template's (annotations only: a stub here would shadow them).
     _fetch_one: Callable[[View, BlockKey, memoryview], tuple[Fetched, int]]
     _open_failed: Callable[..., Fetched | None]  # (key, exc, *, direct)
@@ -213,13 +220,28 @@ class FileReads:
         direct = self._direct_io is DirectIO.ACTIVE
         native = require_batchio()
         dir_fds, names = _batch_names(view, keys, outs if direct else None)
-        results = _BUFFERS.results
+        buffers = _BUFFERS
+        results, verified = buffers.results, buffers.verified
+        template = self._codec.seal_template(len(keys[0]), outs[0].nbytes)
+        seal = None if template is None else (keys, template, len(keys[0]), outs[0].nbytes,
+                                              _KEY_OFFSET, _CHECK_OFFSET, verified)
         try:
-            native.read_frames(dir_fds, names, outs, _BUFFERS.pages, _ALIGN, results,
-                               _READ_FLAGS | (_O_DIRECT if direct else 0))
-            self._stats.add("native_reads", sum(fd >= 0 for fd in dir_fds))
+            native.read_frames(dir_fds, names, outs, buffers.pages, _ALIGN, results,
+                               _READ_FLAGS | (_O_DIRECT if direct else 0), seal)
+            self._stats.add_many({"native_reads": sum(fd >= 0 for fd in dir_fds),
+                                  "sealed_reads": 0 if seal is None
+                                  else verified.count(1, 0, len(keys))})
+            adopt = self._capacity.bounded
             for index, (key, out) in enumerate(zip(keys, outs, strict=True)):
-                yield from self._answer(view, key, out, index, direct)
+                if seal is not None and verified[index]:
+                    # Read whole and exactly the current frame of this key (checked in the call,
+                    # FrameCodec.is_current's rule): nothing left to judge.
+                    if adopt:
+                        self._evict_files(view, self._capacity.adopt(
+                            key, out.nbytes + codec.HEADER_BYTES))
+                    yield COPIED_FETCH
+                else:
+                    yield from self._answer(view, key, out, index, direct)
         finally:
             native.close_fds(results, len(keys))
 
