@@ -17,10 +17,14 @@ import pytest
 
 from backends.conftest import fresh_namespace
 from backends.test_contract import keys_for, payload_for, sentinel_buffer
+from kvtier import codec
 from kvtier.backends import open_backend
 from kvtier.backends.file import DirectIO, FileBackend
+from kvtier.backends.file import dirs as file_dirs
+from kvtier.backends.file.dirs import View
 from kvtier.backends.file.native import NativeIO, native_io_for, require_batchio
-from kvtier.backends.file.reads import BATCH_KEYS
+from kvtier.backends.file.reads import BATCH_KEYS, _batch_names
+from kvtier.codec.record import _CHECK_OFFSET, _KEY_OFFSET
 
 
 def _open_fds() -> int:
@@ -89,8 +93,10 @@ def test_a_bad_frame_in_a_batch_fails_alone_and_is_removed(tmp_path: Path) -> No
 
 def test_descriptors_of_a_batch_are_closed_when_its_reader_stops_early(tmp_path: Path) -> None:
     """The medium's generator is closed after two items (as when the caller fails between
-    items): the batch's descriptors are closed, not left to the garbage collector."""
-    backend = FileBackend(tmp_path, fresh_namespace())
+    items): the batch's descriptors are closed, not left to the garbage collector. A keyed
+    tier, whose blocks are judged in Python with their descriptors open (an unkeyed exact
+    block's descriptor is closed inside the native call)."""
+    backend = FileBackend(tmp_path, fresh_namespace(), auth_key=b"k" * 32)
     keys = keys_for(20, "early-stop")
     assert backend.put_many(keys, [payload_for(key, 500) for key in keys]) == [True] * 20
     _warmed(backend, keys, [500] * 20)
@@ -280,3 +286,147 @@ def test_a_seal_of_the_wrong_shape_is_refused_before_anything_is_read(tmp_path: 
     with pytest.raises(TypeError, match="seal key 0 is str; expected bytes"):
         native.read_frames([-1], [b""], [out], pages, mmap.PAGESIZE, results, os.O_RDONLY,
                            (["k"], template, 16, 10, 32, 304, bytearray(1)))
+
+
+# -- the namespace check inside the native call (a guard) -------------------------------------
+
+
+@pytest.fixture
+def long_lived_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Views that do not expire within a test (a slow machine could pass the 1 s between a
+    warm-up and the call under test, and the careful path would then answer instead)."""
+    monkeypatch.setattr(file_dirs, "_FAN_TTL_S", 3600.0)
+
+
+def _guarded_call(backend: FileBackend, keys: list[bytes], *, swap: Path | None = None,
+                  edit: int | None = None) -> tuple[int, bool, array.array, bytearray]:
+    """One read_frames and one stat_names of ``keys`` under the guard ``acquire_guarded``
+    gives; before the calls, with ``swap``, the namespace directory is renamed there and a
+    directory holding a valid frame of each key put in its place; with ``edit``, field ``edit``
+    of the guard is changed by one."""
+    native = require_batchio()
+    _warmed(backend, keys, [3000] * len(keys))  # a view checked since the stores' new fan-outs
+    guarded = backend._dirs.acquire_guarded()
+    assert guarded is not None
+    view, guard = guarded
+    try:
+        dir_fds, names = _batch_names(view, keys)
+        if swap is not None:
+            directory = Path(backend._dirs.namespace_path)
+            paths = [backend.path_for(key).relative_to(directory) for key in keys]
+            directory.rename(swap)
+            for key, path in zip(keys, paths, strict=True):
+                (directory / path).parent.mkdir(parents=True, exist_ok=True)
+                (directory / path).write_bytes(
+                    bytes(codec.encode(backend.namespace.digest, key, b"E" * 3000)))
+            directory.chmod(0o777)  # what the careful path then finds fails its checks
+        if edit is not None:
+            fields = list(guard)
+            fields[edit] = fields[edit] + b"x" if edit == 2 else fields[edit] + 1
+            guard = tuple(fields)  # type: ignore[assignment]
+        results = array.array("q", bytes(16 * len(keys)))
+        outs = [sentinel_buffer(3000) for _ in keys]
+        pages = mmap.mmap(-1, len(keys) * mmap.PAGESIZE)
+        left = native.read_frames(dir_fds, names, [memoryview(out) for out in outs], pages,
+                                  mmap.PAGESIZE, results, os.O_RDONLY, None, guard)
+        looked = native.stat_names(dir_fds, names, array.array("q", bytes(8 * len(keys))), guard)
+        native.close_fds(results, len(keys))
+        return left, looked, results, outs[0]
+    finally:
+        backend._dirs.release(view)
+
+
+def test_a_guard_that_holds_reads_the_batch(tmp_path: Path, long_lived_views: None) -> None:
+    backend, keys, payloads = _stored(tmp_path, 3, "guard-holds")
+    left, looked, _results, first = _guarded_call(backend, keys)
+    assert (left, looked) == (3, True)  # no seal given: every descriptor is the caller's
+    assert bytes(first) == payloads[0]
+
+
+def test_a_namespace_directory_swapped_after_the_guard_was_taken_is_never_read(
+        tmp_path: Path, long_lived_views: None) -> None:
+    """The race the guard closes: the namespace directory renamed aside and replaced (by a
+    world-writable directory of valid frames) between the view's last check and the batch. The
+    call opens nothing and looks at nothing; the backend's next call finds the swap (counted)
+    and refuses what stands there now."""
+    backend, keys, _payloads = _stored(tmp_path, 3, "guard-swap")
+    left, looked, results, first = _guarded_call(backend, keys, swap=tmp_path / "aside")
+    native = require_batchio()
+    assert (left, looked) == (native.GUARD_REFUSED, False)
+    assert list(results) == [native.NOT_TAKEN, 0] * 3
+    assert bytes(first) == bytes(sentinel_buffer(3000))
+    hits = backend.stats()["hits"]  # the warm-up's
+    assert backend.get_many(keys, [memoryview(sentinel_buffer(3000)) for _ in keys]) == \
+        [False] * 3
+    assert backend.stats()["namespace_dir_swaps"] == 1 and backend.stats()["hits"] == hits
+
+
+@pytest.mark.parametrize("field", range(9), ids=["view_fd", "root_fd", "name", "ino", "dev",
+                                                 "mode", "uid", "mtime_ns", "ctime_ns"])
+def test_a_guard_refuses_when_any_one_of_its_fields_differs(
+        tmp_path: Path, long_lived_views: None, field: int) -> None:
+    backend, keys, _payloads = _stored(tmp_path, 2, f"guard-field-{field}")
+    left, looked, _results, _first = _guarded_call(backend, keys, edit=field)
+    assert (left, looked) == (require_batchio().GUARD_REFUSED, False)
+
+
+def test_a_warm_batch_makes_its_namespace_check_inside_the_native_call(
+        tmp_path: Path, long_lived_views: None) -> None:
+    """``TierDirs.acquire`` (the check from Python) is wrapped to count its calls, a spy, not a
+    fault: a warm get and exists take the guarded path; a view due for replacement (expired)
+    takes the careful one, which installs a fresh view."""
+    backend, keys, payloads = _stored(tmp_path, 5, "guard-path")
+    _warmed(backend, keys, [3000] * 5)
+    dirs = backend._dirs
+    calls: list[int] = []
+    checked = dirs.acquire
+
+    def counted() -> View:
+        calls.append(1)
+        return checked()
+
+    dirs.acquire = counted  # type: ignore[method-assign]
+    outs = [sentinel_buffer(3000) for _ in keys]
+    assert backend.get_many(keys, [memoryview(out) for out in outs]) == [True] * 5
+    assert backend.exists(keys) == [True] * 5
+    assert [bytes(out) for out in outs] == payloads and calls == []
+    assert dirs._held.view is not None
+    dirs._held.view.expires = 0.0
+    assert backend.exists(keys) == [True] * 5
+    assert calls == [1]
+
+
+def test_an_exact_blocks_descriptor_is_closed_in_the_native_call(tmp_path: Path) -> None:
+    backend, keys, _payloads = _stored(tmp_path, 4, "guard-close")
+    native = require_batchio()
+    view = backend._dirs.acquire()
+    try:
+        dir_fds, names = _batch_names(view, keys)
+        template = backend._codec.seal_template(len(keys[0]), 3000)
+        assert template is not None
+        verified = bytearray(4)
+        results = array.array("q", bytes(64))
+        pages = mmap.mmap(-1, 4 * mmap.PAGESIZE)
+        outs = [memoryview(sentinel_buffer(3000)) for _ in keys]
+        outs[3] = memoryview(sentinel_buffer(2999))  # read whole, but not the template's size
+        fds = _open_fds()
+        left = native.read_frames(dir_fds, names, outs, pages, mmap.PAGESIZE, results,
+                                  os.O_RDONLY, (keys, template, len(keys[0]), 3000, _KEY_OFFSET,
+                                                _CHECK_OFFSET, verified))
+        assert (left, bytes(verified)) == (1, b"\x01\x01\x01\x00")
+        assert [results[2 * i] for i in range(3)] == [native.NOT_TAKEN] * 3
+        assert _open_fds() == fds + 1
+        native.close_fds(results, 4)
+        assert _open_fds() == fds
+    finally:
+        backend._dirs.release(view)
+
+
+def test_a_guard_of_the_wrong_shape_is_refused_with_what_was_expected() -> None:
+    native = require_batchio()
+    results = array.array("q", bytes(16))
+    with pytest.raises(ValueError, match=r"guard of 2 items; expected 9 \(view_fd, root_fd"):
+        native.stat_names([-1], [b""], results, (1, 2))
+    with pytest.raises(TypeError, match=r"guard is list; expected None or a tuple"):
+        native.read_frames([-1], [b""], [bytearray(1)], mmap.mmap(-1, mmap.PAGESIZE),
+                           mmap.PAGESIZE, results, os.O_RDONLY, None, [1])

@@ -23,6 +23,7 @@ from kvtier import codec
 from kvtier.backends.file import DirectIO, FileBackend, dirs
 from kvtier.backends.file.native import require_batchio
 from kvtier.backends.file.store import StoreStage
+from kvtier.codec.record import _CHECK_OFFSET, _KEY_OFFSET
 from kvtier.keys import Namespace
 
 BOTH_PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
@@ -336,3 +337,60 @@ def test_a_sealed_store_of_the_wrong_shape_is_refused_before_anything_is_written
     with pytest.raises(ValueError, match="names of 300 hex digits"):
         native.store_sealed(table, [b"k" * 150], *args[2:5], 150, *args[6:])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sealed_store_whose_guard_no_longer_holds_writes_nothing(tmp_path: Path) -> None:
+    """The namespace check made inside the native store (its guard) finds the directory is not
+    as last checked: no temp file, no block, every slot skipped, and the call says so."""
+    backend = FileBackend(tmp_path, fresh_namespace())
+    _warm(backend)
+    native = require_batchio()
+    keys = keys_for(8, "sealed-guard")
+    payloads = [payload_for(key, 1000) for key in keys]
+    template = backend._codec.seal_template(len(keys[0]), 1000)
+    assert template is not None
+    guarded = backend._dirs.acquire_guarded()
+    assert guarded is not None
+    view, guard = guarded
+    files = sorted(all_files(tmp_path))
+    try:
+        results = array.array("q", bytes(16 * 8))
+        stale = (*guard[:7], guard[7] - 1, guard[8])  # the directory changed since (mtime)
+        assert native.store_sealed(view.fan_table, keys, payloads, list(range(8)), template,
+                                   len(keys[0]), 1000, _KEY_OFFSET, _CHECK_OFFSET, b".tmp-g-",
+                                   b".kvb", results, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                   0o600, stale) is False
+        assert list(results) == [StoreStage.SKIPPED, 0] * 8
+        assert sorted(all_files(tmp_path)) == files
+        assert native.store_sealed(view.fan_table, keys, payloads, list(range(8)), template,
+                                   len(keys[0]), 1000, _KEY_OFFSET, _CHECK_OFFSET, b".tmp-g-",
+                                   b".kvb", results, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                   0o600, guard) is True
+        assert list(results) == [StoreStage.STORED, 0] * 8
+    finally:
+        backend._dirs.release(view)
+    assert backend.exists(keys) == [True] * 8
+
+
+@pytest.mark.parametrize(("max_bytes", "checked_calls"), [(0, 0), (1 << 30, 1)],
+                         ids=["unbounded", "capped"])
+def test_a_warm_sealed_store_checks_its_namespace_inside_the_native_call(
+        tmp_path: Path, max_bytes: int, checked_calls: int) -> None:
+    """``TierDirs.acquire`` (the check from Python) wrapped to count its calls, a spy, not a
+    fault: a warm unkeyed store takes the guarded path; a capped tier (which evicts before it
+    writes) takes the checked one."""
+    backend = FileBackend(tmp_path, fresh_namespace(), max_bytes=max_bytes)
+    _warm(backend)
+    calls: list[int] = []
+    checked = backend._dirs.acquire
+
+    def counted() -> dirs.View:
+        calls.append(1)
+        return checked()
+
+    backend._dirs.acquire = counted  # type: ignore[method-assign]
+    keys = keys_for(16, "sealed-path")
+    sealed = backend.stats()["sealed_stores"]
+    assert backend.put_many(keys, [payload_for(key, 1000) for key in keys]) == [True] * 16
+    assert backend.stats()["sealed_stores"] == sealed + 16
+    assert len(calls) == checked_calls

@@ -228,7 +228,76 @@ drop_read_seal(ReadSeal *seal)
     }
 }
 
-/* read_frames(dir_fds, names, outs, trailers, page, results, flags[, seal])
+/* The optional guard of a batch: the held namespace directory checked inside the call the way
+ * TierDirs checks it before every batch (dirs.py), so that a batch makes one lock release, not
+ * three: fstat of the held descriptor (mode, owner, mtime and ctime as last checked) and fstatat
+ * of its name under the root without following a symlink (still the same device and inode).
+ * (view_fd, root_fd, name, ino, dev, mode, uid, mtime_ns, ctime_ns), taken with the lock held. */
+typedef struct {
+    int active, view_fd, root_fd;
+    const char *name;
+    unsigned long long ino, dev, mode, uid;
+    long long mtime_ns, ctime_ns;
+} DirGuard;
+
+enum { GUARD_REFUSED = -1 };
+#define GUARD_FIELDS "view_fd, root_fd, name, ino, dev, mode, uid, mtime_ns, ctime_ns"
+
+static int
+take_guard(const char *caller, PyObject *arg, DirGuard *guard)
+{
+    PyObject *name;
+    memset(guard, 0, sizeof(*guard));
+    if (arg == Py_None) {
+        return 0;
+    }
+    if (!PyTuple_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "%s: guard is %.80s; expected None or a tuple (%s)",
+                     caller, Py_TYPE(arg)->tp_name, GUARD_FIELDS);
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(arg) != 9) {
+        PyErr_Format(PyExc_ValueError, "%s: guard of %zd items; expected 9 (%s)", caller,
+                     PyTuple_GET_SIZE(arg), GUARD_FIELDS);
+        return -1;
+    }
+    if (!PyArg_ParseTuple(arg, "iiSKKKKLL", &guard->view_fd, &guard->root_fd, &name,
+                          &guard->ino, &guard->dev, &guard->mode, &guard->uid, &guard->mtime_ns,
+                          &guard->ctime_ns)) {
+        return -1;
+    }
+    guard->name = PyBytes_AS_STRING(name);  /* held alive by the argument tuple */
+    guard->active = 1;
+    return 0;
+}
+
+static long long
+stamp_ns(struct timespec stamp)
+{
+    return (long long)stamp.tv_sec * 1000000000LL + (long long)stamp.tv_nsec;
+}
+
+/* Whether the guarded directory is as last checked (1 with no guard); called without the lock.
+ * Any error reads as "not as checked": the caller's careful path looks again and reports. */
+static int
+guard_holds(const DirGuard *guard)
+{
+    struct stat held, named;
+    if (!guard->active) {
+        return 1;
+    }
+    if (fstat(guard->view_fd, &held) < 0
+        || fstatat(guard->root_fd, guard->name, &named, AT_SYMLINK_NOFOLLOW) < 0) {
+        return 0;
+    }
+    return (unsigned long long)named.st_ino == guard->ino
+        && (unsigned long long)named.st_dev == guard->dev
+        && (unsigned long long)held.st_mode == guard->mode
+        && (unsigned long long)held.st_uid == guard->uid
+        && stamp_ns(held.st_mtim) == guard->mtime_ns && stamp_ns(held.st_ctim) == guard->ctime_ns;
+}
+
+/* read_frames(dir_fds, names, outs, trailers, page, results, flags[, seal[, guard]])
  *
  * For each i: openat(dir_fds[i], names[i], flags | O_CLOEXEC), then one preadv at offset 0 into
  * [outs[i], trailers[i * page : (i + 1) * page]]. results (int64, 2 per block) gets the
@@ -240,19 +309,25 @@ drop_read_seal(ReadSeal *seal)
  * verified[i] becomes 1 where block i was read whole (payload and exactly the template's length
  * of trailer) and its trailer is exactly store_sealed's for keys[i] over what was read (magic,
  * version, lengths, namespace, key echo, algorithm and the xxh3 check: FrameCodec.is_current's
- * rule), else 0, for the caller's own verification. */
+ * rule), else 0, for the caller's own verification; the descriptor of a block found exact is
+ * closed in the call (its slot NOT_TAKEN): it has nothing left to judge.
+ *
+ * guard, where given, is checked first (DirGuard); where it does not hold nothing is opened,
+ * every slot is NOT_TAKEN and the call returns GUARD_REFUSED. Otherwise it returns the number of
+ * descriptors left open for the caller (0: no close_fds call needed). */
 static PyObject *
 read_frames(PyObject *module, PyObject *args)
 {
-    PyObject *dir_fds_arg, *names_arg, *outs_arg, *seal_arg = Py_None;
+    PyObject *dir_fds_arg, *names_arg, *outs_arg, *seal_arg = Py_None, *guard_arg = Py_None;
     Py_buffer trailers, results;
-    Py_ssize_t page;
-    int flags;
+    Py_ssize_t page, left = 0;
+    int flags, refused = 0;
     ReadSeal seal;
+    DirGuard guard;
     (void)module;
     memset(&seal, 0, sizeof(seal));
-    if (!PyArg_ParseTuple(args, "OOOw*nw*i|O:read_frames", &dir_fds_arg, &names_arg, &outs_arg,
-                          &trailers, &page, &results, &flags, &seal_arg)) {
+    if (!PyArg_ParseTuple(args, "OOOw*nw*i|OO:read_frames", &dir_fds_arg, &names_arg, &outs_arg,
+                          &trailers, &page, &results, &flags, &seal_arg, &guard_arg)) {
         return NULL;
     }
     PyObject *dir_fds = NULL, *names = NULL, *outs = NULL, *answer = NULL;
@@ -278,7 +353,8 @@ read_frames(PyObject *module, PyObject *args)
         goto done;
     }
     if (gather(count, dir_fds, names, outs, dirs, paths, views, &taken) < 0
-        || take_read_seal(seal_arg, count, &seal) < 0) {
+        || take_read_seal(seal_arg, count, &seal) < 0
+        || take_guard("read_frames", guard_arg, &guard) < 0) {
         goto done;
     }
     unsigned char *verified = seal.active ? (unsigned char *)seal.verified.buf : NULL;
@@ -288,9 +364,10 @@ read_frames(PyObject *module, PyObject *args)
     int64_t *out = (int64_t *)results.buf;
     char *pages = (char *)trailers.buf;
     Py_BEGIN_ALLOW_THREADS
+    refused = !guard_holds(&guard);
     for (Py_ssize_t i = 0; i < count; i++) {
         int fd;
-        if (dirs[i] < 0) {
+        if (dirs[i] < 0 || refused) {
             out[2 * i] = NOT_TAKEN;
             out[2 * i + 1] = 0;
             continue;
@@ -318,9 +395,15 @@ read_frames(PyObject *module, PyObject *args)
                                                    seal.key_lens[i], &views[i], pages + i * page,
                                                    (int64_t)got);
         }
+        if (verified != NULL && verified[i]) {
+            close(fd);  /* Linux frees the descriptor even on EINTR: no retry */
+            out[2 * i] = NOT_TAKEN;
+        } else {
+            left++;
+        }
     }
     Py_END_ALLOW_THREADS
-    answer = Py_NewRef(Py_None);
+    answer = PyLong_FromSsize_t(refused ? GUARD_REFUSED : left);
 done:
     drop_read_seal(&seal);
     release_all(views, taken);
@@ -365,16 +448,20 @@ close_fds(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* stat_names(dir_fds, names, results): for each i, fstatat(dir_fds[i], names[i]) without
- * following a symlink; results (int64, 1 per name) gets st_mode, or -errno, or NOT_TAKEN where
- * dir_fds[i] is below 0. */
+/* stat_names(dir_fds, names, results[, guard]): for each i, fstatat(dir_fds[i], names[i])
+ * without following a symlink; results (int64, 1 per name) gets st_mode, or -errno, or NOT_TAKEN
+ * where dir_fds[i] is below 0. guard as read_frames': where it does not hold nothing is looked
+ * at, every slot is NOT_TAKEN and the call returns False; else True. */
 static PyObject *
 stat_names(PyObject *module, PyObject *args)
 {
-    PyObject *dir_fds_arg, *names_arg;
+    PyObject *dir_fds_arg, *names_arg, *guard_arg = Py_None;
     Py_buffer results;
+    DirGuard guard;
+    int refused = 0;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OOw*:stat_names", &dir_fds_arg, &names_arg, &results)) {
+    if (!PyArg_ParseTuple(args, "OOw*|O:stat_names", &dir_fds_arg, &names_arg, &results,
+                          &guard_arg)) {
         return NULL;
     }
     PyObject *dir_fds = NULL, *names = NULL, *answer = NULL;
@@ -414,12 +501,16 @@ stat_names(PyObject *module, PyObject *args)
         }
         paths[i] = PyBytes_AS_STRING(name);
     }
+    if (take_guard("stat_names", guard_arg, &guard) < 0) {
+        goto done;
+    }
     int64_t *out = (int64_t *)results.buf;
     Py_BEGIN_ALLOW_THREADS
+    refused = !guard_holds(&guard);
     for (Py_ssize_t i = 0; i < count; i++) {
         struct stat info;
         int rc;
-        if (dirs[i] < 0) {
+        if (dirs[i] < 0 || refused) {
             out[i] = NOT_TAKEN;
             continue;
         }
@@ -429,7 +520,7 @@ stat_names(PyObject *module, PyObject *args)
         out[i] = rc < 0 ? -(int64_t)errno : (int64_t)info.st_mode;
     }
     Py_END_ALLOW_THREADS
-    answer = Py_NewRef(Py_None);
+    answer = PyBool_FromLong(!refused);
 done:
     PyMem_Free(paths);
     PyMem_Free(dirs);
@@ -712,18 +803,20 @@ seal_one(const int32_t *fan_table, const char *key, Py_ssize_t key_len, const Py
  * of keys[i] + suffix. A block whose key is not key_len bytes, whose payload is not nbytes, or
  * whose fan-out directory is not cached is skipped (stage 4, for the caller's other paths).
  * Stages otherwise as write_frames; a temp file whose write or rename failed is left for the
- * caller to remove. */
+ * caller to remove. guard as read_frames': where it does not hold nothing is written, every
+ * block is skipped and the call returns False; else True. */
 static PyObject *
 store_sealed(PyObject *module, PyObject *args)
 {
     Py_buffer fan_table, template, prefix, suffix, results;
-    PyObject *keys_arg, *payloads_arg, *numbers_arg;
+    PyObject *keys_arg, *payloads_arg, *numbers_arg, *guard_arg = Py_None;
     Py_ssize_t key_len, nbytes, key_offset, check_offset;
-    int flags, mode;
+    int flags, mode, refused = 0;
+    DirGuard guard;
     (void)module;
-    if (!PyArg_ParseTuple(args, "y*OOOy*nnnny*y*w*ii:store_sealed", &fan_table, &keys_arg,
+    if (!PyArg_ParseTuple(args, "y*OOOy*nnnny*y*w*ii|O:store_sealed", &fan_table, &keys_arg,
                           &payloads_arg, &numbers_arg, &template, &key_len, &nbytes, &key_offset,
-                          &check_offset, &prefix, &suffix, &results, &flags, &mode)) {
+                          &check_offset, &prefix, &suffix, &results, &flags, &mode, &guard_arg)) {
         return NULL;
     }
     PyObject *keys = NULL, *payloads = NULL, *numbers = NULL, *answer = NULL;
@@ -774,18 +867,25 @@ store_sealed(PyObject *module, PyObject *args)
         goto done;
     }
     if (gather_sealed(count, keys, payloads, numbers, key_bytes, key_lens, views, temp_numbers,
-                      &taken) < 0) {
+                      &taken) < 0
+        || take_guard("store_sealed", guard_arg, &guard) < 0) {
         goto done;
     }
     const int32_t *fans = (const int32_t *)fan_table.buf;
     int64_t *out = (int64_t *)results.buf;
     Py_BEGIN_ALLOW_THREADS
+    refused = !guard_holds(&guard);
     for (Py_ssize_t i = 0; i < count; i++) {
+        if (refused) {
+            out[2 * i] = SKIPPED;
+            out[2 * i + 1] = 0;
+            continue;
+        }
         seal_one(fans, key_bytes[i], key_lens[i], &views[i], temp_numbers[i], &spec, &prefix,
                  &suffix, flags, mode, out + 2 * i);
     }
     Py_END_ALLOW_THREADS
-    answer = Py_NewRef(Py_None);
+    answer = PyBool_FromLong(!refused);
 done:
     release_all(views, taken);
     PyMem_Free(temp_numbers);
@@ -820,9 +920,10 @@ xxh3_pair_of(PyObject *module, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"read_frames", read_frames, METH_VARARGS,
-     "read_frames(dir_fds, names, outs, trailers, page, results, flags[, seal]): open and read "
-     "many block files with the interpreter lock released once (and, with seal, check each "
-     "unkeyed trailer in the same pass)."},
+     "read_frames(dir_fds, names, outs, trailers, page, results, flags[, seal[, guard]]): open "
+     "and read many block files with the interpreter lock released once (with seal, check each "
+     "unkeyed trailer in the same pass; with guard, check the namespace directory first); the "
+     "number of descriptors left open, or GUARD_REFUSED."},
     {"close_fds", close_fds, METH_VARARGS,
      "close_fds(results, count): close the descriptors read_frames reported."},
     {"write_frames", write_frames, METH_VARARGS,
@@ -830,13 +931,15 @@ static PyMethodDef methods[] = {
      "write and publish many frames with the interpreter lock released once."},
     {"store_sealed", store_sealed, METH_VARARGS,
      "store_sealed(fan_table, keys, payloads, numbers, template, key_len, nbytes, key_offset, "
-     "check_offset, temp_prefix, suffix, results, flags, mode): write_frames with each trailer "
-     "sealed (key echo and xxh3 checksum) in the same call."},
+     "check_offset, temp_prefix, suffix, results, flags, mode[, guard]): write_frames with "
+     "each trailer sealed (key echo and xxh3 checksum) in the same call; False where the guard "
+     "refused."},
     {"xxh3_pair", xxh3_pair_of, METH_VARARGS,
      "xxh3_pair(first, second): the xxh3-64 of first then second, as store_sealed seals."},
     {"stat_names", stat_names, METH_VARARGS,
-     "stat_names(dir_fds, names, results): the st_mode (or -errno) of many names, without "
-     "following symlinks, with the interpreter lock released once."},
+     "stat_names(dir_fds, names, results[, guard]): the st_mode (or -errno) of many names, "
+     "without following symlinks, with the interpreter lock released once; False where the "
+     "guard refused."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -861,7 +964,8 @@ PyInit__batchio(void)
     }
 #endif
     if (PyModule_AddStringConstant(module, "XXH3_KERNEL", xxh3_kernel) < 0
-            || PyModule_AddIntConstant(module, "SKIPPED", SKIPPED) < 0) {
+            || PyModule_AddIntConstant(module, "SKIPPED", SKIPPED) < 0
+            || PyModule_AddIntConstant(module, "GUARD_REFUSED", GUARD_REFUSED) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -248,9 +248,14 @@ class FileBackend(FileReads, FileWrites, Backend):
     # ------------------------------------------------------------------ existence
 
     def _m_exists(self, keys: list[BlockKey]) -> list[Outcome]:
+        if self._native_io is NativeIO.ACTIVE and \
+                (answered := self._exists_guarded(keys)) is not None:
+            return answered
+
         def run(view: View) -> list[Outcome]:
-            if self._native_io is NativeIO.ACTIVE:
-                return self._exists_native(view, keys)
+            if self._native_io is NativeIO.ACTIVE and \
+                    (outcomes := self._exists_native(view, keys)) is not None:
+                return outcomes
             return [self._exists_one(view, key) for key in keys]
 
         return self._batch("exists", keys, run, Outcome.MISSING)

@@ -6,7 +6,8 @@ relative to its parent's descriptor, and checked (:class:`DirRule`). The root's 
 the namespace directory's are kept: every later open, create, rename, unlink, stat and scan
 happens relative to them, so re-pointing a symlink on the root's path or renaming a directory
 after open redirects nothing. On every use the held namespace directory is re-verified
-(``fstat``: owner and mode; ``fstatat`` of its name under the root: still the same inode). One
+(``fstat``: owner and mode; ``fstatat`` of its name under the root: still the same inode), in
+Python or, for the native batch calls, inside the call (:meth:`TierDirs.acquire_guarded`). One
 that is no longer at its name (renamed aside, replaced, removed) is dropped and counted, and what
 stands at the name now is used only if it passes the same checks; nothing is ever re-created.
 
@@ -57,11 +58,21 @@ from kvtier.backends.file.layout import (
 )
 from kvtier.settings import ConfigError
 
-__all__ = ["DIR_FLAGS", "DirRule", "DirectoryRefusedError", "NamespaceGoneError", "Sharing",
-           "TierDirs", "View", "anchor", "walk"]
+__all__ = ["DIR_FLAGS", "DirRule", "DirectoryRefusedError", "Guard", "GuardRefused",
+           "NamespaceGoneError", "Sharing", "TierDirs", "View", "anchor", "walk"]
 
 DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
 _FAN_TTL_S = 1.0
+
+class GuardRefused(Exception):
+    """A native batch call's namespace check (its :data:`Guard`) did not hold, and the call did
+    nothing: its caller releases the view and takes the careful path (internal)."""
+
+
+Guard = tuple[int, int, bytes, int, int, int, int, int, int]
+"""What a native batch call checks before it starts (``_batchio.c``'s ``DirGuard``): the held
+namespace descriptor, the root's, the namespace's name, and the device, inode, mode, owner,
+mtime and ctime (ns) :meth:`TierDirs.acquire` last found."""
 _NOT_A_DIRECTORY_ERRNOS = {errno.ELOOP, errno.ENOTDIR}
 _FIX = ("Use a directory of your own that nobody else can write (chmod go-w), or set "
         "shared_dir=true with auth_key if it is shared on purpose")
@@ -345,6 +356,7 @@ class TierDirs:
         missing namespace directory reads as empty (``NamespaceGoneError`` on use)."""
         self._rule = rule
         self._name = namespace_name
+        self._name_bytes = os.fsencode(namespace_name)
         self._on_swap = on_swap
         self._lock = threading.Lock()
         root_fd, self.root_path = anchor(root, rule, create=create)
@@ -384,6 +396,22 @@ class TierDirs:
             view = self._current()
             view.users += 1
             return view
+
+    def acquire_guarded(self) -> tuple[View, Guard] | None:
+        """The view in use, counted as :meth:`acquire` counts it, with its checks left to the
+        native call that uses it: the :data:`Guard` to pass (the same ``fstat`` and ``fstatat``
+        made inside that call, so that a batch gives the interpreter lock up once, not three
+        times). A call whose guard does not hold does nothing; its caller then releases the
+        view and takes :meth:`acquire`, which looks again and handles what changed. None where
+        the view is due for replacement (or none is held): the caller takes :meth:`acquire`."""
+        with self._lock:
+            held = self._held
+            view = held.view
+            if held.closed or view is None or view.stale or time.monotonic() > view.expires:
+                return None
+            view.users += 1
+            return view, (view.fd, held.root_fd, self._name_bytes, view.ino, view.dev,
+                          *view.trusted, *view.stamp)
 
     def release(self, view: View) -> None:
         with self._lock:

@@ -7,7 +7,8 @@ Under an engine whose scheduler thread steps in Python back to back, each take-b
 that thread, so a read of three system calls per block ran at half the disk's speed inside vLLM
 (``benchmarks/engine_load.py --modes direct --trace``: 96-106 ms for 256 blocks of 256 KiB where
 vLLM's own ``fs`` tier, native too, took 53-69 ms; 55-64 ms through the native call). The native
-call opens and reads a whole batch with the lock released once; what the results mean, and
+call opens and reads a whole batch with the lock released once (the namespace directory's
+check made inside it, :meth:`TierDirs.acquire_guarded`); what the results mean, and
 every trust rule (``O_NOFOLLOW |
 O_NONBLOCK``, descriptors relative to the held fan-out directories, a read of exactly the
 frame's size, verification by the template) stays here and in the backend. Where the tier has
@@ -34,7 +35,7 @@ from functools import partial
 from kvtier import codec
 from kvtier.backends.base import COPIED_FETCH, FAILED_FETCH, MISSING_FETCH, Fetched, Outcome
 from kvtier.backends.file.capacity import CapacityIndex
-from kvtier.backends.file.dirs import NamespaceGoneError, TierDirs, View
+from kvtier.backends.file.dirs import Guard, GuardRefused, NamespaceGoneError, TierDirs, View
 from kvtier.backends.file.frameio import inode_of, read_whole
 from kvtier.backends.file.layout import (
     _ALIGN,
@@ -125,6 +126,16 @@ class FileReads:
     _exists_one: Callable[[View, BlockKey], Outcome]
 
     def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> Iterator[Fetched]:
+        if self._native_io is NativeIO.ACTIVE and \
+                (guarded := self._dirs.acquire_guarded()) is not None:
+            view, guard = guarded
+            try:
+                yield from self._fetch_batches(view, keys, outs, guard)
+                return
+            except GuardRefused:
+                pass  # nothing was read: the careful path below looks again
+            finally:
+                self._dirs.release(view)
         try:
             view = self._dirs.acquire()
         except NamespaceGoneError:
@@ -137,9 +148,7 @@ class FileReads:
             return
         try:
             if self._native_io is NativeIO.ACTIVE:
-                for start in range(0, len(keys), BATCH_KEYS):
-                    yield from self._fetch_native(view, keys[start : start + BATCH_KEYS],
-                                                  outs[start : start + BATCH_KEYS])
+                yield from self._fetch_batches(view, keys, outs, None)
             elif self._direct_io is DirectIO.ACTIVE or self._capacity.bounded:
                 yield from self._fetch_each(view, keys, outs)
             else:
@@ -147,15 +156,31 @@ class FileReads:
         finally:
             self._dirs.release(view)
 
-    def _exists_native(self, view: View, keys: list[BlockKey]) -> list[Outcome]:
+    def _exists_guarded(self, keys: list[BlockKey]) -> list[Outcome] | None:
+        """:meth:`_exists_native` with the namespace directory checked inside the call; None
+        where that cannot answer (the view is due for replacement, or the check did not hold):
+        the caller takes the careful path."""
+        guarded = self._dirs.acquire_guarded()
+        if guarded is None:
+            return None
+        view, guard = guarded
+        try:
+            return self._exists_native(view, keys, guard)
+        finally:
+            self._dirs.release(view)
+
+    def _exists_native(self, view: View, keys: list[BlockKey],
+                       guard: Guard | None = None) -> list[Outcome] | None:
         """Each key's file looked at in one native call (no symlink followed): a regular file
         is OK, an absent one MISSING, anything else MISSING too (a read removes it). A key the
         call does not take (its fan-out directory not held, a long key) or whose look failed
-        otherwise is looked at by :meth:`_exists_one`, which also counts the failure."""
+        otherwise is looked at by :meth:`_exists_one`, which also counts the failure. None
+        where ``guard`` did not hold (nothing was looked at)."""
         native = require_batchio()
         dir_fds, names = _batch_names(view, keys)
         modes = array.array("q", bytes(8 * len(keys)))
-        native.stat_names(dir_fds, names, modes)
+        if not native.stat_names(dir_fds, names, modes, guard):
+            return None
         outcomes: list[Outcome] = []
         for key, mode in zip(keys, modes, strict=True):
             if mode >= 0:
@@ -212,11 +237,21 @@ class FileReads:
         except OSError:
             return None
 
-    def _fetch_native(self, view: View, keys: list[BlockKey],
-                      outs: list[memoryview]) -> Iterator[Fetched]:
+    def _fetch_batches(self, view: View, keys: list[BlockKey], outs: list[memoryview],
+                       guard: Guard | None) -> Iterator[Fetched]:
+        """:meth:`_fetch_native` batch by batch, the first one checking ``guard`` (raises
+        :class:`GuardRefused` before any item where it does not hold)."""
+        for start in range(0, len(keys), BATCH_KEYS):
+            yield from self._fetch_native(view, keys[start : start + BATCH_KEYS],
+                                          outs[start : start + BATCH_KEYS],
+                                          guard if start == 0 else None)
+
+    def _fetch_native(self, view: View, keys: list[BlockKey], outs: list[memoryview],
+                      guard: Guard | None) -> Iterator[Fetched]:
         """At most ``BATCH_KEYS`` blocks opened and read in one native call; a block it does not
         take (a fan-out directory not held, a name too long for one level, an O_DIRECT
-        destination that is not whole aligned pages) goes through :meth:`_fetch_one`."""
+        destination that is not whole aligned pages) goes through :meth:`_fetch_one`. Raises
+        :class:`GuardRefused` (having read nothing) where ``guard`` does not hold."""
         direct = self._direct_io is DirectIO.ACTIVE
         native = require_batchio()
         dir_fds, names = _batch_names(view, keys, outs if direct else None)
@@ -225,9 +260,13 @@ class FileReads:
         template = self._codec.seal_template(len(keys[0]), outs[0].nbytes)
         seal = None if template is None else (keys, template, len(keys[0]), outs[0].nbytes,
                                               _KEY_OFFSET, _CHECK_OFFSET, verified)
+        left_open: int | None = None  # unknown until the call returns: close what it reported
         try:
-            native.read_frames(dir_fds, names, outs, buffers.pages, _ALIGN, results,
-                               _READ_FLAGS | (_O_DIRECT if direct else 0), seal)
+            left_open = native.read_frames(dir_fds, names, outs, buffers.pages, _ALIGN, results,
+                                           _READ_FLAGS | (_O_DIRECT if direct else 0), seal,
+                                           guard)
+            if left_open == native.GUARD_REFUSED:
+                raise GuardRefused
             self._stats.add_many({"native_reads": sum(fd >= 0 for fd in dir_fds),
                                   "sealed_reads": 0 if seal is None
                                   else verified.count(1, 0, len(keys))})
@@ -243,7 +282,8 @@ class FileReads:
                 else:
                     yield from self._answer(view, key, out, index, direct)
         finally:
-            native.close_fds(results, len(keys))
+            if left_open is None or left_open > 0:  # an exact block's was closed in the call
+                native.close_fds(results, len(keys))
 
     def _answer(self, view: View, key: BlockKey, out: memoryview, index: int,
                 direct: bool) -> Iterator[Fetched]:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from kvtier.backends.base import Outcome, StoredFrame, encode_frames
 from kvtier.backends.file.capacity import CapacityIndex
-from kvtier.backends.file.dirs import View
+from kvtier.backends.file.dirs import Guard, GuardRefused, TierDirs, View
 from kvtier.backends.file.frameio import write_temp
 from kvtier.backends.file.layout import (
     _MAX_NAME_HEX,
@@ -47,6 +47,7 @@ class FileWrites:
 
     _capacity: CapacityIndex
     _codec: FrameCodec
+    _dirs: TierDirs
     _direct_io: DirectIO
     _fsync: bool
     _native_io: NativeIO
@@ -84,6 +85,9 @@ class FileWrites:
         template = self._seal_template(keys, payloads)
         if template is None:
             return self._m_store(encode_frames(self._codec, keys, payloads))
+        if not self._capacity.bounded and \
+                (guarded := self._put_guarded(keys, payloads, template)) is not None:
+            return guarded
 
         def run(view: View) -> list[Outcome]:
             stored: list[tuple[BlockKey, int]] = []
@@ -93,6 +97,25 @@ class FileWrites:
                 self._capacity.commit(stored)  # one lock per batch, not per block
 
         return self._batch("put", keys, run, Outcome.FAILED)
+
+    def _put_guarded(self, keys: list[BlockKey], payloads: list[memoryview],
+                     template: bytes) -> list[Outcome] | None:
+        """:meth:`_put_sealed` with the namespace directory checked inside the native call
+        (:meth:`.TierDirs.acquire_guarded`); None where that cannot answer (the view is due for
+        replacement, or the check did not hold: nothing was written). Unbounded tiers only: a
+        bounded one evicts before it writes, and evicts under a checked view."""
+        guarded = self._dirs.acquire_guarded()
+        if guarded is None:
+            return None
+        view, guard = guarded
+        stored: list[tuple[BlockKey, int]] = []
+        try:
+            return self._put_sealed(view, keys, payloads, template, stored, guard)
+        except GuardRefused:
+            return None
+        finally:
+            self._capacity.commit(stored)
+            self._dirs.release(view)
 
     def _seal_template(self, keys: list[BlockKey], payloads: list[memoryview]) -> bytes | None:
         """The trailer template of a batch the native call seals itself: native and buffered
@@ -105,10 +128,12 @@ class FileWrites:
         return self._codec.seal_template(len(keys[0]), payloads[0].nbytes)
 
     def _put_sealed(self, view: View, keys: list[BlockKey], payloads: list[memoryview],
-                    template: bytes, stored: list[tuple[BlockKey, int]]) -> list[Outcome]:
+                    template: bytes, stored: list[tuple[BlockKey, int]],
+                    guard: Guard | None = None) -> list[Outcome]:
         """:func:`.store.put_sealed` over the batch (under ``max_bytes`` reserved first, as
         :meth:`_put_batch` does); what it did not publish goes the careful ways
-        (:meth:`_store_unpublished`)."""
+        (:meth:`_store_unpublished`). Raises :class:`.GuardRefused`, having written nothing,
+        where ``guard`` did not hold."""
         capacity = self._capacity
         held = 0
         if capacity.bounded:
@@ -123,13 +148,15 @@ class FileWrites:
         try:
             unpublished = put_sealed(view, keys, payloads, published, template=template,
                                      temp_prefix=prefix, counter=self._temp_counter,
-                                     native=require_batchio())
+                                     native=require_batchio(), guard=guard)
         finally:
             stored.extend(published)  # their reservation ends in commit()
             self._stats.add_many({"native_stores": len(published),
                                   "sealed_stores": len(published)})
             if held and (unreached := held - sum(size for _key, size in published)):
                 capacity.release(unreached, key=None)  # the paths below reserve their own
+        if unpublished is None:
+            raise GuardRefused
         outcomes = [Outcome.OK] * len(keys)
         if unpublished:
             self._store_unpublished(view, keys, payloads, unpublished, outcomes, stored)
