@@ -21,6 +21,7 @@ from backends.test_contract import keys_for, payload_for, sentinel_buffer
 from backends.test_file import all_files, temp_files
 from kvtier import codec
 from kvtier.backends.file import DirectIO, FileBackend, dirs
+from kvtier.backends.file.layout import _ALIGN
 from kvtier.backends.file.native import require_batchio
 from kvtier.backends.file.store import StoreStage
 from kvtier.codec.record import _CHECK_OFFSET, _KEY_OFFSET
@@ -394,3 +395,38 @@ def test_a_warm_sealed_store_checks_its_namespace_inside_the_native_call(
     assert backend.put_many(keys, [payload_for(key, 1000) for key in keys]) == [True] * 16
     assert backend.stats()["sealed_stores"] == sealed + 16
     assert len(calls) == checked_calls
+
+
+def test_an_o_direct_sealed_store_writes_the_codecs_exact_frame_from_the_slot() -> None:
+    """O_DIRECT and unkeyed: pool slots (whole pages at aligned addresses) are sealed and
+    written in the native call, each trailer from a zeroed page of its own and the file cut to
+    the frame, byte for byte what the codec encodes; a payload of whole pages at an unaligned
+    address in the same batch is skipped there and stored the careful way. All read back, with
+    O_DIRECT and buffered."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-direct-", dir="/var/tmp") as root:
+        namespace = fresh_namespace()
+        direct = FileBackend(root, namespace, o_direct=True)
+        if direct.direct_io is not DirectIO.ACTIVE:
+            pytest.fail(f"O_DIRECT is not available under {root}: the test needs a real disk")
+        _warm(direct)
+        size = 2 * mmap.PAGESIZE
+        keys = keys_for(5, "direct-sealed")
+        slots = [memoryview(mmap.mmap(-1, size)) for _ in range(4)]
+        for key, slot in zip(keys[:4], slots, strict=True):
+            slot[:] = payload_for(key, size)
+        shifted = memoryview(bytearray(size + 1))[1:]  # whole pages, unaligned address
+        shifted[:] = payload_for(keys[4], size)
+        sealed = direct.stats()["sealed_stores"]
+        assert direct.put_many(keys, [*slots, shifted]) == [True] * 5
+        assert direct.stats()["sealed_stores"] == sealed + 4
+        assert temp_files(Path(root)) == []
+        for key, payload in zip(keys, [*slots, shifted], strict=True):
+            assert direct.path_for(key).read_bytes() == _frame_of(namespace, key, bytes(payload))
+        for reader in (direct, FileBackend(root, namespace)):
+            outs = [memoryview(mmap.mmap(-1, size)) for _ in keys]
+            assert reader.get_many(keys, outs) == [True] * 5
+            assert [bytes(out) for out in outs] == [bytes(p) for p in (*slots, shifted)]
+
+
+def test_the_native_direct_unit_is_the_layouts() -> None:
+    assert require_batchio().DIRECT_ALIGN == _ALIGN

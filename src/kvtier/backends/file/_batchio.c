@@ -17,6 +17,7 @@
 #include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -764,20 +765,36 @@ gather_sealed(Py_ssize_t count, PyObject *keys, PyObject *payloads, PyObject *nu
 }
 
 /* One sealed block: its record filled in and checksummed, its names built, then write_one. */
+/* O_DIRECT's unit here: layout.py's _ALIGN (exported as DIRECT_ALIGN, checked by the tests). */
+#define DIRECT_ALIGN 4096
+
+/* Whether O_DIRECT can write payload where it is: whole pages at an aligned address. */
+static int
+whole_pages(const Py_buffer *payload)
+{
+    return payload->len > 0 && payload->len % DIRECT_ALIGN == 0
+        && (uintptr_t)payload->buf % DIRECT_ALIGN == 0;
+}
+
 static void
 seal_one(const int32_t *fan_table, const char *key, Py_ssize_t key_len, const Py_buffer *payload,
          long long number, const SealSpec *spec, const Py_buffer *prefix,
-         const Py_buffer *suffix, int flags, int mode, int64_t *out)
+         const Py_buffer *suffix, int flags, int mode, unsigned char *direct_page,
+         int64_t *out)
 {
     static const char digits[] = "0123456789abcdef";
     int fan = fan_table[(unsigned char)key[0]];
-    if (key_len != spec->key_len || payload->len != spec->nbytes || fan < 0) {
+    if (key_len != spec->key_len || payload->len != spec->nbytes || fan < 0
+        || (direct_page != NULL && !whole_pages(payload))) {
         out[0] = SKIPPED;
         out[1] = 0;
         return;
     }
     unsigned char record[SEALED_RECORD_MAX];
-    seal_record(record, spec, key, payload->buf, (size_t)payload->len);
+    /* O_DIRECT: the trailer goes out from its own zeroed aligned page, written whole, and the
+     * file is cut to the frame's size afterwards (as write_frames' lengths do). */
+    unsigned char *trailer = direct_page != NULL ? direct_page : record;
+    seal_record(trailer, spec, key, payload->buf, (size_t)payload->len);
     char final[SEALED_NAME_MAX + 1];
     for (Py_ssize_t i = 0; i < key_len; i++) {
         final[2 * i] = digits[(unsigned char)key[i] >> 4];
@@ -788,8 +805,9 @@ seal_one(const int32_t *fan_table, const char *key, Py_ssize_t key_len, const Py
     char temp[SEALED_PREFIX_MAX + 24];
     memcpy(temp, prefix->buf, (size_t)prefix->len);
     snprintf(temp + prefix->len, 24, "%lld", number);
-    write_one(fan, temp, final, payload->buf, (size_t)payload->len, record,
-              (size_t)spec->record_len, flags, mode, -1, out);
+    write_one(fan, temp, final, payload->buf, (size_t)payload->len, trailer,
+              direct_page != NULL ? DIRECT_ALIGN : (size_t)spec->record_len, flags, mode,
+              direct_page != NULL ? payload->len + spec->record_len : -1, out);
 }
 
 /* store_sealed(fan_table, keys, payloads, numbers, template, key_len, nbytes, key_offset,
@@ -801,7 +819,9 @@ seal_one(const int32_t *fan_table, const char *key, Py_ssize_t key_len, const Py
  * block is written under fan_table[keys[i][0]] (256 int32: the cached fan-out directory
  * descriptors, -1 where none) as temp_prefix + numbers[i] in decimal, and published as the hex
  * of keys[i] + suffix. A block whose key is not key_len bytes, whose payload is not nbytes, or
- * whose fan-out directory is not cached is skipped (stage 4, for the caller's other paths).
+ * whose fan-out directory is not cached is skipped (stage 4, for the caller's other paths), and
+ * with O_DIRECT in flags so is a payload that is not whole pages at an aligned address (the
+ * trailer then goes out from a zeroed page of its own and the file is cut to the frame).
  * Stages otherwise as write_frames; a temp file whose write or rename failed is left for the
  * caller to remove. guard as read_frames': where it does not hold nothing is written, every
  * block is skipped and the call returns False; else True. */
@@ -824,6 +844,7 @@ store_sealed(PyObject *module, PyObject *args)
     Py_ssize_t *key_lens = NULL;
     Py_buffer *views = NULL;
     long long *temp_numbers = NULL;
+    unsigned char *direct_page = NULL;
     Py_ssize_t count = 0, taken = 0;
     if (fan_table.len != 256 * (Py_ssize_t)sizeof(int32_t)) {
         PyErr_Format(PyExc_ValueError, "store_sealed: fan table of %zd bytes; expected 256 "
@@ -871,6 +892,16 @@ store_sealed(PyObject *module, PyObject *args)
         || take_guard("store_sealed", guard_arg, &guard) < 0) {
         goto done;
     }
+#ifdef O_DIRECT
+    if ((flags & O_DIRECT) != 0) {
+        if (posix_memalign((void **)&direct_page, DIRECT_ALIGN, DIRECT_ALIGN) != 0) {
+            direct_page = NULL;
+            PyErr_NoMemory();
+            goto done;
+        }
+        memset(direct_page, 0, DIRECT_ALIGN);
+    }
+#endif
     const int32_t *fans = (const int32_t *)fan_table.buf;
     int64_t *out = (int64_t *)results.buf;
     Py_BEGIN_ALLOW_THREADS
@@ -882,11 +913,12 @@ store_sealed(PyObject *module, PyObject *args)
             continue;
         }
         seal_one(fans, key_bytes[i], key_lens[i], &views[i], temp_numbers[i], &spec, &prefix,
-                 &suffix, flags, mode, out + 2 * i);
+                 &suffix, flags, mode, direct_page, out + 2 * i);
     }
     Py_END_ALLOW_THREADS
     answer = PyBool_FromLong(!refused);
 done:
+    free(direct_page);
     release_all(views, taken);
     PyMem_Free(temp_numbers);
     PyMem_Free(views);
@@ -965,7 +997,8 @@ PyInit__batchio(void)
 #endif
     if (PyModule_AddStringConstant(module, "XXH3_KERNEL", xxh3_kernel) < 0
             || PyModule_AddIntConstant(module, "SKIPPED", SKIPPED) < 0
-            || PyModule_AddIntConstant(module, "GUARD_REFUSED", GUARD_REFUSED) < 0) {
+            || PyModule_AddIntConstant(module, "GUARD_REFUSED", GUARD_REFUSED) < 0
+            || PyModule_AddIntConstant(module, "DIRECT_ALIGN", DIRECT_ALIGN) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -213,21 +213,23 @@ Unpublished = tuple[int, StoreStage, int, bytes]
 def put_sealed(view: View, keys: list[BlockKey], payloads: list[memoryview],
                stored: list[tuple[BlockKey, int]], *, template: bytes, temp_prefix: bytes,
                counter: itertools.count[int], native: ModuleType,
-               guard: Guard | None = None) -> list[Unpublished] | None:
+               guard: Guard | None = None, direct: bool = False) -> list[Unpublished] | None:
     """:func:`put_native` for an unkeyed batch, with each trailer sealed in the same native call
     (``store_sealed``): ``template`` (:meth:`.FrameCodec.seal_template` of the first block's
     key and payload lengths) gets the block's key echo and xxh3 check there, so that nothing
     runs in Python per block. Each published block is appended to ``stored`` as (key, file
     size); the others are returned, for the backend's careful paths: SKIPPED and OPEN_FAILED
     left nothing behind, WRITE_FAILED and RENAME_FAILED left their temp file under the block's
-    fan-out directory (``view.fan_table``). None, having written nothing, where ``guard``
-    (:meth:`.TierDirs.acquire_guarded`) did not hold."""
+    fan-out directory (``view.fan_table``). ``direct``: O_DIRECT, as :func:`put_native`
+    writes it (a payload that is not whole aligned pages is skipped). None, having written
+    nothing, where ``guard`` (:meth:`.TierDirs.acquire_guarded`) did not hold."""
     count = len(keys)
     numbers = list(itertools.islice(counter, count))
     results = array.array("q", bytes(16 * count))
     if not native.store_sealed(view.fan_table, keys, payloads, numbers, template, len(keys[0]),
                                payloads[0].nbytes, _KEY_OFFSET, _CHECK_OFFSET, temp_prefix,
-                               _SUFFIX_BYTES, results, _CREATE_FLAGS, _FILE_MODE, guard):
+                               _SUFFIX_BYTES, results,
+                               _CREATE_FLAGS | (_O_DIRECT if direct else 0), _FILE_MODE, guard):
         return None
     record = len(template)
     if results.count(0) == len(results):  # every block published, every errno 0

@@ -23,6 +23,7 @@ from kvtier.backends.file.layout import (
     _TEMP_PREFIX_BYTES,
     DirectIO,
     _Scratch,
+    is_aligned,
     locate,
 )
 from kvtier.backends.file.native import NativeIO, require_batchio
@@ -118,12 +119,13 @@ class FileWrites:
             self._dirs.release(view)
 
     def _seal_template(self, keys: list[BlockKey], payloads: list[memoryview]) -> bytes | None:
-        """The trailer template of a batch the native call seals itself: native and buffered
-        I/O, no fsync, a no-replace publish, no MAC, a first key short enough for one file
-        name. None for every other store."""
-        if (self._native_io is not NativeIO.ACTIVE or self._direct_io is DirectIO.ACTIVE
-                or self._fsync or not self._publisher.refuses_existing
-                or 2 * len(keys[0]) > _MAX_NAME_HEX):
+        """The trailer template of a batch the native call seals itself: native I/O (buffered,
+        or O_DIRECT from a first payload of whole aligned pages, an engine's pool slot), no
+        fsync, a no-replace publish, no MAC, a first key short enough for one file name. None
+        for every other store."""
+        if (self._native_io is not NativeIO.ACTIVE or self._fsync
+                or not self._publisher.refuses_existing or 2 * len(keys[0]) > _MAX_NAME_HEX
+                or (self._direct_io is DirectIO.ACTIVE and not is_aligned(payloads[0]))):
             return None
         return self._codec.seal_template(len(keys[0]), payloads[0].nbytes)
 
@@ -148,7 +150,8 @@ class FileWrites:
         try:
             unpublished = put_sealed(view, keys, payloads, published, template=template,
                                      temp_prefix=prefix, counter=self._temp_counter,
-                                     native=require_batchio(), guard=guard)
+                                     native=require_batchio(), guard=guard,
+                                     direct=self._direct_io is DirectIO.ACTIVE)
         finally:
             stored.extend(published)  # their reservation ends in commit()
             self._stats.add_many({"native_stores": len(published),
