@@ -6,29 +6,16 @@ writes; nothing is timed or compared.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from benchmark_module import load_benchmark
+
 pytestmark = pytest.mark.timeout(120)
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "backend_throughput.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("backend_throughput_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_benchmark("backend_throughput")
 
 
 def test_json_has_a_raw_and_a_floor_for_every_transfer_row(tmp_path: Path) -> None:

@@ -5,28 +5,13 @@ No engine runs here (the benchmark itself needs vLLM and minutes); nothing is ti
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+
+from benchmark_module import load_benchmark
 
 pytestmark = pytest.mark.timeout(60)
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_load.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("engine_load_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_benchmark("engine_load")
 
 
 def test_defaults_cover_the_issue_rows() -> None:

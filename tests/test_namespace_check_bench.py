@@ -4,31 +4,17 @@ tier as it found it. Runs one tiny round only to check the shape; nothing is tim
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from benchmark_module import load_benchmark
 from kvtier.backends.file import dirs
 
 pytestmark = pytest.mark.timeout(120)
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "namespace_check.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("namespace_check_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_benchmark("namespace_check")
 
 
 def test_both_arms_are_measured_and_the_native_check_is_restored(tmp_path: Path) -> None:
