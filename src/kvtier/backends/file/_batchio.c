@@ -764,7 +764,6 @@ gather_sealed(Py_ssize_t count, PyObject *keys, PyObject *payloads, PyObject *nu
     return 0;
 }
 
-/* One sealed block: its record filled in and checksummed, its names built, then write_one. */
 /* O_DIRECT's unit here: layout.py's _ALIGN (exported as DIRECT_ALIGN, checked by the tests). */
 #define DIRECT_ALIGN 4096
 
@@ -776,6 +775,7 @@ whole_pages(const Py_buffer *payload)
         && (uintptr_t)payload->buf % DIRECT_ALIGN == 0;
 }
 
+/* One sealed block: its record filled in and checksummed, its names built, then write_one. */
 static void
 seal_one(const int32_t *fan_table, const char *key, Py_ssize_t key_len, const Py_buffer *payload,
          long long number, const SealSpec *spec, const Py_buffer *prefix,

@@ -413,6 +413,17 @@ class TierDirs:
             return view, (view.fd, held.root_fd, self._name_bytes, view.ino, view.dev,
                           *view.trusted, *view.stamp)
 
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[tuple[View, Guard] | None]:
+        """:meth:`acquire_guarded` and :meth:`release` around a native call (the hot paths);
+        None inside where the caller must take the careful path."""
+        guarded = self.acquire_guarded()
+        try:
+            yield guarded
+        finally:
+            if guarded is not None:
+                self.release(guarded[0])
+
     def release(self, view: View) -> None:
         with self._lock:
             view.users -= 1

@@ -126,16 +126,15 @@ class FileReads:
     _exists_one: Callable[[View, BlockKey], Outcome]
 
     def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> Iterator[Fetched]:
-        if self._native_io is NativeIO.ACTIVE and \
-                (guarded := self._dirs.acquire_guarded()) is not None:
-            view, guard = guarded
-            try:
-                yield from self._fetch_batches(view, keys, outs, guard)
-                return
-            except GuardRefused:
-                pass  # nothing was read: the careful path below looks again
-            finally:
-                self._dirs.release(view)
+        if self._native_io is NativeIO.ACTIVE:
+            with self._dirs.guarded() as guarded:
+                if guarded is not None:
+                    view, guard = guarded
+                    try:
+                        yield from self._fetch_batches(view, keys, outs, guard)
+                        return
+                    except GuardRefused:
+                        pass  # nothing was read: the careful path below looks again
         try:
             view = self._dirs.acquire()
         except NamespaceGoneError:
@@ -160,14 +159,11 @@ class FileReads:
         """:meth:`_exists_native` with the namespace directory checked inside the call; None
         where that cannot answer (the view is due for replacement, or the check did not hold):
         the caller takes the careful path."""
-        guarded = self._dirs.acquire_guarded()
-        if guarded is None:
-            return None
-        view, guard = guarded
-        try:
+        with self._dirs.guarded() as guarded:
+            if guarded is None:
+                return None
+            view, guard = guarded
             return self._exists_native(view, keys, guard)
-        finally:
-            self._dirs.release(view)
 
     def _exists_native(self, view: View, keys: list[BlockKey],
                        guard: Guard | None = None) -> list[Outcome] | None:

@@ -105,18 +105,17 @@ class FileWrites:
         (:meth:`.TierDirs.acquire_guarded`); None where that cannot answer (the view is due for
         replacement, or the check did not hold: nothing was written). Unbounded tiers only: a
         bounded one evicts before it writes, and evicts under a checked view."""
-        guarded = self._dirs.acquire_guarded()
-        if guarded is None:
-            return None
-        view, guard = guarded
-        stored: list[tuple[BlockKey, int]] = []
-        try:
-            return self._put_sealed(view, keys, payloads, template, stored, guard)
-        except GuardRefused:
-            return None
-        finally:
-            self._capacity.commit(stored)
-            self._dirs.release(view)
+        with self._dirs.guarded() as guarded:
+            if guarded is None:
+                return None
+            view, guard = guarded
+            stored: list[tuple[BlockKey, int]] = []
+            try:
+                return self._put_sealed(view, keys, payloads, template, stored, guard)
+            except GuardRefused:
+                return None
+            finally:
+                self._capacity.commit(stored)
 
     def _seal_template(self, keys: list[BlockKey], payloads: list[memoryview]) -> bytes | None:
         """The trailer template of a batch the native call seals itself: native I/O (buffered,
