@@ -46,10 +46,12 @@ engine computing the uncached tail, which on a shared 2-core machine varies far 
 load does). ``--trace`` prints the per-step timeline (lookups answered HIT / MISS / RETRY, load
 submits, finished jobs, step ends).
 
-``--engine-core mp`` runs vLLM's default engine-core process instead (no tier wait, no trace;
-the buffered ``fs`` mode is set there through a ``sitecustomize`` on ``PYTHONPATH``).
-Diagnostics: ``--switch-interval-ms`` (``sys.setswitchinterval`` in every engine process) and
-``--kvtier-io-yield-ms`` (KvtierTier's end-of-step wait for in-flight I/O, ``0`` = none);
+``--engine-core mp`` runs vLLM's default engine-core process instead, as ``vllm serve`` does
+(no tier wait, no trace). The buffered ``fs`` mode and the diagnostics are set in every engine
+process, the engine-core one included, through a ``sitecustomize`` on ``PYTHONPATH`` (each
+process writes what it set to the engine log). Diagnostics: ``--switch-interval-ms``
+(``sys.setswitchinterval``) and ``--kvtier-io-yield-ms`` (KvtierTier's end-of-step wait for
+in-flight I/O, ``0`` = none);
 ``--tiers`` runs a subset. Cost: each configuration is two engine processes per round (~20 s
 each to start) plus the prefills of process A; at 8,192 tokens a prefill takes tens of seconds
 on 2 cores, so the default command takes ~15-20 minutes (``--fresh-tokens 2048`` ~6).
@@ -187,7 +189,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     parser.add_argument("--trace", action="store_true",
                         help="print the tier-call timeline of the same-process loads")
     parser.add_argument("--switch-interval-ms", type=float,
-                        help="diagnostic: sys.setswitchinterval in every engine process "
+                        help="diagnostic: sys.setswitchinterval in every engine process, "
+                             "the engine-core process under mp included "
                              "(default: Python's 5 ms)")
     parser.add_argument("--engine-core", choices=ENGINE_CORES, default="inproc",
                         help="inproc: engine core in the generate process "
@@ -212,8 +215,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     if args.kvtier_io_yield_ms is not None and not 0 <= args.kvtier_io_yield_ms <= 100:
         raise BenchArgumentError(
             f"--kvtier-io-yield-ms: {args.kvtier_io_yield_ms}: expected 0..100")
-    if args.kvtier_io_yield_ms is not None and args.engine_core == "mp":
-        raise BenchArgumentError("--kvtier-io-yield-ms needs --engine-core inproc")
     if not 1 <= args.io_threads <= 64:
         raise BenchArgumentError(f"--io-threads: {args.io_threads}: expected 1..64")
     return Settings(
@@ -453,16 +454,7 @@ def _timeline(events: list[tuple[float, str, str]], start: float) -> list[str]:
 def child_main(spec: dict[str, Any]) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    if spec.get("fs_buffered"):
-        import vllm.v1.kv_offload.tiering.fs.manager as fs_manager
-
-        fs_manager.probe_o_direct = lambda directory: False  # fs's own non-O_DIRECT fallback
-    if spec.get("switch_interval_s"):
-        sys.setswitchinterval(float(spec["switch_interval_s"]))
-    if spec.get("kvtier_io_yield_s") is not None:
-        import kvtier.integrations.vllm._tier as kvtier_tier
-
-        kvtier_tier._IO_YIELD_S = float(spec["kvtier_io_yield_s"])
+    # The buffered fs mode and the diagnostics are set by _ENGINE_SITECUSTOMIZE (every process).
     trace = _Trace()
     if spec["engine_core"] == "inproc" and spec["kv_config"]:
         _install_trace(trace)
@@ -518,28 +510,52 @@ def child_main(spec: dict[str, Any]) -> None:
 # -- parent ----------------------------------------------------------------------------------
 
 
-# Under --engine-core mp vLLM spawns the engine-core process: the fs tier's O_DIRECT probe is
-# answered there, by this sitecustomize (on PYTHONPATH only for the buffered fs child).
-_FS_BUFFERED_SITECUSTOMIZE = """\
+# Under --engine-core mp vLLM spawns the engine-core process, where the tiers run: the fs tier's
+# O_DIRECT probe and the diagnostics are set there (and in the generate process) by this
+# sitecustomize, on PYTHONPATH for every engine process of a configuration that needs it.
+_ENGINE_SITECUSTOMIZE = """\
 import os
+import sys
 if os.environ.get("KVTIER_BENCH_FS_BUFFERED") == "1":
     import vllm.v1.kv_offload.tiering.fs.manager as _fs_manager
-    _fs_manager.probe_o_direct = lambda directory: False
+    _fs_manager.probe_o_direct = lambda directory: False  # fs's own non-O_DIRECT fallback
+if "KVTIER_BENCH_SWITCH_INTERVAL_S" in os.environ:
+    sys.setswitchinterval(float(os.environ["KVTIER_BENCH_SWITCH_INTERVAL_S"]))
+    sys.stderr.write(f"engine_load: switch interval {sys.getswitchinterval()} s in "
+                     f"{os.getpid()}\\n")
+if "KVTIER_BENCH_IO_YIELD_S" in os.environ:
+    import kvtier.integrations.vllm._tier as _kvtier_tier
+    _kvtier_tier._IO_YIELD_S = float(os.environ["KVTIER_BENCH_IO_YIELD_S"])
+    sys.stderr.write(f"engine_load: KvtierTier I/O yield {_kvtier_tier._IO_YIELD_S} s in "
+                     f"{os.getpid()}\\n")
 """
 
 
-def _child_env(engine_core: str, fs_buffered: bool, work: Path) -> dict[str, str]:
+def engine_env_overrides(spec: dict[str, Any]) -> dict[str, str]:
+    """The environment that makes ``_ENGINE_SITECUSTOMIZE`` set what ``spec`` asks for."""
+    overrides: dict[str, str] = {}
+    if spec.get("fs_buffered"):
+        overrides["KVTIER_BENCH_FS_BUFFERED"] = "1"
+    if spec.get("switch_interval_s"):
+        overrides["KVTIER_BENCH_SWITCH_INTERVAL_S"] = repr(float(spec["switch_interval_s"]))
+    if spec.get("kvtier_io_yield_s") is not None and spec.get("kv_config"):
+        overrides["KVTIER_BENCH_IO_YIELD_S"] = repr(float(spec["kvtier_io_yield_s"]))
+    return overrides
+
+
+def _child_env(spec: dict[str, Any], work: Path) -> dict[str, str]:
     env = dict(os.environ)
-    if fs_buffered:
-        site = work / "fs-buffered-site"
+    overrides = engine_env_overrides(spec)
+    if overrides:
+        site = work / "engine-site"
         site.mkdir(exist_ok=True)
-        (site / "sitecustomize.py").write_text(_FS_BUFFERED_SITECUSTOMIZE)
-        env["KVTIER_BENCH_FS_BUFFERED"] = "1"
+        (site / "sitecustomize.py").write_text(_ENGINE_SITECUSTOMIZE)
+        env.update(overrides)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(site), *filter(None, [env.get("PYTHONPATH")])])
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if engine_core == "inproc" else "1",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if spec["engine_core"] == "inproc" else "1",
                 "VLLM_CPU_NUM_OF_RESERVED_CPU": env.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
                 "PYTHONHASHSEED": "0",
                 "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING")})
@@ -550,8 +566,7 @@ def run_child(spec: dict[str, Any], log_path: Path) -> list[dict[str, Any]]:
     with log_path.open("ab") as log:
         done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
                               stdout=subprocess.PIPE, stderr=log,
-                              env=_child_env(spec["engine_core"], bool(spec.get("fs_buffered")),
-                                             log_path.parent),
+                              env=_child_env(spec, log_path.parent),
                               timeout=CHILD_DEADLINE_S, check=False)
     for line in done.stdout.decode(errors="replace").splitlines():
         if line.startswith(MARKER):

@@ -5,6 +5,10 @@ No engine runs here (the benchmark itself needs vLLM and minutes); nothing is ti
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from benchmark_module import load_benchmark
@@ -131,3 +135,39 @@ def test_tier_waits_have_their_own_medians_and_ratio() -> None:
     assert row.wait_ratio == pytest.approx(1.0)
     line = bench.format_table([row]).splitlines()[2]
     assert "20.0ms   20.0ms     1.00" in line
+
+
+def test_the_diagnostics_reach_the_engine_core_process_under_mp() -> None:
+    """``--kvtier-io-yield-ms`` is no longer refused with ``--engine-core mp``: it and the
+    switch interval travel as environment for the engine processes' sitecustomize."""
+    settings = bench.parse_args(["--engine-core", "mp", "--kvtier-io-yield-ms", "0",
+                                 "--switch-interval-ms", "0.5"])
+    assert settings.kvtier_io_yield_ms == 0
+    spec = {"engine_core": "mp", "kv_config": {"kv_connector": "OffloadingConnector"},
+            "fs_buffered": True, "switch_interval_s": 0.0005, "kvtier_io_yield_s": 0.0}
+    assert bench.engine_env_overrides(spec) == {
+        "KVTIER_BENCH_FS_BUFFERED": "1", "KVTIER_BENCH_SWITCH_INTERVAL_S": "0.0005",
+        "KVTIER_BENCH_IO_YIELD_S": "0.0"}
+    # No tier (the recompute process): nothing of the tier's to set; no diagnostics: no site.
+    assert bench.engine_env_overrides({**spec, "kv_config": None, "fs_buffered": False}) == {
+        "KVTIER_BENCH_SWITCH_INTERVAL_S": "0.0005"}
+    assert bench.engine_env_overrides({"engine_core": "mp", "kv_config": None}) == {}
+
+
+def test_the_engine_sitecustomize_sets_the_switch_interval_in_a_new_interpreter(
+        tmp_path: Path) -> None:
+    """A real child interpreter started with the benchmark's environment (as vLLM starts its
+    engine-core process) runs with the asked switch interval and says so on stderr."""
+    env = bench._child_env({"engine_core": "mp", "kv_config": None,
+                            "switch_interval_s": 0.0005}, tmp_path)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    done = subprocess.run([sys.executable, "-c", "import sys; print(sys.getswitchinterval())"],
+                          env=env, capture_output=True, text=True, timeout=30, check=True)
+    assert float(done.stdout) == pytest.approx(0.0005)
+    assert "engine_load: switch interval 0.0005 s in" in done.stderr
+
+
+def test_no_sitecustomize_without_a_diagnostic_or_buffered_fs(tmp_path: Path) -> None:
+    env = bench._child_env({"engine_core": "inproc", "kv_config": None}, tmp_path)
+    assert not (tmp_path / "engine-site").exists()
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
