@@ -38,20 +38,20 @@ Rows (seconds of the timed ``generate``):
 
 Rounds are interleaved: each round runs every configuration once, the order rotating per round.
 Reported: the median over rounds per row, the ratio kvtier / fs per row (same mode, same
-tokens), and tokens served from the tier (a row whose load missed is flagged). With the engine
-core in-process (the default), the tier's scheduler calls are also timestamped, and each row
-has a *tier wait*: first secondary-tier lookup of the request to the step that reported its
-last load job, i.e. the part of the time to first token that is the tier's (the rest is the
-engine computing the uncached tail, which on a shared 2-core machine varies far more than the
-load does). ``--trace`` prints the per-step timeline (lookups answered HIT / MISS / RETRY, load
-submits, finished jobs, step ends).
+tokens), and tokens served from the tier (a row whose load missed is flagged). The tier's
+scheduler calls are also timestamped, and each row has a *tier wait*: first secondary-tier
+lookup of the request to the step that reported its last load job, i.e. the part of the time
+to first token that is the tier's (the rest is the engine computing the uncached tail, which on
+a shared 2-core machine varies far more than the load does). ``--trace`` prints the per-step
+timeline (lookups answered HIT / MISS / RETRY, load submits, finished jobs, step ends).
 
-``--engine-core mp`` runs vLLM's default engine-core process instead, as ``vllm serve`` does
-(no tier wait, no trace). The buffered ``fs`` mode and the diagnostics are set in every engine
-process, the engine-core one included, through a ``sitecustomize`` on ``PYTHONPATH`` (each
-process writes what it set to the engine log). Diagnostics: ``--switch-interval-ms``
-(``sys.setswitchinterval``) and ``--kvtier-io-yield-ms`` (KvtierTier's end-of-step wait for
-in-flight I/O, ``0`` = none);
+``--engine-core mp`` runs vLLM's default engine-core process instead, as ``vllm serve`` does.
+There the buffered ``fs`` mode, the diagnostics and the timestamps are set up in every engine
+process, the engine-core one included, by a ``sitecustomize`` on ``PYTHONPATH``: each process
+writes what it set to the engine log and its tier calls to a file, which the parent cuts by
+each timed request's window (``time.perf_counter`` is the same monotonic clock in every
+process). Diagnostics: ``--switch-interval-ms`` (``sys.setswitchinterval``) and
+``--kvtier-io-yield-ms`` (KvtierTier's end-of-step wait for in-flight I/O, ``0`` = none);
 ``--tiers`` runs a subset. Cost: each configuration is two engine processes per round (~20 s
 each to start) plus the prefills of process A; at 8,192 tokens a prefill takes tens of seconds
 on 2 cores, so the default command takes ~15-20 minutes (``--fresh-tokens 2048`` ~6).
@@ -77,6 +77,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,7 +86,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 MARKER = "KVTIER-ENGINE-LOAD "
 BLOCK_TOKENS = 32
@@ -187,15 +188,15 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     parser.add_argument("--io-threads", type=int, default=4,
                         help="kvtier io_threads = fs n_read_threads = fs n_write_threads")
     parser.add_argument("--trace", action="store_true",
-                        help="print the tier-call timeline of the same-process loads")
+                        help="print the tier-call timeline of every timed load")
     parser.add_argument("--switch-interval-ms", type=float,
                         help="diagnostic: sys.setswitchinterval in every engine process, "
                              "the engine-core process under mp included "
                              "(default: Python's 5 ms)")
     parser.add_argument("--engine-core", choices=ENGINE_CORES, default="inproc",
                         help="inproc: engine core in the generate process "
-                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0; needed by --trace and the "
-                             "buffered fs mode); mp: vLLM's default engine-core process")
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0); mp: vLLM's default "
+                             "engine-core process, as vllm serve runs it")
     parser.add_argument("--kvtier-io-yield-ms", type=float,
                         help="diagnostic: KvtierTier's end-of-step wait for in-flight I/O "
                              "(0 = none; default: the tier's own)")
@@ -209,9 +210,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     if args.switch_interval_ms is not None and not 0.001 <= args.switch_interval_ms <= 100:
         raise BenchArgumentError(
             f"--switch-interval-ms: {args.switch_interval_ms}: expected 0.001..100")
-    if args.trace and args.engine_core == "mp":
-        raise BenchArgumentError("--trace needs --engine-core inproc (the tier runs in the "
-                                 "engine-core process under mp)")
     if args.kvtier_io_yield_ms is not None and not 0 <= args.kvtier_io_yield_ms <= 100:
         raise BenchArgumentError(
             f"--kvtier-io-yield-ms: {args.kvtier_io_yield_ms}: expected 0..100")
@@ -366,33 +364,68 @@ def kv_config(settings: Settings, tier: str, mode: str, root: Path) -> dict[str,
 
 
 class _Trace:
-    """Timestamps of the secondary tier's scheduler calls (child process, scheduler thread)."""
+    """Timestamps of the secondary tier's scheduler calls (an engine process, scheduler thread).
 
-    def __init__(self) -> None:
+    In-process, ``start`` and ``on`` keep the calls of one timed request. In vLLM's engine-core
+    process (``--engine-core mp``) every call is kept, written to ``sink`` a line at a time and
+    flushed at each step end and each finished job, for the parent to cut by the timed windows
+    (``time.perf_counter`` is the system's monotonic clock, the same in every process)."""
+
+    def __init__(self, sink: TextIO | None = None) -> None:
         self.events: list[tuple[float, str, str]] = []
-        self.on = False
-        self.loads: set[int] = set()  # vLLM ids of the load jobs submitted while on
-        self.first_lookup: float | None = None
-        self.last_load_done: float | None = None
+        self.on = sink is not None
+        self._sink = sink
 
     def start(self) -> None:
         self.events.clear()
-        self.loads.clear()
-        self.first_lookup = self.last_load_done = None
         self.on = True
 
     def add(self, name: str, detail: str = "") -> None:
-        if self.on:
-            stamp = time.perf_counter()
-            if name == "lookup" and self.first_lookup is None:
-                self.first_lookup = stamp
+        if not self.on:
+            return
+        stamp = time.perf_counter()
+        if self._sink is None:
             self.events.append((stamp, name, detail))
+            return
+        self._sink.write(f"{stamp!r}\t{name}\t{detail}\n")
+        if name in ("step_end", "finished"):
+            self._sink.flush()
 
-    def tier_wait_s(self) -> float | None:
-        """First secondary-tier lookup to the report of the last load job finished."""
-        if self.first_lookup is None or self.last_load_done is None:
-            return None
-        return self.last_load_done - self.first_lookup
+
+def tier_wait_of(events: Sequence[tuple[float, str, str]]) -> float | None:
+    """First secondary-tier lookup among ``events`` to the report of the last load job
+    submitted among them; None without a lookup or a reported load."""
+    first = next((stamp for stamp, name, _ in events if name == "lookup"), None)
+    loads = {detail.split(":")[0].removeprefix("job ") for _, name, detail in events
+             if name == "submit_load"}
+    done = [stamp for stamp, name, detail in events if name == "finished"
+            and any(part.split(":")[0] in loads for part in detail.split(","))]
+    if first is None or not done:
+        return None
+    return done[-1] - first
+
+
+def read_trace_dir(directory: Path) -> list[tuple[float, str, str]]:
+    """The events every engine process of one child wrote (``install_file_trace``), in order."""
+    events: list[tuple[float, str, str]] = []
+    for path in sorted(directory.glob("trace-*.tsv")):
+        for line in path.read_text().splitlines():
+            stamp, name, detail = line.split("\t", 2)
+            events.append((float(stamp), name, detail))
+    return sorted(events)
+
+
+def in_window(events: Sequence[tuple[float, str, str]],
+              window: Sequence[float]) -> list[tuple[float, str, str]]:
+    start, end = window
+    return [event for event in events if start <= event[0] <= end]
+
+
+def install_file_trace(directory: str) -> None:
+    """``--engine-core mp``: this process's tier calls, written to ``trace-<pid>.tsv`` in
+    ``directory`` (called by the engine processes' sitecustomize)."""
+    sink = (Path(directory) / f"trace-{os.getpid()}.tsv").open("a", buffering=1 << 16)
+    _install_trace(_Trace(sink))
 
 
 def _install_trace(trace: _Trace) -> None:
@@ -417,16 +450,12 @@ def _install_trace(trace: _Trace) -> None:
 
         def submit_load(self: Any, job: Any, _f: Any = original_load) -> Any:
             trace.add("submit_load", f"job {job.job_id}: {len(job.keys)} keys")
-            if trace.on:
-                trace.loads.add(job.job_id)
             return _f(self, job)
 
         def get_finished_jobs(self: Any, _f: Any = original_finished) -> Any:
             results = list(_f(self))
-            if results and trace.on:
+            if results:
                 trace.add("finished", ",".join(f"{r.job_id}:{r.success}" for r in results))
-                if any(r.job_id in trace.loads for r in results):
-                    trace.last_load_done = time.perf_counter()
             return results
 
         for name, wrapper in (("lookup", lookup), ("on_schedule_end", on_schedule_end),
@@ -500,7 +529,8 @@ def child_main(spec: dict[str, Any]) -> None:
             seconds, cached = generate(prompt_ids(op["tokens"], op["seed"], vocab))
             trace.on = False
             results.append({"label": op["label"], "tokens": op["tokens"], "seconds": seconds,
-                            "cached_tokens": cached, "tier_wait_s": trace.tier_wait_s(),
+                            "cached_tokens": cached, "window": [started, time.perf_counter()],
+                            "tier_wait_s": tier_wait_of(trace.events),
                             "timeline": _timeline(trace.events, started) if spec.get("trace")
                             else []})
     sys.stdout.write(MARKER + json.dumps({"results": results}) + "\n")
@@ -523,6 +553,10 @@ if "KVTIER_BENCH_SWITCH_INTERVAL_S" in os.environ:
     sys.setswitchinterval(float(os.environ["KVTIER_BENCH_SWITCH_INTERVAL_S"]))
     sys.stderr.write(f"engine_load: switch interval {sys.getswitchinterval()} s in "
                      f"{os.getpid()}\\n")
+if "KVTIER_BENCH_TRACE_DIR" in os.environ:
+    sys.path.insert(0, os.environ["KVTIER_BENCH_SCRIPT_DIR"])
+    import engine_load as _engine_load
+    _engine_load.install_file_trace(os.environ["KVTIER_BENCH_TRACE_DIR"])
 if "KVTIER_BENCH_IO_YIELD_S" in os.environ:
     import kvtier.integrations.vllm._tier as _kvtier_tier
     _kvtier_tier._IO_YIELD_S = float(os.environ["KVTIER_BENCH_IO_YIELD_S"])
@@ -540,6 +574,9 @@ def engine_env_overrides(spec: dict[str, Any]) -> dict[str, str]:
         overrides["KVTIER_BENCH_SWITCH_INTERVAL_S"] = repr(float(spec["switch_interval_s"]))
     if spec.get("kvtier_io_yield_s") is not None and spec.get("kv_config"):
         overrides["KVTIER_BENCH_IO_YIELD_S"] = repr(float(spec["kvtier_io_yield_s"]))
+    if spec.get("trace_dir") and spec.get("kv_config"):
+        overrides["KVTIER_BENCH_TRACE_DIR"] = str(spec["trace_dir"])
+        overrides["KVTIER_BENCH_SCRIPT_DIR"] = str(Path(__file__).resolve().parent)
     return overrides
 
 
@@ -563,6 +600,26 @@ def _child_env(spec: dict[str, Any], work: Path) -> dict[str, str]:
 
 
 def run_child(spec: dict[str, Any], log_path: Path) -> list[dict[str, Any]]:
+    """The child's timed results; under ``--engine-core mp`` with their tier waits and
+    timelines cut from what its engine-core process wrote."""
+    if spec["engine_core"] == "mp" and spec["kv_config"]:
+        trace_dir = Path(tempfile.mkdtemp(prefix="trace-", dir=log_path.parent))
+        spec = {**spec, "trace_dir": str(trace_dir)}
+        try:
+            results = _run_child(spec, log_path)
+            events = read_trace_dir(trace_dir)
+        finally:
+            shutil.rmtree(trace_dir, ignore_errors=True)
+        for result in results:
+            window = in_window(events, result["window"])
+            result["tier_wait_s"] = tier_wait_of(window)
+            result["timeline"] = _timeline(window, result["window"][0]) if spec.get("trace") \
+                else []
+        return results
+    return _run_child(spec, log_path)
+
+
+def _run_child(spec: dict[str, Any], log_path: Path) -> list[dict[str, Any]]:
     with log_path.open("ab") as log:
         done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
                               stdout=subprocess.PIPE, stderr=log,

@@ -171,3 +171,36 @@ def test_no_sitecustomize_without_a_diagnostic_or_buffered_fs(tmp_path: Path) ->
     env = bench._child_env({"engine_core": "inproc", "kv_config": None}, tmp_path)
     assert not (tmp_path / "engine-site").exists()
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_tier_wait_runs_from_the_first_lookup_to_the_report_of_the_last_own_load() -> None:
+    events = [(1.0, "step_end", ""), (2.0, "lookup", "RETRY"), (3.0, "step_end", ""),
+              (4.0, "lookup", "HIT"), (4.5, "submit_load", "job 7: 16 keys"),
+              (5.0, "finished", "3:True"),  # an earlier store: not this request's load
+              (6.5, "finished", "7:True"), (9.0, "finished", "4:True")]
+    assert bench.tier_wait_of(events) == pytest.approx(4.5)
+    assert bench.tier_wait_of(events[:6]) is None  # the load not reported yet
+    assert bench.tier_wait_of([(1.0, "submit_load", "job 1: 1 keys")]) is None
+
+
+def test_an_engine_core_trace_file_is_cut_by_the_timed_window(tmp_path: Path) -> None:
+    """The engine-core process's sink, read back and cut as the parent does under mp."""
+    with (tmp_path / "trace-1.tsv").open("a") as sink:
+        trace = bench._Trace(sink)
+        assert trace.on  # an engine-core trace keeps every call
+        for name, detail in (("lookup", "HIT"), ("submit_load", "job 2: 4 keys"),
+                             ("finished", "2:True")):
+            trace.add(name, detail)
+    (tmp_path / "trace-2.tsv").write_text("")  # a process that made no tier call
+    events = bench.read_trace_dir(tmp_path)
+    assert [name for _, name, _ in events] == ["lookup", "submit_load", "finished"]
+    assert [detail for *_, detail in events] == ["HIT", "job 2: 4 keys", "2:True"]
+    first, last = events[0][0], events[-1][0]
+    assert bench.tier_wait_of(bench.in_window(events, [first, last])) == last - first
+    assert bench.in_window(events, [last + 1, last + 2]) == []
+    assert trace.events == []  # written, not kept
+
+
+def test_trace_is_accepted_with_the_engine_core_in_its_own_process() -> None:
+    settings = bench.parse_args(["--engine-core", "mp", "--trace"])
+    assert settings.trace and settings.engine_core == "mp"
