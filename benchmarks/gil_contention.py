@@ -40,14 +40,13 @@ THREADS = 4
 CHUNK = 64
 
 
-def _spin(stop: threading.Event) -> None:
-    """A scheduler that never sleeps: pure-Python work holding the interpreter lock."""
+def spin_scheduler(stop: threading.Event) -> None:
+    """A scheduler that never sleeps: pure-Python work holding the interpreter lock (also
+    ``namespace_check.py``'s)."""
     table: dict[int, int] = {}
-    count = 0
     while not stop.is_set():
         for index in range(1000):
             table[index] = table.get(index, 0) + 1
-        count += 1
 
 
 def _one_run(root: str, blocks: int, busy: bool, native: bool) -> tuple[float, float, float]:
@@ -59,7 +58,7 @@ def _one_run(root: str, blocks: int, busy: bool, native: bool) -> tuple[float, f
     chunks = [keys[i : i + CHUNK] for i in range(0, blocks, CHUNK)]
     outs = {id(chunk): [memoryview(bytearray(BLOCK)) for _ in chunk] for chunk in chunks}
     stop = threading.Event()
-    spinner = threading.Thread(target=_spin, args=(stop,)) if busy else None
+    spinner = threading.Thread(target=spin_scheduler, args=(stop,)) if busy else None
     try:
         with ThreadPoolExecutor(THREADS) as pool:
             if spinner is not None:

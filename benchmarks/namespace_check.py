@@ -32,6 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from gil_contention import spin_scheduler  # a sibling script: benchmarks/ is on sys.path
 from kvtier.backends.file import dirs
 from kvtier.backends.file.backend import FileBackend
 from kvtier.keys import Namespace
@@ -41,14 +42,6 @@ CHUNK = 64
 THREADS = 4
 OPS = ("put", "probe", "load")
 ARMS = ("native", "python")
-
-
-def _spin(stop: threading.Event) -> None:
-    """A scheduler that never sleeps: pure-Python work holding the interpreter lock."""
-    table: dict[int, int] = {}
-    while not stop.is_set():
-        for index in range(1000):
-            table[index] = table.get(index, 0) + 1
 
 
 def _python_check(_self: dirs.TierDirs) -> None:
@@ -72,7 +65,7 @@ def _one_round(root: str, blocks: int, arm: str, busy: bool) -> dict[str, float]
     }
     rates: dict[str, float] = {}
     stop = threading.Event()
-    spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
+    spinner = threading.Thread(target=spin_scheduler, args=(stop,), daemon=True)
     if arm == "python":
         dirs.TierDirs.acquire_guarded = _python_check  # type: ignore[method-assign,assignment]
     try:
