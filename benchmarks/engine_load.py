@@ -61,7 +61,8 @@ are set up in every engine process, the engine-core one included, by a ``sitecus
 ``PYTHONPATH``: each process writes what it set to the engine log and its tier calls to a file,
 which the parent cuts by each timed request's window (``time.perf_counter`` is the same monotonic
 clock in every process). Diagnostics: ``--switch-interval-ms`` (``sys.setswitchinterval``) and
-``--kvtier-io-yield-ms`` (KvtierTier's end-of-step wait for in-flight I/O, ``0`` = none);
+``--kvtier-io-yield-ms`` (KvtierTier's ``io_yield_ms``: its end-of-step wait for in-flight I/O,
+``0`` = none; default: the tier's own);
 ``--tiers`` runs a subset. Cost: each configuration is two engine processes per round (~20 s each
 to start) plus the prefills of process A; at 8,192 tokens a prefill takes tens of seconds on 2
 cores, so the default command takes ~15-20 minutes (``--fresh-tokens 2048`` ~6).
@@ -369,12 +370,16 @@ def _preset() -> Any:
 KV_BYTES_PER_TOKEN = 8 * 2 * 2 * 64 * 4  # the cpu preset: 8 layers, K+V, 2 KV heads, 64, fp32
 
 
-def tier_entry(tier: str, mode: str, root: Path, io_threads: int) -> dict[str, Any]:
+def tier_entry(tier: str, mode: str, root: Path, io_threads: int,
+               io_yield_ms: float | None = None) -> dict[str, Any]:
     if tier == "fs":
         return {"type": "fs", "root_dir": str(root), "n_read_threads": io_threads,
                 "n_write_threads": io_threads}
-    return {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm",
-            "url": f"file://{root}", "io_threads": io_threads, "o_direct": mode == "direct"}
+    entry = {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm",
+             "url": f"file://{root}", "io_threads": io_threads, "o_direct": mode == "direct"}
+    if io_yield_ms is not None:
+        entry["io_yield_ms"] = io_yield_ms
+    return entry
 
 
 def kv_config(settings: Settings, tier: str, mode: str, root: Path) -> dict[str, Any]:
@@ -383,7 +388,8 @@ def kv_config(settings: Settings, tier: str, mode: str, root: Path) -> dict[str,
         "kv_connector_extra_config": {
             "spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
             "cpu_bytes_to_use": settings.cpu_tier_bytes,
-            "secondary_tiers": [tier_entry(tier, mode, root, settings.io_threads)],
+            "secondary_tiers": [tier_entry(tier, mode, root, settings.io_threads,
+                                           settings.kvtier_io_yield_ms)],
         },
     }
 
@@ -585,11 +591,6 @@ if "KVTIER_BENCH_TRACE_DIR" in os.environ:
     sys.path.insert(0, os.environ["KVTIER_BENCH_SCRIPT_DIR"])
     import engine_load as _engine_load
     _engine_load.install_file_trace(os.environ["KVTIER_BENCH_TRACE_DIR"])
-if "KVTIER_BENCH_IO_YIELD_S" in os.environ:
-    import kvtier.integrations.vllm._tier as _kvtier_tier
-    _kvtier_tier._IO_YIELD_S = float(os.environ["KVTIER_BENCH_IO_YIELD_S"])
-    sys.stderr.write(f"engine_load: KvtierTier I/O yield {_kvtier_tier._IO_YIELD_S} s in "
-                     f"{os.getpid()}\\n")
 """
 
 
@@ -600,8 +601,6 @@ def engine_env_overrides(spec: dict[str, Any]) -> dict[str, str]:
         overrides["KVTIER_BENCH_FS_BUFFERED"] = "1"
     if spec.get("switch_interval_s"):
         overrides["KVTIER_BENCH_SWITCH_INTERVAL_S"] = repr(float(spec["switch_interval_s"]))
-    if spec.get("kvtier_io_yield_s") is not None and spec.get("kv_config"):
-        overrides["KVTIER_BENCH_IO_YIELD_S"] = repr(float(spec["kvtier_io_yield_s"]))
     if spec.get("trace_dir") and spec.get("kv_config"):
         overrides["KVTIER_BENCH_TRACE_DIR"] = str(spec["trace_dir"])
         overrides["KVTIER_BENCH_SCRIPT_DIR"] = str(Path(__file__).resolve().parent)
@@ -681,8 +680,6 @@ def run(settings: Settings) -> tuple[list[Sample], list[str]]:
     base = {"model_dir": str(model_dir), "max_model_len": settings.max_model_len,
             "kv_cache_bytes": settings.kv_cache_bytes, "vocab_size": preset.model.vocab_size,
             "trace": settings.trace, "engine_core": settings.engine_core,
-            "kvtier_io_yield_s": (None if settings.kvtier_io_yield_ms is None
-                                  else settings.kvtier_io_yield_ms / 1e3),
             "switch_interval_s": (settings.switch_interval_ms / 1e3
                                   if settings.switch_interval_ms else None)}
     configs: list[tuple[str, str]] = [(tier, mode) for mode in settings.modes

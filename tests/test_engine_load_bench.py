@@ -163,17 +163,23 @@ def test_the_best_ratio_is_fs_time_without_its_tier_wait(
     assert result == (None if best is None else pytest.approx(best))
 
 
-def test_the_diagnostics_reach_the_engine_core_process_under_mp() -> None:
-    """``--kvtier-io-yield-ms`` is no longer refused with ``--engine-core mp``: it and the
-    switch interval travel as environment for the engine processes' sitecustomize."""
+def test_the_diagnostics_reach_the_engine_core_process_under_mp(tmp_path: Path) -> None:
+    """The switch interval travels as environment for the engine processes' sitecustomize;
+    ``--kvtier-io-yield-ms`` is the tier's own ``io_yield_ms`` setting, in its config entry."""
     settings = bench.parse_args(["--engine-core", "mp", "--kvtier-io-yield-ms", "0",
                                  "--switch-interval-ms", "0.5"])
     assert settings.kvtier_io_yield_ms == 0
+    (entry,) = bench.kv_config(settings, "kvtier", "buffered", tmp_path)[
+        "kv_connector_extra_config"]["secondary_tiers"]
+    assert entry["io_yield_ms"] == 0
+    default = bench.parse_args([])
+    (entry,) = bench.kv_config(default, "kvtier", "buffered", tmp_path)[
+        "kv_connector_extra_config"]["secondary_tiers"]
+    assert "io_yield_ms" not in entry  # the tier decides
     spec = {"engine_core": "mp", "kv_config": {"kv_connector": "OffloadingConnector"},
-            "fs_buffered": True, "switch_interval_s": 0.0005, "kvtier_io_yield_s": 0.0}
+            "fs_buffered": True, "switch_interval_s": 0.0005}
     assert bench.engine_env_overrides(spec) == {
-        "KVTIER_BENCH_FS_BUFFERED": "1", "KVTIER_BENCH_SWITCH_INTERVAL_S": "0.0005",
-        "KVTIER_BENCH_IO_YIELD_S": "0.0"}
+        "KVTIER_BENCH_FS_BUFFERED": "1", "KVTIER_BENCH_SWITCH_INTERVAL_S": "0.0005"}
     # No tier (the recompute process): nothing of the tier's to set; no diagnostics: no site.
     assert bench.engine_env_overrides({**spec, "kv_config": None, "fs_buffered": False}) == {
         "KVTIER_BENCH_SWITCH_INTERVAL_S": "0.0005"}

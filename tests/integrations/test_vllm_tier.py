@@ -6,10 +6,12 @@ Each test builds vLLM's ``TieringOffloadingManager`` from ``KvtierOffloadingSpec
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 from uuid import uuid4
 
 import pytest
@@ -42,7 +44,12 @@ from kvtier.backends.file import FileBackend
 from kvtier.backends.memory import MemoryBackend
 from kvtier.codec import encode
 from kvtier.integrations.vllm import CpuCopyWorker, KvtierOffloadingSpec
-from kvtier.integrations.vllm._tier import KvtierTierClosedError, KvtierTierContractError
+from kvtier.integrations.vllm._tier import (
+    KvtierTierClosedError,
+    KvtierTierContractError,
+    io_yield_seconds,
+)
+from kvtier.tiering.tier import IO_YIELD_S
 
 pytestmark = pytest.mark.vllm
 
@@ -325,6 +332,9 @@ def test_shutdown_is_idempotent_and_ends_threads(tmp_path: Path) -> None:
         ({"url": "memory://", "no_such_option": 1}, "no_such_option"),
         ({"url": "memory://", "locality": "MARS"},
          r"KvtierTier.locality: expected one of 'local', 'remote', got 'MARS'"),
+        ({"url": "memory://", "io_yield_ms": -1},
+         r"KvtierTier.io_yield_ms: expected a finite number >= 0.0 and <= 100.0 "
+         r"\(milliseconds\), got -1"),
     ],
 )
 def test_bad_tier_config_raises_a_clear_error(options: dict[str, object], message: str) -> None:
@@ -354,6 +364,35 @@ def test_kvtier_environment_variables_are_defaults_under_explicit_options(
     monkeypatch.setenv("KVTIER_IO_THREADS", "none")
     with pytest.raises(ValueError, match=r"KVTIER_IO_THREADS \(KvtierTier.io_threads\)"):
         Engine("memory://")
+
+
+def _wait_for(stop: Any) -> None:  # a child process standing in for vLLM's model worker
+    stop.wait(60)
+
+
+def test_the_end_of_step_io_wait_is_off_where_the_model_runs_in_worker_processes() -> None:
+    """Default: 0.5 ms where the model runs on the scheduler thread, none where vLLM's mp
+    executor runs it in child processes of the engine (a real child process here); an explicit
+    ``io_yield_ms`` wins either way."""
+    with engine("memory://") as stack:
+        assert stack.tier._io_yield_s == pytest.approx(IO_YIELD_S)
+    with engine("memory://", io_yield_ms=2) as stack:
+        assert stack.tier._io_yield_s == pytest.approx(0.002)
+    context = multiprocessing.get_context("spawn")
+    stop = context.Event()
+    worker = context.Process(target=_wait_for, args=(stop,), daemon=True)
+    worker.start()
+    try:
+        assert io_yield_seconds(None) == 0.0
+        with engine("memory://") as stack:
+            assert stack.tier._io_yield_s == 0.0
+        with engine("memory://", io_yield_ms=0.5) as stack:
+            assert stack.tier._io_yield_s == pytest.approx(0.0005)
+    finally:
+        stop.set()
+        worker.join(30)
+    assert not worker.is_alive()
+    assert io_yield_seconds(None) == pytest.approx(IO_YIELD_S)
 
 
 def test_kvtier_counters_reach_vllm_metrics(tmp_path: Path) -> None:

@@ -20,10 +20,15 @@ Threads and state:
 - The tier's I/O threads read or write the primary chunks a job names (vLLM pins them until the
   job is reported); the probe thread records call durations in ``_probe_durations``
   (thread-safe) and touches no primary memory.
-- GIL hand-off: vLLM's loop steps the scheduler back to back while requests wait, and an I/O
-  thread returning from a system call waits up to Python's 5 ms switch interval for the GIL. So
-  while a load or probe is in flight, ``on_schedule_end`` waits at most ``IO_YIELD_S`` for it,
-  which releases the GIL (no wait when nothing is in flight).
+- GIL hand-off: where the model runs on the scheduler thread (vLLM's ``uni`` executor, or the
+  engine core inside the caller), vLLM's loop steps the scheduler back to back while requests
+  wait, and an I/O thread returning from a system call waits up to Python's 5 ms switch
+  interval for the GIL. So while a load or probe is in flight, ``on_schedule_end`` waits at most
+  ``io_yield_ms`` for it, which releases the GIL (no wait when nothing is in flight). Where the
+  model runs in worker processes (vLLM's ``mp`` executor, found as child processes of the
+  engine's process), the scheduler thread waits for each step's result spinning on
+  ``sched_yield``, which lets the GIL go at every turn: there the wait is only a cost (0.5-1 ms
+  a step, ``benchmarks/engine_load.py``), so it defaults to none.
 - ``_CLAIMED_POSITIONS`` (tier positions already labelled) is written only while vLLM builds its
   tiers, on the thread that calls the spec's ``get_manager``.
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing
 import sys
 import weakref
 from collections import OrderedDict
@@ -83,8 +89,6 @@ from kvtier.tiering.tier_settings import LookupConfig, TierSettings
 
 _DRAIN_WAIT_S = 86400.0  # drain_jobs waits for abandoned loads' calls too (never aborts a copy)
 
-# The end-of-step GIL hand-off (see above); benchmarks/engine_load.py overrides it to compare.
-_IO_YIELD_S = IO_YIELD_S
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -156,6 +160,15 @@ def _parse_lookup_settings(raw: object) -> LookupConfig:
                                   "KvtierTier.lookup")
 
 
+def io_yield_seconds(configured_ms: float | None) -> float:
+    """The end-of-step wait for in-flight I/O (see the module docstring): as configured, else
+    none where the model runs in worker processes of this one (vLLM's ``mp`` executor starts
+    them as this process's children before it builds the scheduler), else ``IO_YIELD_S``."""
+    if configured_ms is not None:
+        return configured_ms / 1e3
+    return 0.0 if multiprocessing.active_children() else IO_YIELD_S
+
+
 def _metrics_label(offloading_spec: Any, tier_type: str, url: str) -> str:
     """vLLM's label of this tier (``"1:KvtierTier"``): its position in ``secondary_tiers``."""
     entries = getattr(offloading_spec, "secondary_tier_configs", None) or []
@@ -218,6 +231,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
          "tenant": "", "revision": "", "model": "",  # namespace overrides
          "locality": "REMOTE", "enable_kv_events": false,
          "prefetch_bytes": "256MiB", "prefetch_ttl_s": 300,  # session-aware prefetch
+         "io_yield_ms": 0.5,                       # default: 0 under vLLM's mp executor
          ...backend options (e.g. "ttl_s", "max_bytes", "fsync")}
 
     Scheduler-side methods are called by vLLM on its scheduler thread only and are not
@@ -246,6 +260,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         tenant: str | None = None,
         prefetch_bytes: int | str | None = None,
         prefetch_ttl_s: float | None = None,
+        io_yield_ms: float | None = None,
         **backend_options: Any,
     ) -> None:
         """Every option left out (None) takes its ``KVTIER_*`` variable, else the default of
@@ -256,7 +271,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                  "load_timeout_s": load_timeout_s, "prefill_tokens_per_s": prefill_tokens_per_s,
                  "locality": locality, "enable_kv_events": enable_kv_events, "model": model,
                  "revision": revision, "tenant": tenant, "prefetch_bytes": prefetch_bytes,
-                 "prefetch_ttl_s": prefetch_ttl_s}
+                 "prefetch_ttl_s": prefetch_ttl_s, "io_yield_ms": io_yield_ms}
         options = VLLM_TIER_SETTINGS.parse(
             env_layer(VLLM_TIER_SETTINGS,
                       {name: value for name, value in given.items() if value is not None},
@@ -329,10 +344,11 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             offloading_spec.kv_events_config.enable_kv_cache_events
         )
         self._events: list[OffloadingEvent] | None = [] if emit_events else None
+        self._io_yield_s = io_yield_seconds(options["io_yield_ms"])
         _log.info(
-            "kvtier tier %s: %s, %d chunks of %d bytes, namespace %s",
-            tier_type, self._url, self._num_chunks, self._chunk_bytes,
-            self._namespace.digest_hex,
+            "kvtier tier %s: %s, %d chunks of %d bytes, namespace %s, end-of-step I/O wait "
+            "%g ms", tier_type, self._url, self._num_chunks, self._chunk_bytes,
+            self._namespace.digest_hex, self._io_yield_s * 1e3,
         )
 
     # -- introspection ----------------------------------------------------------------------
@@ -388,9 +404,9 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         self._tier.flush()
         if self._staging is not None:  # prefetch reads only while no transfer is in flight
             self._staging.step(idle=self._tier.outstanding_jobs == 0)
-        if _IO_YIELD_S <= 0:
+        if self._io_yield_s <= 0:
             return
-        self._collected.extend(self._tier.yield_to_io(_IO_YIELD_S, stores=False))
+        self._collected.extend(self._tier.yield_to_io(self._io_yield_s, stores=False))
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         if not self._tier.closed:
