@@ -36,13 +36,10 @@ VLLM_TIER_SETTINGS = register_table(SettingsTable("vLLM KvtierTier", [
     Setting("prefetch_ttl_s", Kind.FLOAT, 300.0,
             "a staged block unused this long is dropped (wasted)", minimum=0.0,
             maximum=86400.0, strict_min=True, unit="seconds", env="KVTIER_PREFETCH_TTL_S"),
-    Setting("io_yield_ms", Kind.FLOAT, None,
+    Setting("io_yield_ms", Kind.FLOAT, 0.5,
             "how long the scheduler waits at the end of a step for this tier's in-flight loads "
-            "and probes, handing the interpreter lock to its I/O threads (0: never); default: "
-            "0 when vLLM runs the model in worker processes of the engine (its mp executor, "
-            "whose scheduler thread lets the lock go while it waits for them), else 0.5",
-            minimum=0.0, maximum=100.0, nullable=True, unit="milliseconds",
-            env="KVTIER_IO_YIELD_MS"),
+            "and probes, handing the interpreter lock to its I/O threads (0: never)",
+            minimum=0.0, maximum=100.0, unit="milliseconds", env="KVTIER_IO_YIELD_MS"),
     NAMESPACE_SETTINGS["model"],
     NAMESPACE_SETTINGS["revision"],
     NAMESPACE_SETTINGS["tenant"],

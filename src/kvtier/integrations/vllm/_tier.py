@@ -25,10 +25,10 @@ Threads and state:
   wait, and an I/O thread returning from a system call waits up to Python's 5 ms switch
   interval for the GIL. So while a load or probe is in flight, ``on_schedule_end`` waits at most
   ``io_yield_ms`` for it, which releases the GIL (no wait when nothing is in flight). Where the
-  model runs in worker processes (vLLM's ``mp`` executor, found as child processes of the
-  engine's process), the scheduler thread waits for each step's result spinning on
-  ``sched_yield``, which lets the GIL go at every turn: there the wait is only a cost (0.5-1 ms
-  a step, ``benchmarks/engine_load.py``), so it defaults to none.
+  model runs in worker processes (vLLM's ``mp`` executor), the scheduler thread waits for each
+  step's result spinning on ``sched_yield``, which lets the GIL go at every turn: there the wait
+  shortens a small load (it ends within the wait and is reported a step earlier) and lengthens a
+  large one (0.5 ms a step it spans); ``docs/benchmarks.md`` has the numbers.
 - ``_CLAIMED_POSITIONS`` (tier positions already labelled) is written only while vLLM builds its
   tiers, on the thread that calls the spec's ``get_manager``.
 """
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import sys
 import weakref
 from collections import OrderedDict
@@ -162,11 +161,8 @@ def _parse_lookup_settings(raw: object) -> LookupConfig:
 
 def io_yield_seconds(configured_ms: float | None) -> float:
     """The end-of-step wait for in-flight I/O (see the module docstring): as configured, else
-    none where the model runs in worker processes of this one (vLLM's ``mp`` executor starts
-    them as this process's children before it builds the scheduler), else ``IO_YIELD_S``."""
-    if configured_ms is not None:
-        return configured_ms / 1e3
-    return 0.0 if multiprocessing.active_children() else IO_YIELD_S
+    ``IO_YIELD_S``."""
+    return IO_YIELD_S if configured_ms is None else configured_ms / 1e3
 
 
 def _metrics_label(offloading_spec: Any, tier_type: str, url: str) -> str:
@@ -231,7 +227,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
          "tenant": "", "revision": "", "model": "",  # namespace overrides
          "locality": "REMOTE", "enable_kv_events": false,
          "prefetch_bytes": "256MiB", "prefetch_ttl_s": 300,  # session-aware prefetch
-         "io_yield_ms": 0.5,                       # default: 0 under vLLM's mp executor
+         "io_yield_ms": 0.5,                       # end-of-step wait for in-flight I/O
          ...backend options (e.g. "ttl_s", "max_bytes", "fsync")}
 
     Scheduler-side methods are called by vLLM on its scheduler thread only and are not
