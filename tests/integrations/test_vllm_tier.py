@@ -45,7 +45,6 @@ from kvtier.integrations.vllm import CpuCopyWorker, KvtierOffloadingSpec
 from kvtier.integrations.vllm._tier import (
     KvtierTierClosedError,
     KvtierTierContractError,
-    io_yield_seconds,
 )
 from kvtier.tiering.tier import IO_YIELD_S
 
@@ -372,7 +371,6 @@ def test_the_end_of_step_io_wait_is_a_setting(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("KVTIER_IO_YIELD_MS", "2")
     with engine("memory://") as stack:
         assert stack.tier._io_yield_s == pytest.approx(0.002)
-    assert io_yield_seconds(None) == pytest.approx(IO_YIELD_S)
 
 
 def test_kvtier_counters_reach_vllm_metrics(tmp_path: Path) -> None:

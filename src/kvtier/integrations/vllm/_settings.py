@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from kvtier.namespace_settings import NAMESPACE_SETTINGS
 from kvtier.settings import Kind, Setting, SettingsTable, register_table
+from kvtier.tiering.tier import IO_YIELD_S
 from kvtier.tiering.tier_settings import TIER_SETTINGS
 
 __all__ = ["VLLM_TIER_SETTINGS"]
@@ -36,7 +37,7 @@ VLLM_TIER_SETTINGS = register_table(SettingsTable("vLLM KvtierTier", [
     Setting("prefetch_ttl_s", Kind.FLOAT, 300.0,
             "a staged block unused this long is dropped (wasted)", minimum=0.0,
             maximum=86400.0, strict_min=True, unit="seconds", env="KVTIER_PREFETCH_TTL_S"),
-    Setting("io_yield_ms", Kind.FLOAT, 0.5,
+    Setting("io_yield_ms", Kind.FLOAT, IO_YIELD_S * 1e3,
             "how long the scheduler waits at the end of a step for this tier's in-flight loads "
             "and probes, handing the interpreter lock to its I/O threads (0: never)",
             minimum=0.0, maximum=100.0, unit="milliseconds", env="KVTIER_IO_YIELD_MS"),

@@ -83,7 +83,7 @@ from kvtier.ops.metrics import (
     vllm_metric_definitions,
 )
 from kvtier.settings import ConfigError, env_layer
-from kvtier.tiering.tier import IO_YIELD_S, JobKind, SecondaryTier, TierJob
+from kvtier.tiering.tier import JobKind, SecondaryTier, TierJob
 from kvtier.tiering.tier_settings import LookupConfig, TierSettings
 
 _DRAIN_WAIT_S = 86400.0  # drain_jobs waits for abandoned loads' calls too (never aborts a copy)
@@ -157,12 +157,6 @@ def _parse_lookup_settings(raw: object) -> LookupConfig:
         )
     return LookupConfig.from_dict(env_layer(LOOKUP_SETTINGS, raw or {}, "KvtierTier.lookup."),
                                   "KvtierTier.lookup")
-
-
-def io_yield_seconds(configured_ms: float | None) -> float:
-    """The end-of-step wait for in-flight I/O (see the module docstring): as configured, else
-    ``IO_YIELD_S``."""
-    return IO_YIELD_S if configured_ms is None else configured_ms / 1e3
 
 
 def _metrics_label(offloading_spec: Any, tier_type: str, url: str) -> str:
@@ -340,7 +334,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             offloading_spec.kv_events_config.enable_kv_cache_events
         )
         self._events: list[OffloadingEvent] | None = [] if emit_events else None
-        self._io_yield_s = io_yield_seconds(options["io_yield_ms"])
+        self._io_yield_s: float = options["io_yield_ms"] / 1e3
         _log.info(
             "kvtier tier %s: %s, %d chunks of %d bytes, namespace %s, end-of-step I/O wait "
             "%g ms", tier_type, self._url, self._num_chunks, self._chunk_bytes,
