@@ -40,7 +40,7 @@ from integrations.vllm_harness import (
 )
 from kvtier.backends.file import FileBackend
 from kvtier.backends.memory import MemoryBackend
-from kvtier.codec import encode
+from kvtier.codec import encode, frame_size
 from kvtier.integrations.vllm import CpuCopyWorker, KvtierOffloadingSpec
 from kvtier.integrations.vllm._tier import (
     KvtierTierClosedError,
@@ -582,6 +582,30 @@ def test_blocks_the_tier_holds_are_not_written_again_until_a_lookup_misses(
         stats = stack.tier.stats_snapshot()
         assert stats["stored_keys"] == 4  # only the lost block was written again
         assert len(_stored_files(tmp_path)) == 3
+
+
+def test_a_block_the_file_tier_evicts_itself_misses_at_once_and_is_written_again(
+    tmp_path: Path,
+) -> None:
+    """Our own stores are trusted for minutes (``stored_verdict_ttl_s``) and held blocks are not
+    rewritten: a block the tier's own ``max_bytes`` evicts must answer MISS without a failed
+    load, and its next offload must write it again rather than be skipped as held."""
+    keys, payloads = random_keys(3), random_payloads(3)
+    with engine(_file_url(tmp_path), max_bytes=2 * frame_size(PAGE_BYTES)) as stack:
+        stack.store(keys[:2], payloads[:2])
+        stack.store(keys[2:], payloads[2:])  # evicts keys[0], the least recently used
+        assert len(_stored_files(tmp_path)) == 2
+        stack.manager.reset_cache()
+        stack.manager.on_schedule_end(END_OF_STEP)  # the step's flush hears of the eviction
+        context = stack.new_request()
+        assert stack.lookup_until_final(keys, context)[0] is LookupResult.MISS
+        stack.manager.on_request_finished(context)
+        stats = stack.tier.stats_snapshot()
+        assert stats["load_keys_failed"] == 0
+        stack.settle()
+        stack.manager.reset_cache()
+        stack.store(keys[:1], payloads[:1])  # offloaded again: written, not skipped as held
+        assert stack.tier.stats_snapshot()["stored_keys"] == 4
 
 
 def test_auth_key_under_vllm_never_serves_a_foreign_writers_frames(tmp_path: Path) -> None:

@@ -1026,8 +1026,8 @@ def test_constructor_rejects_bad_options(
 def test_lookup_settings_table_is_what_the_constructor_uses() -> None:
     """One table: names, defaults, env names; strings (env / URL values) parse as numbers."""
     assert LOOKUP_SETTINGS.names == (
-        "probe_timeout_s", "verdict_ttl_s", "max_cached_verdicts", "quarantine_s",
-        "max_batch_keys", "breaker_threshold", "breaker_cooldown_s")
+        "probe_timeout_s", "verdict_ttl_s", "stored_verdict_ttl_s", "max_cached_verdicts",
+        "quarantine_s", "max_batch_keys", "breaker_threshold", "breaker_cooldown_s")
     assert LOOKUP_SETTINGS["probe_timeout_s"].env == "KVTIER_LOOKUP_PROBE_TIMEOUT_S"
     assert all(setting.help and setting.unit for setting in LOOKUP_SETTINGS)
     from_env = LOOKUP_SETTINGS.parse(
@@ -1266,8 +1266,8 @@ def test_stores_nobody_asked_for_are_noted_without_a_state_and_lapse(
     make: Callable[..., SetTier], clock: FakeClock
 ) -> None:
     """A note of keys no request holds keeps no per-key state; reading one is a cache hit,
-    the verdict lapses after verdict_ttl_s, and mark_miss drops it."""
-    tier = make(verdict_ttl_s=1.0)
+    the verdict lapses after stored_verdict_ttl_s, and mark_miss drops it."""
+    tier = make(verdict_ttl_s=1.0, stored_verdict_ttl_s=1.0)
     tier.note_stored([key(1), key(2), key(3), key(4)])
     assert (tier.tracked_keys, tier.stats.cached_verdicts) == (0, 4)
     assert tier.phase(key(1)) is None
@@ -1306,7 +1306,7 @@ def test_a_finished_request_s_stores_are_set_in_its_release_batch_and_lapse_with
     """Cleanup caches a request's verdicts in one release batch; its stores, noted next, set
     them where they are (no dead places left behind) and move the batch's lapse to the note's
     expiry: the sweep keeps them past the release's lapse and drops them at the note's."""
-    tier = make(verdict_ttl_s=1.0)
+    tier = make(verdict_ttl_s=1.0, stored_verdict_ttl_s=1.0)
     for i in range(3):
         tier.lookup(key(i), ctx("r1"))
     step(tier)  # all False, answered at 1000.0
@@ -1322,6 +1322,66 @@ def test_a_finished_request_s_stores_are_set_in_its_release_batch_and_lapse_with
     assert tier.stats.cached_verdicts == 0
     assert tier.lookup(key(0), ctx("r2")) is None  # probed again
     assert (len(tier.calls), tier.stats.invariant_violations) == (1, 0)
+
+
+def test_our_own_store_is_trusted_for_stored_verdict_ttl_s_a_probe_for_verdict_ttl_s(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    """A returning prompt minutes later needs no probe: the True of our own store lasts
+    stored_verdict_ttl_s; a probed verdict and our own eviction still last verdict_ttl_s."""
+    tier = make(key(9), verdict_ttl_s=1.0, stored_verdict_ttl_s=60.0)
+    tier.lookup(key(9), ctx("probe"))
+    step(tier)
+    tier.cleanup("probe")  # a probed True, cached until 1001.0
+    tier.note_stored([key(1), key(2)])
+    tier.note_removed([key(3)])
+    clock.advance(30.0)
+    assert [tier.lookup(k, ctx("later")) for k in (key(1), key(2))] == [True, True]
+    assert tier.lookup(key(3), ctx("later")) is None  # our eviction lapsed: probed
+    assert tier.lookup(key(9), ctx("later")) is None  # the probed True lapsed: probed
+    step(tier)
+    assert [sorted(keys) for keys, _ in tier.calls] == [[key(9)], sorted([key(3), key(9)])]
+    tier.cleanup("later")
+    clock.advance(30.0)  # 1060.0: the store's verdict lapses
+    assert tier.lookup(key(1), ctx("after")) is None
+
+
+def test_a_request_that_read_a_stored_verdict_leaves_it_cached_until_the_store_s_lapse(
+    make: Callable[..., SetTier], clock: FakeClock
+) -> None:
+    """Cleanup's release batch lapses with the longest verdict in it: a stored verdict a
+    request read and released is not swept at the release's verdict_ttl_s."""
+    tier = make(verdict_ttl_s=1.0, stored_verdict_ttl_s=60.0)
+    tier.note_stored([key(1)])  # True until 1060.0
+    tier.lookup(key(2), ctx("turn1"))  # probed: False until 1001.0
+    assert tier.lookup(key(1), ctx("turn1")) is True
+    step(tier)
+    tier.cleanup("turn1")
+    clock.advance(10.0)
+    tier.flush()  # sweeps what lapsed
+    assert tier.lookup(key(1), ctx("turn2")) is True
+    assert tier.lookup(key(2), ctx("turn2")) is None
+    tier.cleanup("turn2")
+    clock.advance(50.0)  # 1060.0
+    tier.flush()
+    assert tier.lookup(key(1), ctx("turn3")) is None
+    assert tier.stats.invariant_violations == 0
+
+
+@pytest.mark.parametrize(("verdict_ttl", "stored_ttl", "trusted_for"),
+                         [(0.0, 60.0, 0.0), (5.0, 1.0, 5.0), (1.0, 0.0, 1.0)])
+def test_stored_verdict_ttl_s_is_never_below_verdict_ttl_s_and_off_with_the_cache(
+    make: Callable[..., SetTier], clock: FakeClock,
+    verdict_ttl: float, stored_ttl: float, trusted_for: float,
+) -> None:
+    tier = make(verdict_ttl_s=verdict_ttl, stored_verdict_ttl_s=stored_ttl)
+    tier.note_stored([key(1)])
+    if trusted_for:
+        clock.advance(trusted_for - 0.001)
+        assert tier.lookup(key(1), ctx("r1")) is True
+        tier.cleanup("r1")
+        clock.advance(0.001)
+    assert tier.lookup(key(1), ctx("r2")) is None
 
 
 def test_stores_of_the_request_released_last_and_of_an_earlier_one_in_one_note(

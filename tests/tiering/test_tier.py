@@ -9,12 +9,14 @@ from uuid import uuid4
 
 import pytest
 
+from kvtier import codec
 from kvtier.backends import BackendUnavailableError, Buffer, open_backend
 from kvtier.backends.base import Backend
 from kvtier.keys import BlockKey, Namespace, RequestContext
 from kvtier.ops.metrics import KvtierMetrics
 from kvtier.tiering.tier import JobKind, SecondaryTier, TierClosedError
 from kvtier.tiering.tier_settings import TierSettings
+from servers.valkey import ValkeyServer
 
 BLOCK = 256
 
@@ -710,3 +712,62 @@ def test_the_store_limit_is_the_backends_choice_unless_configured(
 def test_a_bad_store_threads_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="store_threads"):
         TierSettings(store_threads=0)
+
+
+class _Clock:
+    """A clock the test moves by hand (read from the probe thread too: float stores are
+    atomic)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_block_the_backend_evicts_itself_is_no_longer_vouched_for(
+        tmp_path: Any, namespace: Namespace) -> None:
+    """Our own store is trusted for minutes (``stored_verdict_ttl_s``), so a block the file
+    tier's own ``max_bytes`` evicts must stop answering True at the next flush or collection,
+    not fail a load first; the tier's listener hears of it (vLLM's tier forgets it held it)."""
+    backend = open_backend(f"file://{tmp_path}", namespace,
+                           max_bytes=2 * codec.frame_size(BLOCK))
+    evicted: list[BlockKey] = []
+    clock = _Clock()
+    tier = SecondaryTier("file", backend, clock=clock, on_evicted=evicted.extend)
+    try:
+        tier.submit_store([k(1), k(2)], [payload(1), payload(2)])
+        tier.get_finished_jobs(wait=True, timeout=10)
+        tier.submit_store([k(3)], [payload(3)])  # the file tier evicts k(1), its oldest
+        tier.get_finished_jobs(wait=True, timeout=10)
+        tier.flush()  # the engine's end of step
+        assert evicted == [k(1)]
+        clock.now += 60.0  # well within the stored verdicts' lifetime
+        ctx = RequestContext("r")
+        assert [tier.lookup(key, ctx) for key in (k(1), k(2), k(3))] == [None, True, True]
+        tier.flush()
+        assert tier.lookup_manager.wait_for_probes(10)
+        assert tier.lookup(k(1), ctx) is False
+    finally:
+        tier.shutdown(10)
+
+
+def test_a_verdict_of_our_own_store_never_outlives_the_redis_ttl(
+        redis_server: ValkeyServer, namespace: Namespace) -> None:
+    """Redis expires every block ``ttl_s`` after its store: the lookup manager vouches for our
+    own store that long at most, though ``stored_verdict_ttl_s`` is longer."""
+    clock = _Clock()
+    backend = open_backend(f"redis://127.0.0.1:{redis_server.port}/3", namespace, ttl_s=5)
+    tier = SecondaryTier("redis", backend, clock=clock,
+                         lookup={"stored_verdict_ttl_s": 600.0})
+    try:
+        tier.submit_store([k(1)], [payload(1)])
+        tier.get_finished_jobs(wait=True, timeout=10)
+        clock.now += 4.9
+        assert tier.lookup(k(1), RequestContext("before")) is True
+        tier.cleanup("before")
+        clock.now += 0.1
+        assert tier.lookup(k(1), RequestContext("after")) is None  # asks Redis again
+    finally:
+        tier.shutdown(10)
+

@@ -43,6 +43,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from typing import NamedTuple
@@ -67,6 +68,7 @@ __all__ = [
     "Backend",
     "BackendUnavailableError",
     "Buffer",
+    "EvictedKeys",
     "Fetched",
     "NoTierError",
     "OpenMode",
@@ -128,6 +130,34 @@ class ReplaceableKeys:
             for key in doomed:
                 self._keys.pop(key)
         return doomed
+
+class EvictedKeys:
+    """Keys a medium evicted itself (its ``max_bytes``), kept until the owning tier takes them
+    to correct its lookup manager's verdicts; at most ``bound``, the oldest dropped first (a
+    verdict it would have corrected costs one failed load, then a recompute). Thread-safe (its
+    own lock)."""
+
+    __slots__ = ("_keys", "_lock")
+
+    def __init__(self, bound: int) -> None:
+        self._keys: deque[BlockKey] = deque(maxlen=bound)
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        # Unlocked: a stale False leaves the keys to the next take.
+        return bool(self._keys)
+
+    def note(self, keys: Iterable[BlockKey]) -> None:
+        with self._lock:
+            self._keys.extend(keys)
+
+    def take(self) -> list[BlockKey]:
+        """Every key noted since the last take, oldest first."""
+        with self._lock:
+            keys = list(self._keys)
+            self._keys.clear()
+        return keys
+
 
 class BackendUnavailableError(KvtierError, RuntimeError):
     """:meth:`Backend.probe` could not answer for every key (I/O error, lost connection).
@@ -291,6 +321,7 @@ class Backend:
         self._digest = namespace.digest
         self._codec = codec.FrameCodec(namespace.digest, auth_key, self.FRAME_LAYOUT)
         self._replaceable = ReplaceableKeys(_MAX_REPLACEABLE)
+        self._evicted = EvictedKeys(_MAX_REPLACEABLE)
         self._stats = BackendStats(extra=self.EXTRA_COUNTERS)
         self._error_log = RateLimitedLog(logger)
         self._lifecycle = Lifecycle(name)
@@ -310,6 +341,13 @@ class Backend:
     def authenticated(self) -> bool:
         """Whether frames carry (and must carry) a keyed MAC."""
         return self._codec.keyed
+
+    @property
+    def block_lifetime_s(self) -> float | None:
+        """The least time a block stays after its store, where the medium expires blocks itself
+        (Redis ``ttl_s``); None: until it is evicted or deleted. The lookup manager trusts its
+        own stores no longer than this (``stored_verdict_ttl_s``)."""
+        return None
 
     # ------------------------------------------------------------------ public API
 
@@ -450,6 +488,12 @@ class Backend:
                          "unkeyed): unkeyed frames are refused from now on, and writers without "
                          "a key are refused at open", self.url, self._namespace.digest_hex)
         return manifest_document(self._namespace, mine)
+
+    def take_evicted(self) -> list[BlockKey]:
+        """The keys this backend evicted itself (``max_bytes``) since the last call, oldest
+        first, so the owning tier stops vouching for them (``note_removed``); never the keys
+        another process removed. Any thread; works after ``close()`` too."""
+        return self._evicted.take() if self._evicted else []
 
     def write_manifest(self, document: bytes) -> None:
         """Store ``document`` as the namespace manifest next to the blocks, where the medium is

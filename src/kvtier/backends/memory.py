@@ -75,7 +75,7 @@ class MemoryBackend(Backend):
 
     def _m_store(self, frames: list[StoredFrame]) -> list[Outcome]:
         outcomes: list[Outcome] = []
-        evicted = 0
+        evicted: list[BlockKey] = []
         for frame in frames:
             with self._lock:
                 present = frame.key in self._frames
@@ -92,14 +92,15 @@ class MemoryBackend(Backend):
                     outcomes.append(Outcome.PRESENT)
                     continue
                 while self._max_bytes and self._used_bytes + size > self._max_bytes:
-                    _old_key, (old, _trusted) = self._frames.popitem(last=False)
+                    old_key, (old, _trusted) = self._frames.popitem(last=False)
                     self._used_bytes -= len(old)
-                    evicted += 1
+                    evicted.append(old_key)
                 self._frames[frame.key] = (joined, memoryview(joined)[HEADER_BYTES:])
                 self._used_bytes += size
             outcomes.append(Outcome.OK)
         if evicted:
-            self._stats.add("evictions", evicted)
+            self._stats.add("evictions", len(evicted))
+            self._evicted.note(evicted)
         return outcomes
 
     def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> list[Fetched]:

@@ -181,6 +181,11 @@ class RedisBackend(Backend):
         return self._config.url
 
     @property
+    def block_lifetime_s(self) -> float | None:
+        ttl_ms = self._config.ttl_ms
+        return None if ttl_ms is None else ttl_ms / 1000
+
+    @property
     def config(self) -> RedisConfig:
         return self._config
 

@@ -152,7 +152,8 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
     calls :meth:`batch_lookup` once per lookup scope, in chunks of at most ``max_batch_keys``.
 
     The settings, their defaults, bounds and meaning are :data:`LOOKUP_SETTINGS`
-    (``probe_timeout_s=5.0``, ``verdict_ttl_s=2.0``, ``max_cached_verdicts=65536``,
+    (``probe_timeout_s=5.0``, ``verdict_ttl_s=2.0``, ``stored_verdict_ttl_s=300.0``,
+    ``max_cached_verdicts=65536``,
     ``quarantine_s=30.0``, ``max_batch_keys=1024``, ``breaker_threshold=5``,
     ``breaker_cooldown_s=10.0``); a bad value raises :class:`~kvtier.settings.ConfigError`.
     ``clock=time.monotonic``: every time decision uses it.
@@ -183,6 +184,7 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
         *,
         probe_timeout_s: float = LOOKUP_SETTINGS["probe_timeout_s"].default,
         verdict_ttl_s: float = LOOKUP_SETTINGS["verdict_ttl_s"].default,
+        stored_verdict_ttl_s: float = LOOKUP_SETTINGS["stored_verdict_ttl_s"].default,
         max_cached_verdicts: int = LOOKUP_SETTINGS["max_cached_verdicts"].default,
         quarantine_s: float = LOOKUP_SETTINGS["quarantine_s"].default,
         max_batch_keys: int = LOOKUP_SETTINGS["max_batch_keys"].default,
@@ -194,6 +196,7 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
             raise ValueError(f"tier_name must be a non-empty str, got {tier_name!r}")
         settings = LOOKUP_SETTINGS.parse({
             "probe_timeout_s": probe_timeout_s, "verdict_ttl_s": verdict_ttl_s,
+            "stored_verdict_ttl_s": stored_verdict_ttl_s,
             "max_cached_verdicts": max_cached_verdicts, "quarantine_s": quarantine_s,
             "max_batch_keys": max_batch_keys, "breaker_threshold": breaker_threshold,
             "breaker_cooldown_s": breaker_cooldown_s,
@@ -203,6 +206,11 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
         self._tier_name = tier_name
         self._probe_timeout_s: float = settings["probe_timeout_s"]
         self._verdict_ttl_s: float = settings["verdict_ttl_s"]
+        # Our own store is better news than a probe: it is kept at least as long, and goes
+        # with the cache when the cache is off.
+        self._stored_verdict_ttl_s: float = (
+            max(settings["stored_verdict_ttl_s"], self._verdict_ttl_s)
+            if self._verdict_ttl_s > 0 else 0.0)
         self._max_cached_verdicts: int = settings["max_cached_verdicts"]
         self._quarantine_s: float = settings["quarantine_s"]
         self._max_batch_keys: int = settings["max_batch_keys"]
@@ -423,6 +431,8 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
         table, states = self._keys, self._states
         batch_id = table.next_batch
         released: list[KeyState] = []
+        now = self._clock()
+        lapses_at = now + self._verdict_ttl_s  # probed verdicts: answered_at + ttl at the latest
         for state in attached.values():
             refs = state.refs - 1
             state.refs = refs
@@ -438,10 +448,11 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
             else:
                 state.cache_batch = batch_id
                 released.append(state)
-        if released:  # each lapses at answered_at + ttl, so by now + ttl at the latest
+                if state.cache_expiry > lapses_at:  # our own store's verdict lasts longer
+                    lapses_at = state.cache_expiry
+        if released:
             table.next_batch = batch_id + 1
-            table.add_batch(batch_id, released, len(released),
-                            self._clock() + self._verdict_ttl_s)
+            table.add_batch(batch_id, released, len(released), lapses_at)
 
     def mark_miss(self, keys: Iterable[BlockKey]) -> None:
         """A load failed: force False now and quarantine the keys for ``quarantine_s``."""

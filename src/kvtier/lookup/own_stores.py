@@ -35,6 +35,7 @@ class StoreNotes:
 
     _clock: Callable[[], float]
     _verdict_ttl_s: float
+    _stored_verdict_ttl_s: float
     _keys: KeyTable
     _states: dict[BlockKey, KeyState]
     _noted: dict[BlockKey, tuple[bool, float]]
@@ -72,7 +73,7 @@ class StoreNotes:
                 rest.append(key)
         if self._closed() or not checked:
             return
-        ttl = self._verdict_ttl_s
+        ttl = self._stored_verdict_ttl_s if verdict else self._verdict_ttl_s
         expiry = self._clock() + ttl if ttl > 0 else None
         if verdict and self._check_new_keys and self._quarantine:  # False: none quarantined
             for key in checked:

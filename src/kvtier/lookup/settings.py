@@ -31,6 +31,11 @@ LOOKUP_SETTINGS: Final = SettingsTable("lookup", (
     _seconds("verdict_ttl_s", 2.0, "how long a backend or note_* verdict is served from the cache "
              "after its last request finished, counted from when it was answered; 0 disables",
              strict_min=False),
+    _seconds("stored_verdict_ttl_s", 300.0, "how long the True verdict of our own store "
+             "(note_stored) is served from the cache, counted from the store: a returning prompt "
+             "needs no probe; never less than verdict_ttl_s, off with it, capped by the "
+             "backend's own block lifetime (Redis ttl_s); a block the backend lost meanwhile "
+             "fails its load and is recomputed", strict_min=False),
     _count("max_cached_verdicts", 65536, "bound of the verdict cache and, separately, of the "
            "quarantine (the least recently released entries go first)"),
     _seconds("quarantine_s", 30.0, "after mark_miss (a failed load) the key answers False without "

@@ -47,6 +47,7 @@ from kvtier.backends.stats import RateLimitedLog
 from kvtier.errors import ClosedError
 from kvtier.keys import BlockKey, RequestContext
 from kvtier.lookup.manager import AsyncLookupManager
+from kvtier.lookup.settings import LOOKUP_SETTINGS
 from kvtier.ops.metrics import ProbeMetrics
 from kvtier.settings import Kind, Setting
 from kvtier.tiering.io_pool import IoThreadPool
@@ -74,6 +75,17 @@ _log = logging.getLogger("kvtier.tiering.tier")
 # several per block. Used by the TieringManager and by the vLLM KvtierTier.
 IO_YIELD_S = 0.0005
 _PROBE_SHUTDOWN_WAIT_S = 2.0
+
+
+def _within_block_lifetime(options: Mapping[str, Any], backend: Backend) -> Mapping[str, Any]:
+    """``options`` with ``stored_verdict_ttl_s`` no longer than the blocks live in ``backend``
+    (a verdict of our own store must not outlive the block it vouches for)."""
+    lifetime = backend.block_lifetime_s
+    if lifetime is None:
+        return options
+    trusted = options.get("stored_verdict_ttl_s",
+                          LOOKUP_SETTINGS["stored_verdict_ttl_s"].default)
+    return {**options, "stored_verdict_ttl_s": min(trusted, lifetime)}
 
 
 LookupFactory = Callable[[str, Backend, Mapping[str, Any]], AsyncLookupManager]
@@ -126,6 +138,7 @@ class SecondaryTier(TierIo):
         clock: Callable[[], float] = time.monotonic,
         lookup_factory: LookupFactory | None = None,
         max_keys_per_call: int | None = None,
+        on_evicted: Callable[[list[BlockKey]], None] | None = None,
         **settings_values: Any,
     ) -> None:
         """``settings``: the tier's I/O settings (None: the defaults). ``settings_values``
@@ -134,7 +147,8 @@ class SecondaryTier(TierIo):
         ``lookup_factory(name, backend, options)`` replaces the default lookup manager (one
         ``backend.probe`` call per probe batch); ``options`` are the configured lookup settings
         plus ``clock``, which also times quarantines and load deadlines. ``max_keys_per_call``
-        (None: no limit) splits each job's backend calls.
+        (None: no limit) splits each job's backend calls. The keys the backend evicts itself
+        are ``note_removed`` at the next flush or collection, then passed to ``on_evicted``.
         Bad settings raise :class:`~kvtier.settings.ConfigError` (a ValueError) naming them."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"tier name must be a non-empty str, got {name!r}")
@@ -150,8 +164,10 @@ class SecondaryTier(TierIo):
             lookup_options = {}
         else:
             lookup_options = LookupConfig.from_dict(lookup, f"tier {name}: lookup").as_kwargs()
+        lookup_options = _within_block_lifetime(lookup_options, backend)
         self._name = name
         self._backend = backend
+        self._on_evicted = on_evicted
         self._clock = clock  # lookups, quarantines and load deadlines
         self._lookup: AsyncLookupManager = (
             BackendLookupManager(name, backend, metrics, clock, lookup_options)
@@ -214,7 +230,18 @@ class SecondaryTier(TierIo):
         return verdict
 
     def flush(self) -> None:
+        self._forget_evicted()
         self._lookup.flush()
+
+    def _forget_evicted(self) -> None:
+        """Stop vouching for the blocks the backend evicted itself. Run before a collection
+        applies its stores, so a key evicted, then stored again, ends up present."""
+        evicted = self._backend.take_evicted()
+        if not evicted or self._state is not _TierState.RUNNING:
+            return
+        self._lookup.note_removed(evicted)
+        if self._on_evicted is not None:
+            self._on_evicted(evicted)
 
     def blocks_worth_loading(self, blocks: int, block_bytes: int) -> int:
         """How many of ``blocks`` leading blocks of ``block_bytes`` each are worth loading from
@@ -328,6 +355,7 @@ class SecondaryTier(TierIo):
         """
         finished: list[TierJob] = []
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._forget_evicted()
         self._expire_loads()
         while True:
             try:

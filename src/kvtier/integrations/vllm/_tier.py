@@ -121,8 +121,9 @@ class HeldKeys:
     backend again although the backend still holds it (write amplification: 6.5x more blocks
     stored with vLLM's prefix cache on than off, in issue 13's client run). Stores of held
     keys are skipped and reported as done. A key leaves the record when a lookup finds it
-    absent or a load of it fails (so a key the backend lost is stored again on its next
-    offload), and the oldest leave first past ``capacity``. Owned by the scheduler thread.
+    absent, a load of it fails or the backend evicts it itself (so a key the backend lost is
+    stored again on its next offload), and the oldest leave first past ``capacity``. Owned by
+    the scheduler thread.
     """
 
     __slots__ = ("_capacity", "_keys")
@@ -288,6 +289,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             # effects on lookups: mark_miss on failed loads, note_stored on stores (unless the
             # key's load just failed: see RecentLoadFailures).
             self._probe_durations = ProbeDurations()
+            self._held = HeldKeys()
             # Prefetch: the SecondaryTier reads through the staging memory (see _staging).
             self._staging = open_staging(
                 backend, prefetch_bytes=options["prefetch_bytes"],
@@ -302,6 +304,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             self._tier = SecondaryTier(
                 self._url, tier_backend, settings, lookup=lookup_settings,
                 max_keys_per_call=options["max_blocks_per_call"], metrics=self._probe_durations,
+                on_evicted=self._held.discard,
             )
         except Exception:
             if self._staging is not None:
@@ -322,7 +325,6 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         self._released: list[TierJob] = []  # abandoned loads drain_jobs saw end
         # Ids of jobs finished without the SecondaryTier (shed or skipped; never the tier's).
         self._local_ids = itertools.count(-1, -1)
-        self._held = HeldKeys()
         # Hits that would load slower than vLLM recomputes them are declined (see _payoff).
         self._gate = (None if options["prefill_tokens_per_s"] is None
                       else LoadGate(self._tier, self._chunk_bytes))
