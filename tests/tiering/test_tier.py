@@ -771,3 +771,28 @@ def test_a_verdict_of_our_own_store_never_outlives_the_redis_ttl(
     finally:
         tier.shutdown(10)
 
+
+def test_the_end_of_step_wait_skips_a_load_not_due_and_waits_for_one_that_is(
+        namespace: Namespace) -> None:
+    """The scheduler's end-of-step wait (``yield_to_io(stores=False)``, vLLM's tier) waits only
+    for a load the measured rate says is due within it: a load that takes two hours is not
+    waited for (were it, the hour-long budget would hang the test into its timeout); a load
+    that is due is waited for and collected."""
+    gate = Gate(open_backend("memory://", namespace))
+    gate.inner.put_many([k(1), k(2)], [payload(1), payload(2)])
+    tier = SecondaryTier("due", gate, TierSettings(io_threads=1))
+    try:
+        tier.load_rate.observe(BLOCK, 7200.0)  # measured: two hours a load
+        gate.release.clear()
+        slow = tier.submit_load([k(1)], [memoryview(bytearray(BLOCK))])
+        assert gate.entered.acquire(timeout=10)  # on the I/O thread, held
+        assert tier.yield_to_io(3600.0, stores=False) == []
+        gate.release.set()
+        assert tier.get_finished_jobs(wait=True, timeout=10) == [slow]
+        tier.load_rate.remeasure()  # the tier measures itself fast again
+        tier.load_rate.observe(BLOCK, 0.001)
+        fast = tier.submit_load([k(2)], [memoryview(bytearray(BLOCK))])
+        assert tier.yield_to_io(3600.0, stores=False) == [fast]
+    finally:
+        gate.release.set()
+        tier.shutdown(10)

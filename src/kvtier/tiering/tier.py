@@ -417,14 +417,32 @@ class SecondaryTier(TierIo):
         ``timeout`` for them, which hands the GIL to their threads (see :data:`IO_YIELD_S`);
         returns the jobs collected meanwhile (scheduler thread). Prefetch loads are not waited
         for: nobody waits for them, and a step that waited for them would be as long as their
-        I/O (they run in the time the scheduler leaves idle anyway)."""
+        I/O (they run in the time the scheduler leaves idle anyway). With loads only, the wait
+        happens only once one of them is due within ``timeout`` by the measured load rate (or
+        overdue: starved of the GIL, it gets the wait every step), so a load that spans many
+        steps does not lengthen each of them."""
         background = self._prefetch_outstanding
-        if (self._loads_outstanding > background
-                or (stores and len(self._outstanding) > background)):
+        if stores and len(self._outstanding) > background:
+            return self.get_finished_jobs(wait=True, timeout=timeout, prefetch=False)
+        if self._loads_outstanding > background:
+            if not self._a_load_is_due(timeout):
+                return []
             return self.get_finished_jobs(wait=True, timeout=timeout, prefetch=False)
         if self._lookup.probes_in_flight:
             self._lookup.wait_for_probes(timeout)
         return []
+
+    def _a_load_is_due(self, within_s: float) -> bool:
+        """Whether a demand load job in flight should end within ``within_s`` by the measured
+        load rate (one that has not begun counts from now; unmeasured, every load is due)."""
+        cost = self._load_rate.cost()
+        now = time.perf_counter()
+        for job in self._outstanding.values():
+            if job.kind is JobKind.LOAD and job.priority is not LoadPriority.PREFETCH:
+                began = job.first_began or now  # a float set once by an I/O thread
+                if began + cost.seconds(job.nbytes) - now <= within_s:
+                    return True
+        return False
 
     def _collect(self, job: TierJob) -> None:
         if self._outstanding.pop(job.job_id, None) is None:
