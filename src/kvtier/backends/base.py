@@ -31,6 +31,9 @@ State and owners:
 - :class:`Lifecycle` state: any thread; ``close()`` flips it once, under its lock.
 - :class:`ReplaceableKeys` (the keys the next store rewrites): any thread calling
   ``get_many`` / ``put_many``, guarded by the object's own lock.
+- :class:`EvictedKeys` (the keys the medium evicted itself, until ``take_evicted``): noted by
+  any thread whose store or load evicts, taken by the owning tier's scheduler thread; guarded
+  by the object's own lock.
 - everything else a medium owns is described in its own module docstring.
 
 Backends are synchronous and thread-safe. A batch call never raises for an I/O error (the
@@ -130,6 +133,7 @@ class ReplaceableKeys:
             for key in doomed:
                 self._keys.pop(key)
         return doomed
+
 
 class EvictedKeys:
     """Keys a medium evicted itself (its ``max_bytes``), kept until the owning tier takes them

@@ -417,16 +417,14 @@ class SecondaryTier(TierIo):
         ``timeout`` for them, which hands the GIL to their threads (see :data:`IO_YIELD_S`);
         returns the jobs collected meanwhile (scheduler thread). Prefetch loads are not waited
         for: nobody waits for them, and a step that waited for them would be as long as their
-        I/O (they run in the time the scheduler leaves idle anyway). With loads only, the wait
-        happens only once one of them is due within ``timeout`` by the measured load rate (or
+        I/O (they run in the time the scheduler leaves idle anyway). With loads only, a load is
+        waited for only once one is due within ``timeout`` by the measured load rate (or
         overdue: starved of the GIL, it gets the wait every step), so a load that spans many
-        steps does not lengthen each of them."""
+        steps does not lengthen each of them; until then, probes in flight are."""
         background = self._prefetch_outstanding
         if stores and len(self._outstanding) > background:
             return self.get_finished_jobs(wait=True, timeout=timeout, prefetch=False)
-        if self._loads_outstanding > background:
-            if not self._a_load_is_due(timeout):
-                return []
+        if self._loads_outstanding > background and self._a_load_is_due(timeout):
             return self.get_finished_jobs(wait=True, timeout=timeout, prefetch=False)
         if self._lookup.probes_in_flight:
             self._lookup.wait_for_probes(timeout)

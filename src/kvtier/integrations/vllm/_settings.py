@@ -38,8 +38,9 @@ VLLM_TIER_SETTINGS = register_table(SettingsTable("vLLM KvtierTier", [
             "a staged block unused this long is dropped (wasted)", minimum=0.0,
             maximum=86400.0, strict_min=True, unit="seconds", env="KVTIER_PREFETCH_TTL_S"),
     Setting("io_yield_ms", Kind.FLOAT, IO_YIELD_S * 1e3,
-            "how long the scheduler waits at the end of a step for this tier's in-flight loads "
-            "and probes, handing the interpreter lock to its I/O threads (0: never)",
+            "how long the scheduler waits at the end of a step for this tier's in-flight probes "
+            "and for a load due within it by the measured load rate (or overdue), handing the "
+            "interpreter lock to its I/O threads (0: never)",
             minimum=0.0, maximum=100.0, unit="milliseconds", env="KVTIER_IO_YIELD_MS"),
     NAMESPACE_SETTINGS["model"],
     NAMESPACE_SETTINGS["revision"],

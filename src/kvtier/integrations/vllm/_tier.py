@@ -27,8 +27,10 @@ Threads and state:
   ``io_yield_ms`` for it, which releases the GIL (no wait when nothing is in flight). Where the
   model runs in worker processes (vLLM's ``mp`` executor), the scheduler thread waits for each
   step's result spinning on ``sched_yield``, which lets the GIL go at every turn: there the wait
-  shortens a small load (it ends within the wait and is reported a step earlier) and lengthens a
-  large one (0.5 ms a step it spans); ``docs/benchmarks.md`` has the numbers.
+  shortens a small load (it ends within the wait and is reported a step earlier) and lengthened
+  a large one (0.5 ms a step it spanned). So a load is waited for only once it is due within the
+  wait by the tier's measured load rate, or overdue (a starved one: every step);
+  ``docs/benchmarks.md`` has the numbers.
 - ``_CLAIMED_POSITIONS`` (tier positions already labelled) is written only while vLLM builds its
   tiers, on the thread that calls the spec's ``get_manager``.
 """
