@@ -77,7 +77,7 @@ def test_restart_with_smaller_capacity_evicts_oldest_by_mtime(tmp_path: Path) ->
     second = FileBackend(tmp_path, namespace, max_bytes=3 * codec.frame_size(1000))
     assert second.exists(keys) == [True, True, True, False, False]
     assert second.stats()["evictions"] == 2
-    assert second.take_evicted() == [keys[4], keys[3]]  # the scan's evictions, oldest first
+    assert second.evicted.take() == [keys[4], keys[3]]  # the scan's evictions, oldest first
 
 
 def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
@@ -92,14 +92,14 @@ def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
     assert backend.exists([k1, k2, k3, k4]) == [True, False, True, True]
     stats = backend.stats()
     assert (stats["evictions"], stats["used_bytes"], stats["blocks"]) == (1, 3 * frame, 3)
-    assert (backend.take_evicted(), backend.take_evicted()) == ([k2], [])  # taken once
+    assert (backend.evicted.take(), backend.evicted.take()) == ([k2], [])  # taken once
     # A block that can never fit is refused without evicting anything.
     [huge] = keys_for(1, "huge")
     assert backend.put_many([huge], [bytes(3 * frame)]) == [False]
     assert backend.stats()["put_rejected"] == 1
     assert backend.exists([k1, k3, k4]) == [True, True, True]
     backend.delete([k3])  # a delete is the caller's own: not reported back
-    assert backend.take_evicted() == []
+    assert backend.evicted.take() == []
 
 
 def test_a_capped_batch_reserves_once_and_gives_back_what_a_slow_path_stores(

@@ -29,7 +29,7 @@ def test_max_bytes_evicts_least_recently_used() -> None:
     assert backend.exists([k1, k2, k3]) == [True, False, True]
     stats = backend.stats()
     assert (stats["evictions"], stats["used_bytes"]) == (1, 2 * frame)
-    assert (backend.take_evicted(), backend.take_evicted()) == ([k2], [])
+    assert (backend.evicted.take(), backend.evicted.take()) == ([k2], [])
     assert backend.put_many(keys_for(1, "big"), [bytes(2 * frame)]) == [False]
 
 

@@ -31,7 +31,7 @@ State and owners:
 - :class:`Lifecycle` state: any thread; ``close()`` flips it once, under its lock.
 - :class:`ReplaceableKeys` (the keys the next store rewrites): any thread calling
   ``get_many`` / ``put_many``, guarded by the object's own lock.
-- :class:`EvictedKeys` (the keys the medium evicted itself, until ``take_evicted``): noted by
+- :class:`EvictedKeys` (``evicted``: the keys the medium evicted itself, until taken): noted by
   any thread whose store or load evicts, taken by the owning tier's scheduler thread; guarded
   by the object's own lock.
 - everything else a medium owns is described in its own module docstring.
@@ -157,6 +157,8 @@ class EvictedKeys:
 
     def take(self) -> list[BlockKey]:
         """Every key noted since the last take, oldest first."""
+        if not self._keys:  # unlocked, as __bool__: the common case costs no lock
+            return []
         with self._lock:
             keys = list(self._keys)
             self._keys.clear()
@@ -307,6 +309,12 @@ class Backend:
     tier runs at most this many store jobs side by side unless configured otherwise. Set once
     by the subclass's ``__init__``, read-only after."""
 
+    block_lifetime_s: float | None = None
+    """The least time a block stays after its store, where the medium expires blocks itself
+    (Redis ``ttl_s``); None: until it is evicted or deleted. The lookup manager trusts its own
+    stores no longer than this (``stored_verdict_ttl_s``). Set once by the subclass's
+    ``__init__``, read-only after."""
+
     FRAME_LAYOUT: codec.FrameLayout = codec.FrameLayout.HEADER
     """Where this medium's frames carry their record: :attr:`StoredFrame.header` is a header
     (written before the payload) or, for ``TRAILER``, a trailer (written after it)."""
@@ -325,7 +333,9 @@ class Backend:
         self._digest = namespace.digest
         self._codec = codec.FrameCodec(namespace.digest, auth_key, self.FRAME_LAYOUT)
         self._replaceable = ReplaceableKeys(_MAX_REPLACEABLE)
-        self._evicted = EvictedKeys(_MAX_REPLACEABLE)
+        # The keys this backend evicted itself (max_bytes), never those another process
+        # removed: the owning tier takes them to stop vouching for them (note_removed).
+        self.evicted = EvictedKeys(_MAX_REPLACEABLE)
         self._stats = BackendStats(extra=self.EXTRA_COUNTERS)
         self._error_log = RateLimitedLog(logger)
         self._lifecycle = Lifecycle(name)
@@ -345,13 +355,6 @@ class Backend:
     def authenticated(self) -> bool:
         """Whether frames carry (and must carry) a keyed MAC."""
         return self._codec.keyed
-
-    @property
-    def block_lifetime_s(self) -> float | None:
-        """The least time a block stays after its store, where the medium expires blocks itself
-        (Redis ``ttl_s``); None: until it is evicted or deleted. The lookup manager trusts its
-        own stores no longer than this (``stored_verdict_ttl_s``)."""
-        return None
 
     # ------------------------------------------------------------------ public API
 
@@ -492,12 +495,6 @@ class Backend:
                          "unkeyed): unkeyed frames are refused from now on, and writers without "
                          "a key are refused at open", self.url, self._namespace.digest_hex)
         return manifest_document(self._namespace, mine)
-
-    def take_evicted(self) -> list[BlockKey]:
-        """The keys this backend evicted itself (``max_bytes``) since the last call, oldest
-        first, so the owning tier stops vouching for them (``note_removed``); never the keys
-        another process removed. Any thread; works after ``close()`` too."""
-        return self._evicted.take() if self._evicted else []
 
     def write_manifest(self, document: bytes) -> None:
         """Store ``document`` as the namespace manifest next to the blocks, where the medium is

@@ -100,7 +100,7 @@ class MemoryBackend(Backend):
             outcomes.append(Outcome.OK)
         if evicted:
             self._stats.add("evictions", len(evicted))
-            self._evicted.note(evicted)
+            self.evicted.note(evicted)
         return outcomes
 
     def _m_fetch(self, keys: list[BlockKey], outs: list[memoryview]) -> list[Fetched]:

@@ -115,6 +115,7 @@ class RedisBackend(Backend):
         super().__init__(namespace, name=f"redis backend {config.url}", logger=_log,
                          auth_key=config.auth_key)
         self._prefix = _KEY_PREFIX + namespace.digest_hex.encode() + b":"
+        self.block_lifetime_s = None if config.ttl_ms is None else config.ttl_ms / 1000
         self._zero_copy = ZERO_COPY_SUPPORTED and not config.tls
         self._clients = RedisClients(config, self._zero_copy)
         self._batches = RedisBatches(config, self._clients, self._stats, self._name,
@@ -179,11 +180,6 @@ class RedisBackend(Backend):
     @property
     def url(self) -> str:
         return self._config.url
-
-    @property
-    def block_lifetime_s(self) -> float | None:
-        ttl_ms = self._config.ttl_ms
-        return None if ttl_ms is None else ttl_ms / 1000
 
     @property
     def config(self) -> RedisConfig:

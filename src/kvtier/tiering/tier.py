@@ -236,7 +236,7 @@ class SecondaryTier(TierIo):
     def _forget_evicted(self) -> None:
         """Stop vouching for the blocks the backend evicted itself. Run before a collection
         applies its stores, so a key evicted, then stored again, ends up present."""
-        evicted = self._backend.take_evicted()
+        evicted = self._backend.evicted.take()
         if not evicted or self._state is not _TierState.RUNNING:
             return
         self._lookup.note_removed(evicted)

@@ -445,7 +445,7 @@ class FileBackend(FileReads, FileWrites, Backend):
                     os.close(dir_fd)
         if victims and count:
             self._stats.add("evictions", len(victims))
-            self._evicted.note(victims)
+            self.evicted.note(victims)
 
     # ------------------------------------------------------------------ helpers
 
