@@ -235,7 +235,10 @@ class SecondaryTier(TierIo):
 
     def _forget_evicted(self) -> None:
         """Stop vouching for the blocks the backend evicted itself. Run before a collection
-        applies its stores, so a key evicted, then stored again, ends up present."""
+        applies its stores, so a key evicted, then stored again, ends up present. An eviction
+        noted after that point whose key's new store is collected in the same call is applied
+        at the next flush and leaves the key absent although it is stored: a lost hit (the
+        block is recomputed and stored again), never a wrong block."""
         evicted = self._backend.evicted.take()
         if not evicted or self._state is not _TierState.RUNNING:
             return
