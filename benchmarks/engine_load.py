@@ -115,6 +115,18 @@ class BenchArgumentError(ValueError):
     """A command-line value the benchmark cannot run with."""
 
 
+def _check_io_yield_ms(value: float) -> None:
+    """``--kvtier-io-yield-ms`` against the tier's own ``io_yield_ms`` setting, here in the
+    parent, not first inside an engine's child process."""
+    from kvtier.integrations.vllm._settings import VLLM_TIER_SETTINGS
+    from kvtier.settings import ConfigError
+
+    try:
+        VLLM_TIER_SETTINGS["io_yield_ms"].parse(value, "--kvtier-io-yield-ms")
+    except ConfigError as exc:
+        raise BenchArgumentError(str(exc)) from None
+
+
 # -- pure parts (tested without vLLM) --------------------------------------------------------
 
 
@@ -224,9 +236,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     if args.switch_interval_ms is not None and not 0.001 <= args.switch_interval_ms <= 100:
         raise BenchArgumentError(
             f"--switch-interval-ms: {args.switch_interval_ms}: expected 0.001..100")
-    if args.kvtier_io_yield_ms is not None and not 0 <= args.kvtier_io_yield_ms <= 100:
-        raise BenchArgumentError(
-            f"--kvtier-io-yield-ms: {args.kvtier_io_yield_ms}: expected 0..100")
+    if args.kvtier_io_yield_ms is not None:
+        _check_io_yield_ms(args.kvtier_io_yield_ms)
     if not 1 <= args.loads <= 64:
         raise BenchArgumentError(f"--loads: {args.loads}: expected 1..64")
     if not 1 <= args.io_threads <= 64:

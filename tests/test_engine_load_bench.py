@@ -49,6 +49,8 @@ def test_loads_time_distinct_prompts_per_length_and_size_the_cpu_tier() -> None:
     (["--rounds", "0"], "--rounds: 0: expected at least 1"),
     (["--io-threads", "0"], "--io-threads: 0: expected 1..64"),
     (["--switch-interval-ms", "0"], "--switch-interval-ms: 0.0"),
+    (["--kvtier-io-yield-ms", "101"], "--kvtier-io-yield-ms: expected a finite number >= 0.0 "
+                                      "and <= 100.0 (milliseconds), got 101.0"),
 ])
 def test_bad_arguments_name_the_value(argv: list[str], fragment: str) -> None:
     with pytest.raises(bench.BenchArgumentError, match=None) as caught:

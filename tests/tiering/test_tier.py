@@ -17,6 +17,7 @@ from kvtier.ops.metrics import KvtierMetrics
 from kvtier.tiering.tier import JobKind, SecondaryTier, TierClosedError
 from kvtier.tiering.tier_settings import TierSettings
 from servers.valkey import ValkeyServer
+from tiering.manager_helpers import FakeClock
 
 BLOCK = 256
 
@@ -714,17 +715,6 @@ def test_a_bad_store_threads_is_refused_by_name() -> None:
         TierSettings(store_threads=0)
 
 
-class _Clock:
-    """A clock the test moves by hand (read from the probe thread too: float stores are
-    atomic)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_block_the_backend_evicts_itself_is_no_longer_vouched_for(
         tmp_path: Any, namespace: Namespace) -> None:
     """Our own store is trusted for minutes (``stored_verdict_ttl_s``), so a block the file
@@ -733,7 +723,7 @@ def test_a_block_the_backend_evicts_itself_is_no_longer_vouched_for(
     backend = open_backend(f"file://{tmp_path}", namespace,
                            max_bytes=2 * codec.frame_size(BLOCK))
     evicted: list[BlockKey] = []
-    clock = _Clock()
+    clock = FakeClock()
     tier = SecondaryTier("file", backend, clock=clock, on_evicted=evicted.extend)
     try:
         tier.submit_store([k(1), k(2)], [payload(1), payload(2)])
@@ -756,7 +746,7 @@ def test_a_verdict_of_our_own_store_never_outlives_the_redis_ttl(
         redis_server: ValkeyServer, namespace: Namespace) -> None:
     """Redis expires every block ``ttl_s`` after its store: the lookup manager vouches for our
     own store that long at most, though ``stored_verdict_ttl_s`` is longer."""
-    clock = _Clock()
+    clock = FakeClock()
     backend = open_backend(f"redis://127.0.0.1:{redis_server.port}/3", namespace, ttl_s=5)
     tier = SecondaryTier("redis", backend, clock=clock,
                          lookup={"stored_verdict_ttl_s": 600.0})

@@ -147,17 +147,13 @@ class EvictedKeys:
         self._keys: deque[BlockKey] = deque(maxlen=bound)
         self._lock = threading.Lock()
 
-    def __bool__(self) -> bool:
-        # Unlocked: a stale False leaves the keys to the next take.
-        return bool(self._keys)
-
     def note(self, keys: Iterable[BlockKey]) -> None:
         with self._lock:
             self._keys.extend(keys)
 
     def take(self) -> list[BlockKey]:
         """Every key noted since the last take, oldest first."""
-        if not self._keys:  # unlocked, as __bool__: the common case costs no lock
+        if not self._keys:  # unlocked: a stale empty leaves the keys to the next take
             return []
         with self._lock:
             keys = list(self._keys)

@@ -431,8 +431,7 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
         table, states = self._keys, self._states
         batch_id = table.next_batch
         released: list[KeyState] = []
-        now = self._clock()
-        lapses_at = now + self._verdict_ttl_s  # probed verdicts: answered_at + ttl at the latest
+        stored_lapse = 0.0  # the latest expiry of our own stores' verdicts released here
         for state in attached.values():
             refs = state.refs - 1
             state.refs = refs
@@ -448,11 +447,12 @@ class AsyncLookupManager(StoreNotes, ProbeResults, abc.ABC):
             else:
                 state.cache_batch = batch_id
                 released.append(state)
-                if state.cache_expiry > lapses_at:  # our own store's verdict lasts longer
-                    lapses_at = state.cache_expiry
-        if released:
+                if state.cache_expiry > stored_lapse:
+                    stored_lapse = state.cache_expiry
+        if released:  # a probed verdict lapses at answered_at + ttl, so by now + ttl at the latest
             table.next_batch = batch_id + 1
-            table.add_batch(batch_id, released, len(released), lapses_at)
+            table.add_batch(batch_id, released, len(released),
+                            max(self._clock() + self._verdict_ttl_s, stored_lapse))
 
     def mark_miss(self, keys: Iterable[BlockKey]) -> None:
         """A load failed: force False now and quarantine the keys for ``quarantine_s``."""

@@ -167,6 +167,7 @@ class SecondaryTier(TierIo):
         lookup_options = _within_block_lifetime(lookup_options, backend)
         self._name = name
         self._backend = backend
+        self._evicted = backend.evicted  # one attribute read, not a wrapper's __getattr__ a step
         self._on_evicted = on_evicted
         self._clock = clock  # lookups, quarantines and load deadlines
         self._lookup: AsyncLookupManager = (
@@ -239,7 +240,7 @@ class SecondaryTier(TierIo):
         noted after that point whose key's new store is collected in the same call is applied
         at the next flush and leaves the key absent although it is stored: a lost hit (the
         block is recomputed and stored again), never a wrong block."""
-        evicted = self._backend.evicted.take()
+        evicted = self._evicted.take()
         if not evicted or self._state is not _TierState.RUNNING:
             return
         self._lookup.note_removed(evicted)
