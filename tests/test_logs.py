@@ -8,12 +8,11 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvtier.ops.logs import LOGGER_NAME, follow_host_logger
+from kvtier.ops.logs import follow_host_logger
 
 _SRC = Path(__file__).resolve().parent.parent / "src"
 _STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
@@ -35,17 +34,6 @@ def test_the_default_level_is_warning(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )
     assert result.returncode == 0 and "INFO" not in result.stderr
-
-
-@pytest.fixture
-def clean_kvtier_logger() -> Iterator[logging.Logger]:
-    ours = logging.getLogger(LOGGER_NAME)
-    saved = (list(ours.handlers), ours.level, ours.propagate)
-    ours.handlers.clear()
-    yield ours
-    ours.handlers[:] = saved[0]
-    ours.setLevel(saved[1])
-    ours.propagate = saved[2]
 
 
 def test_records_follow_the_host_logger(clean_kvtier_logger: logging.Logger) -> None:
