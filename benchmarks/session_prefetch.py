@@ -22,6 +22,13 @@ GPU model 8 times smaller).
 
 Targets (issue 21): coverage >= 0.80, wasted <= 0.25, hit ratio on >= off, steps waited on <=
 off. The command exits 1 when one is missed.
+
+Before the replays it prints the trace's think-time hazard at this speed: of the sessions paused
+for at least t seconds, the share whose next turn arrives within the next ``HAZARD_WINDOW_S``.
+Where that share falls as t grows, the session paused most recently is the likeliest to come back
+next, which is the order the pool's LRU keeps already; a chain that left the pool is older than
+every chain still in it, so bringing it back in time means evicting a likelier one
+(docs/benchmarks.md, "Between turns").
 """
 
 from __future__ import annotations
@@ -51,6 +58,23 @@ def thinned(trace: Trace, every: int) -> Trace:
         requests.append(replace(request, hash_ids=ids,
                                 input_length=len(ids) * trace.block_tokens))
     return replace(trace, requests=tuple(requests))
+
+
+HAZARD_WINDOW_S = 0.25
+HAZARD_POINTS_S = (0.0, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
+
+
+def think_time_hazard(trace: Trace, speed: float) -> list[dict[str, float]]:
+    """For each t of ``HAZARD_POINTS_S``: the sessions still paused after t seconds (the
+    recorded gaps at ``1/speed``) and the share of them back within ``HAZARD_WINDOW_S``."""
+    gaps = [r.gap_ms / 1000.0 / speed for r in trace.requests if r.after is not None]
+    rows = []
+    for start in HAZARD_POINTS_S:
+        paused = [gap for gap in gaps if gap >= start]
+        back = sum(1 for gap in paused if gap < start + HAZARD_WINDOW_S)
+        rows.append({"paused_s": start, "sessions_paused": len(paused),
+                     "back_within_window": back / len(paused) if paused else 0.0})
+    return rows
 
 
 def coverage(result: ReplayResult) -> float:
@@ -123,6 +147,11 @@ def main() -> int:
     print(f"builtin:agentic seed {args.seed}, {args.sessions} sessions: "
           f"{len(trace.requests):,} requests, {trace.total_blocks:,} block references, "
           f"speed {args.speed:g}, CPU pool {args.cpu_blocks:,} blocks")
+    hazard = think_time_hazard(trace, args.speed)
+    print(f"think-time hazard at speed {args.speed:g} (share of the sessions paused >= t back "
+          f"within {HAZARD_WINDOW_S:g} s):")
+    print("  " + "  ".join(f"t={row['paused_s']:g}s {row['back_within_window']:.2f}"
+                           for row in hazard))
     runs: dict[str, list[ReplayResult]] = {"on": [], "off": []}
     for number in range(args.rounds):
         order = ("on", "off") if number % 2 == 0 else ("off", "on")
@@ -138,6 +167,7 @@ def main() -> int:
                   f"wall {result.wall_s:.0f} s",
                   flush=True)
     report = summary(runs)
+    report["think_time_hazard"] = hazard
     checks = {
         "coverage >= 0.80": report["coverage"] >= 0.80,
         "wasted <= 0.25": report["wasted_share"] <= 0.25,
