@@ -170,3 +170,24 @@ def test_prefetch_configs_give_the_kvtier_tier_a_staging_memory(tmp_path: Path) 
     assert "prefetch_bytes" not in plain["kv_connector_extra_config"]["secondary_tiers"][0]
     with pytest.raises(sb.ServeBenchError, match=r"--speed must be > 0, got 0\.0"):
         sb.settings_from_args(parser.parse_args(["--workdir", str(tmp_path), "--speed", "0"]))
+
+
+def test_the_memory_floor_runs_only_when_named(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    sb.add_arguments(parser)
+    default = {spec.name for spec in sb.server_specs(_settings(tmp_path))}
+    assert "kvtier-memory" not in default  # a diagnostic, not part of the default run
+    settings = sb.settings_from_args(parser.parse_args(
+        ["--workdir", str(tmp_path), "--configs", "vllm-fs,kvtier-memory"]))
+    specs = {spec.name: spec for spec in sb.server_specs(settings)}
+    assert list(specs) == ["vllm-fs", "kvtier-memory"]
+    spec = specs["kvtier-memory"]
+    assert spec.passes == (sb.Pass.WARM, sb.Pass.MEASURED)  # the warm pass fills it
+    config = sb.kv_transfer_config(settings, spec.tier, spec.tier_dir, None)
+    assert config is not None
+    tier = config["kv_connector_extra_config"]["secondary_tiers"][0]
+    assert tier == {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm",
+                    "url": "memory://"}
+    with pytest.raises(sb.ServeBenchError, match=r"unknown --configs \['kvtier-ram'\]"):
+        sb.settings_from_args(parser.parse_args(
+            ["--workdir", str(tmp_path), "--configs", "kvtier-ram"]))

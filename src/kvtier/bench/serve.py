@@ -38,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.serve_config import (
+    ALL_CONFIG_NAMES,
     CONFIG_NAMES,
+    DIAGNOSTIC_CONFIG_NAMES,
     MIB,
     PRESETS,
     SERVED_MODEL,
@@ -161,6 +163,8 @@ def server_specs(settings: BenchSettings, root: Path | None = None) -> list[Serv
                                           TraceKind.REUSE, (Pass.MEASURED,), file_dir),
         "kvtier-redis": ServerSpec("kvtier-redis", ServeTier.KVTIER_REDIS, TraceKind.REUSE,
                                    both),
+        "kvtier-memory": ServerSpec("kvtier-memory", ServeTier.KVTIER_MEMORY, TraceKind.REUSE,
+                                    both),
         "kvtier-file-prefetch": ServerSpec("kvtier-file-prefetch", ServeTier.KVTIER_FILE,
                                            TraceKind.REUSE, both,
                                            root / "kvtier-file-prefetch-tier", staging),
@@ -175,7 +179,7 @@ def server_specs(settings: BenchSettings, root: Path | None = None) -> list[Serv
     if "kvtier-file-restart" in settings.configs and "kvtier-file" not in settings.configs:
         raise ServeBenchError("kvtier-file-restart needs kvtier-file in the same run (it "
                               "restarts on kvtier-file's warm tier)")
-    return [specs[name] for name in CONFIG_NAMES if name in settings.configs]
+    return [specs[name] for name in ALL_CONFIG_NAMES if name in settings.configs]
 
 
 def round_order(specs: Sequence[ServerSpec], round_index: int) -> list[ServerSpec]:
@@ -291,7 +295,7 @@ def run_benchmark(settings: BenchSettings) -> dict[str, Any]:
         "targets": targets(results),
         "outputs_match": {f"{name} vs prefix-cache-only":
                           outputs_match(results, name, "prefix-cache-only", per_round)
-                          for name in ("vllm-fs", "kvtier-file", "kvtier-redis",
+                          for name in ("vllm-fs", "kvtier-file", "kvtier-redis", "kvtier-memory",
                                        "kvtier-file-prefetch", "kvtier-redis-prefetch",
                                        "kvtier-file-restart")},
         "_results": results,
@@ -394,7 +398,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--io-mode", choices=("direct", "buffered"), default="direct",
                         help="kvtier file tier I/O (vLLM's fs tier uses O_DIRECT where it can)")
     parser.add_argument("--configs", default=",".join(CONFIG_NAMES),
-                        help="comma-separated subset of " + ",".join(CONFIG_NAMES))
+                        help="comma-separated subset of " + ",".join(CONFIG_NAMES)
+                        + " (default: all of them), or the diagnostic "
+                        + ",".join(DIAGNOSTIC_CONFIG_NAMES) + " (only when named)")
     parser.add_argument("--workdir", type=Path, help="scratch directory (default: a temp dir, "
                         "removed unless --keep)")
     parser.add_argument("--model-dir", type=Path, help="reuse a model built earlier")
@@ -418,10 +424,10 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                            shape.num_kv_heads, hidden * shape.intermediate_size //
                            shape.hidden_size, shape.vocab_size, shape.dtype)
     configs = tuple(name.strip() for name in args.configs.split(",") if name.strip())
-    unknown = [name for name in configs if name not in CONFIG_NAMES]
+    unknown = [name for name in configs if name not in ALL_CONFIG_NAMES]
     if unknown:
         raise ServeBenchError(f"unknown --configs {unknown}; expected some of "
-                              f"{list(CONFIG_NAMES)}")
+                              f"{list(ALL_CONFIG_NAMES)}")
     block = args.block_size or preset.block_size
     if block % 32:
         raise ServeBenchError(f"--block-size {block}: vLLM's CPU attention needs a multiple "

@@ -18,6 +18,11 @@ CONFIG_NAMES = (
     "prefix-cache-only", "vllm-fs", "kvtier-file", "kvtier-redis", "kvtier-file-prefetch",
     "kvtier-redis-prefetch", "kvtier-file-restart", "no-reuse-baseline", "no-reuse-kvtier",
 )
+DIAGNOSTIC_CONFIG_NAMES = ("kvtier-memory",)
+"""Run only when named in ``--configs``: ``kvtier-memory`` keeps the blocks in the engine
+worker's own memory (kvtier's memory tier), so its TTFT is what any tier can reach under
+vLLM's offloading steps with a load that costs next to nothing: the floor for the others."""
+ALL_CONFIG_NAMES = CONFIG_NAMES + DIAGNOSTIC_CONFIG_NAMES
 SERVED_MODEL = "kvtier-bench-llama"
 HEALTH_DEADLINE_S = 600.0
 STOP_DEADLINE_S = 30.0
@@ -43,6 +48,7 @@ class ServeTier(enum.Enum):
     VLLM_FS = "vllm-fs"
     KVTIER_FILE = "kvtier-file"
     KVTIER_REDIS = "kvtier-redis"
+    KVTIER_MEMORY = "kvtier-memory"
 
 
 @dataclass(slots=True, frozen=True)

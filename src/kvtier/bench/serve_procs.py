@@ -123,7 +123,8 @@ def kv_transfer_config(settings: BenchSettings, tier: ServeTier, tier_dir: Path 
     if tier is ServeTier.VLLM_FS:
         secondary: dict[str, Any] = {"type": "fs", "root_dir": str(tier_dir)}
     else:
-        url = f"file://{tier_dir}" if tier is ServeTier.KVTIER_FILE else redis_url
+        url = {ServeTier.KVTIER_FILE: f"file://{tier_dir}",
+               ServeTier.KVTIER_MEMORY: "memory://"}.get(tier, redis_url)
         secondary = {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm",
                      "url": url}
         if tier is ServeTier.KVTIER_FILE and settings.o_direct:
