@@ -42,6 +42,8 @@ NOT_RUN_HERE: dict[str, str] = {
     "PYTHONPATH=src .venv-vllm/bin/python benchmarks/decline_ttft.py": "the throttled-tier "
     "TTFT benchmark (~6 min on 2 cores); the rule it measures is tested against a real throttled "
     "Valkey in tests/tiering/test_decline.py and tests/integrations/test_vllm_decline.py",
+    "PYTHONPATH=src .venv-vllm/bin/python benchmarks/byte_path_vs_fs.py": "needs vLLM's fs tier "
+    "(the vLLM venv); a tiny run is tested in tests/integrations/test_byte_path_bench.py",
     "kvtier replay sessions/": "needs your own directory of per-session JSON traces (the "
                                "replay tests build such directories: tests/replay)",
     ".venv/bin/pip install -e '.[docs]'": "the docs site: tests/test_docs.py runs mkdocs build "
