@@ -3,7 +3,7 @@
 Run with the vLLM venv (``scripts/setup-vllm-venv.sh``)::
 
     PYTHONPATH=src .venv-vllm/bin/python benchmarks/byte_path_vs_fs.py [--blocks 16,64]
-        [--block-bytes 262144] [--modes buffered,direct] [--rounds 60] [--dir /var/tmp]
+        [--block-bytes 256KiB] [--modes buffered,direct] [--rounds 60] [--dir /var/tmp]
         [--json FILE]
 
 The same blocks (``--block-bytes`` each, the cpu preset's chunk by default), written once by
@@ -38,11 +38,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from engine_load import BenchArgumentError, parse_modes  # the sibling benchmark's --modes
 from kvtier.backends.file import FileBackend
 from kvtier.keys import BlockKey, Namespace
+from kvtier.settings import ConfigError, parse_size
 
 SPLITS = (1, 2, 4)
-MODES = ("buffered", "direct")
 
 
 def _fs_io() -> tuple[Callable[..., None], Callable[..., None]]:
@@ -147,28 +148,26 @@ def _positive_ints(text: str) -> list[int]:
     return values
 
 
-def _modes(text: str) -> list[str]:
-    modes = [part.strip() for part in text.split(",") if part.strip()]
-    if not modes or any(mode not in MODES for mode in modes):
-        raise argparse.ArgumentTypeError(f"expected some of {', '.join(MODES)}, got {text!r}")
-    return modes
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=_positive_ints, default=[16, 64],
                         help="blocks per load (default 16,64)")
-    parser.add_argument("--block-bytes", type=int, default=256 * 1024,
-                        help="bytes per block, a multiple of 4096 (default 262144)")
-    parser.add_argument("--modes", type=_modes, default=list(MODES),
+    parser.add_argument("--block-bytes", default="256KiB",
+                        help="bytes per block, a multiple of 4096 (default 256KiB)")
+    parser.add_argument("--modes", default="buffered,direct",
                         help="buffered, direct (O_DIRECT) or both (default)")
     parser.add_argument("--rounds", type=int, default=60, help="interleaved rounds (median)")
     parser.add_argument("--dir", type=Path, default=Path("/var/tmp"),
                         help="where the tiers' files go: a real disk for O_DIRECT")
     parser.add_argument("--json", type=Path, help="write the rows as JSON to this file")
     args = parser.parse_args(argv)
-    if args.block_bytes < 4096 or args.block_bytes % 4096:
-        parser.error(f"--block-bytes must be a positive multiple of 4096 (O_DIRECT), got "
+    try:
+        args.block_bytes = parse_size(args.block_bytes, "--block-bytes", minimum=4096)
+        args.modes = parse_modes(args.modes)
+    except (ConfigError, BenchArgumentError) as exc:
+        parser.error(str(exc))
+    if args.block_bytes % 4096:
+        parser.error(f"--block-bytes must be a multiple of 4096 (O_DIRECT), got "
                      f"{args.block_bytes}")
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")

